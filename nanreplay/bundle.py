@@ -1,0 +1,381 @@
+"""The logical content of a bundle, shared by the recorder (which writes it) and the replay
+engine (which reads it), on top of the container in :mod:`nanreplay.storage`.
+
+A bundle holds everything needed to re-execute one failing optimizer step on another machine:
+the ring buffer's steps (batches, forward inputs and output cotangents, RNG states, learning
+rates, losses, grad norms), the failing step's pre-step weights, step-start buffers and
+optimizer state, the gradients the failing step produced, and the diagnosis. The key-by-key
+layout is specified in ``docs/bundle-format.md`` ("Logical layout").
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+import torch
+
+from . import __version__
+from .errors import BundleFormatError
+from .rng import RNGState
+from .storage import FlatBundle, read_flat, write_flat
+from .tree import tree_from_flat, tree_to_flat
+
+__all__ = ["ForwardRecord", "StepRecord", "Snapshot", "BundleContent", "Bundle", "write_bundle", "open_bundle"]
+
+
+def fnum(x: Optional[float]) -> Any:
+    """A float for strict JSON: non-finite values become the strings 'nan', 'inf', '-inf'."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else repr(x)
+
+
+def unfnum(x: Any) -> Optional[float]:
+    """Inverse of :func:`fnum`."""
+    return None if x is None else float(x)
+
+
+@dataclass
+class ForwardRecord:
+    """One top-level forward call of the model: its inputs as ``(args, kwargs)`` and, after the
+    backward pass, the gradient w.r.t. its outputs (the cotangent), same structure as the output
+    with ``None`` where an output leaf received no gradient."""
+
+    inputs: Any
+    cotangent: Any = None
+
+
+@dataclass
+class Snapshot:
+    """Model and optimizer state at the start of a step (before its first forward).
+
+    Attributes:
+        params: FQN -> parameter tensor. buffers: FQN -> buffer tensor.
+        optimizer: ``optimizer.state_dict()`` (tensors inside), or ``None``.
+        extra: other ``state_dict()``s keyed by name (``"scaler"`` for a GradScaler).
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    optimizer: Optional[dict] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        from .tree import flatten_batch
+
+        leaves = list(self.params.values()) + list(self.buffers.values())
+        if self.optimizer is not None:
+            leaves += flatten_batch(self.optimizer)[0]
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class StepRecord:
+    """One step in the ring buffer.
+
+    Attributes:
+        step: index of the optimizer step (0-based count of ``optimizer.step()`` calls seen).
+        rng: RNG states at the start of the step, before its first forward.
+        forwards: the model's top-level forward calls of the step, in order (micro-batches).
+        batches: explicit batches given to ``Recorder.record`` in this step, in order.
+        training: FQNs of modules that were in training mode at the start of the step.
+        lrs: learning rate of each optimizer param group (floats).
+        loss: the loss as a host float when known (``Recorder.log_loss``), else ``None``.
+        grad_norm: the 2-norm over all gradients computed by the check (float32), else ``None``.
+        finite: ``True``/``False`` once checked, ``None`` before.
+        buffers: step-start buffers (FQN -> tensor) when kept for this step.
+        snapshot: step-start weights and optimizer state, when ``snapshot_every`` chose this step.
+    """
+
+    step: int
+    rng: RNGState
+    forwards: list[ForwardRecord] = field(default_factory=list)
+    batches: list[Any] = field(default_factory=list)
+    training: list[str] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    loss: Optional[float] = None
+    grad_norm: Optional[float] = None
+    finite: Optional[bool] = None
+    buffers: Optional[dict[str, torch.Tensor]] = None
+    snapshot: Optional[Snapshot] = None
+
+
+@dataclass
+class BundleContent:
+    """Everything a bundle holds, in memory. See ``docs/bundle-format.md``."""
+
+    failing_step: int
+    steps: list[StepRecord]
+    state: Snapshot                          # the failing step's pre-step state
+    grads: dict[str, torch.Tensor]           # the failing step's gradients, FQN -> tensor
+    model_info: dict
+    optimizer_info: dict
+    reason: dict
+    model_factory: Optional[str] = None
+    loss_fn: Optional[str] = None
+    diagnosis: Optional[dict] = None
+    extra_meta: dict = field(default_factory=dict)
+
+
+def _snapshot_to_flat(snap: Snapshot, prefix: str, tensors: dict, ) -> dict:
+    for k, v in snap.params.items():
+        tensors[f"{prefix}params/{k}"] = v
+    for k, v in snap.buffers.items():
+        tensors[f"{prefix}buffers/{k}"] = v
+    meta: dict[str, Any] = {"params": list(snap.params), "buffers": list(snap.buffers)}
+    if snap.optimizer is not None:
+        t, meta["optimizer"] = tree_to_flat(snap.optimizer, f"{prefix}optimizer/")
+        tensors.update(t)
+    extra = {}
+    for name, sd in snap.extra.items():
+        t, extra[name] = tree_to_flat(sd, f"{prefix}extra/{name}/")
+        tensors.update(t)
+    meta["extra"] = extra
+    return meta
+
+
+def _snapshot_from_flat(get: Callable, meta: dict, prefix: str) -> Snapshot:
+    return Snapshot(
+        params={k: get(f"{prefix}params/{k}") for k in meta["params"]},
+        buffers={k: get(f"{prefix}buffers/{k}") for k in meta["buffers"]},
+        optimizer=tree_from_flat(get, meta["optimizer"], f"{prefix}optimizer/") if meta.get("optimizer") else None,
+        extra={n: tree_from_flat(get, m, f"{prefix}extra/{n}/") for n, m in meta.get("extra", {}).items()},
+    )
+
+
+def environment() -> dict:
+    """Versions and determinism flags, recorded in every bundle."""
+    return {
+        "nanreplay": __version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "determinism": {
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        },
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def write_bundle(path: str | Path, content: BundleContent) -> Path:
+    """Write ``content`` to one bundle file; the format follows the extension (``.h5``/``.hdf5``
+    or ``.safetensors``). The write is atomic (temporary name, then rename).
+
+    Raises:
+        ValueError: unknown extension. OSError: the file could not be written.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    steps_meta = []
+    for rec in content.steps:
+        p = f"steps/{rec.step}/"
+        rng_t, rng_m = rec.rng.to_flat(f"{p}rng/")
+        tensors.update(rng_t)
+        fwds = []
+        for i, fw in enumerate(rec.forwards):
+            t, im = tree_to_flat(fw.inputs, f"{p}forward/{i}/inputs/")
+            tensors.update(t)
+            cm = None
+            if fw.cotangent is not None:
+                t, cm = tree_to_flat(fw.cotangent, f"{p}forward/{i}/cotangent/")
+                tensors.update(t)
+            fwds.append({"inputs": im, "cotangent": cm})
+        batches = []
+        for i, b in enumerate(rec.batches):
+            t, bm = tree_to_flat(b, f"{p}batch/{i}/")
+            tensors.update(t)
+            batches.append(bm)
+        bufm = None
+        if rec.buffers is not None:
+            bufm = list(rec.buffers)
+            for k, v in rec.buffers.items():
+                tensors[f"{p}buffers/{k}"] = v
+        snapm = _snapshot_to_flat(rec.snapshot, f"{p}snapshot/", tensors) if rec.snapshot is not None else None
+        steps_meta.append(
+            {
+                "step": rec.step,
+                "rng": rng_m,
+                "forwards": fwds,
+                "batches": batches,
+                "training": rec.training,
+                "lrs": [fnum(x) for x in rec.lrs],
+                "loss": fnum(rec.loss),
+                "grad_norm": fnum(rec.grad_norm),
+                "finite": rec.finite,
+                "buffers": bufm,
+                "snapshot": snapm,
+            }
+        )
+    state_meta = _snapshot_to_flat(content.state, "state/", tensors)
+    for k, g in content.grads.items():
+        tensors[f"grads/{k}"] = g
+    meta = {
+        "kind": "nanreplay.step",
+        "created_unix": time.time(),
+        "environment": environment(),
+        "failing_step": content.failing_step,
+        "reason": content.reason,
+        "model": content.model_info,
+        "optimizer": content.optimizer_info,
+        "model_factory": content.model_factory,
+        "loss_fn": content.loss_fn,
+        "steps": steps_meta,
+        "state": state_meta,
+        "grads": list(content.grads),
+        "diagnosis": content.diagnosis,
+        **content.extra_meta,
+    }
+    return write_flat(path, tensors, meta)
+
+
+class Bundle:
+    """A read-only view of a bundle file; open it with :func:`open_bundle`.
+
+    Tensors are read lazily and verified against their CRC-32. Every method raises
+    :class:`~nanreplay.errors.BundleFormatError` when the file contradicts its own manifest.
+
+    Attributes:
+        path: the file. format: ``"hdf5"`` or ``"safetensors"``. meta: the JSON metadata.
+        failing_step: the step whose gradients were non-finite.
+    """
+
+    def __init__(self, flat: FlatBundle) -> None:
+        self._flat = flat
+        self.path = flat.path
+        self.format = flat.format
+        self.meta = flat.meta
+        try:
+            if self.meta.get("kind") != "nanreplay.step":
+                raise KeyError("kind")
+            self.failing_step = int(self.meta["failing_step"])
+            self._steps = {int(s["step"]): s for s in self.meta["steps"]}
+            self._state_meta = self.meta["state"]
+            self._grad_keys = list(self.meta["grads"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleFormatError(
+                f"{self.path}: the metadata lacks or mangles the field {e}; expected a step bundle written by "
+                "nanreplay.Recorder. The file was hand-edited or written by another tool: record it again."
+            ) from e
+
+    # -- context manager -------------------------------------------------------------------
+    def close(self) -> None:
+        self._flat.close()
+
+    def __enter__(self) -> "Bundle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- access ----------------------------------------------------------------------------
+    def tensor(self, key: str) -> torch.Tensor:
+        """One stored tensor (CPU, exact dtype and bits)."""
+        if key not in self._flat:
+            raise BundleFormatError(
+                f"{self.path}: the metadata refers to tensor {key!r}, which the file does not hold; "
+                "the bundle is inconsistent (hand-edited?): record it again"
+            )
+        return self._flat.get(key)
+
+    def keys(self) -> list[str]:
+        return self._flat.keys()
+
+    def info(self, key: str):
+        return self._flat.info(key)
+
+    @property
+    def steps(self) -> list[int]:
+        """Step indices held, oldest first."""
+        return sorted(self._steps)
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except BundleFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BundleFormatError(
+                f"{self.path}: the {what} metadata is malformed ({type(e).__name__}: {e}); "
+                "the bundle was hand-edited or is from an incompatible writer: record it again"
+            ) from e
+
+    def step(self, k: int) -> StepRecord:
+        """The ring-buffer record of step ``k`` (KeyError if the bundle does not hold it)."""
+        if k not in self._steps:
+            raise KeyError(f"step {k} is not in {self.path}; it holds steps {self.steps}")
+        m = self._steps[k]
+        p = f"steps/{k}/"
+        get = self.tensor
+
+        def build() -> StepRecord:
+            return StepRecord(
+                step=k,
+                rng=RNGState.from_flat(get, m["rng"], f"{p}rng/"),
+                forwards=[
+                    ForwardRecord(
+                        inputs=tree_from_flat(get, f["inputs"], f"{p}forward/{i}/inputs/"),
+                        cotangent=tree_from_flat(get, f["cotangent"], f"{p}forward/{i}/cotangent/")
+                        if f.get("cotangent")
+                        else None,
+                    )
+                    for i, f in enumerate(m["forwards"])
+                ],
+                batches=[tree_from_flat(get, b, f"{p}batch/{i}/") for i, b in enumerate(m["batches"])],
+                training=list(m.get("training", [])),
+                lrs=[unfnum(x) for x in m["lrs"]],
+                loss=unfnum(m.get("loss")),
+                grad_norm=unfnum(m.get("grad_norm")),
+                finite=m.get("finite"),
+                buffers={b: get(f"{p}buffers/{b}") for b in m["buffers"]} if m.get("buffers") is not None else None,
+                snapshot=_snapshot_from_flat(get, m["snapshot"], f"{p}snapshot/") if m.get("snapshot") else None,
+            )
+
+        return self._guard(f"step {k}", build)
+
+    def state(self) -> Snapshot:
+        """The failing step's pre-step weights, step-start buffers and optimizer state."""
+        return self._guard("state", lambda: _snapshot_from_flat(self.tensor, self._state_meta, "state/"))
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The gradients the failing step produced, FQN -> tensor."""
+        return {k: self.tensor(f"grads/{k}") for k in self._grad_keys}
+
+    @property
+    def diagnosis(self) -> Optional[dict]:
+        return self.meta.get("diagnosis")
+
+    @property
+    def model_factory(self) -> Optional[str]:
+        return self.meta.get("model_factory")
+
+    @property
+    def loss_fn(self) -> Optional[str]:
+        return self.meta.get("loss_fn")
+
+
+def open_bundle(path: str | Path) -> Bundle:
+    """Open a bundle read-only. Loading is safe on untrusted files: no pickle, no code runs.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        BundleFormatError: the file is truncated, corrupted, foreign or hand-edited.
+    """
+    flat = read_flat(path)
+    try:
+        return Bundle(flat)
+    except BaseException:
+        flat.close()
+        raise

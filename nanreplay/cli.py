@@ -1,0 +1,163 @@
+"""The ``nanreplay`` command line.
+
+Exit codes (stable, for scripts):
+
+====  =========================================================================
+0     success; for ``replay``: the failure was reproduced
+1     an unexpected error (a bug: please report it)
+2     usage error (bad option, missing argument) -- click's own code
+3     ``replay``: the failure was NOT reproduced
+4     the bundle is missing, unreadable, truncated, corrupted or foreign
+5     the model, loss function or factory does not fit the bundle, or replay cannot run
+====  =========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import click
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY = 0, 1, 2, 3, 4, 5
+
+
+class CLIError(click.ClickException):
+    """A ClickException with our exit code and a hint line."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    """Map library errors to clean messages and fixed exit codes, never a traceback."""
+    from .errors import BundleFormatError, ModelMismatchError, ReplayError
+
+    try:
+        return fn()
+    except FileNotFoundError as e:
+        raise CLIError(f"{e}. Check the path; bundles are written to the Recorder's out_dir (default ./nanreplay_bundles).", EXIT_BAD_BUNDLE) from e
+    except IsADirectoryError as e:
+        raise CLIError(f"{e}: expected a bundle file (.h5 or .safetensors), found a directory.", EXIT_BAD_BUNDLE) from e
+    except BundleFormatError as e:
+        raise CLIError(str(e), EXIT_BAD_BUNDLE) from e
+    except (ModelMismatchError, ReplayError) as e:
+        raise CLIError(str(e), EXIT_REPLAY) from e
+
+
+_bundle_arg = click.argument("bundle", type=click.Path(dir_okay=True, path_type=Path))
+
+
+def _dump_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False, default=str, allow_nan=False)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="nanreplay")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """Capture-and-replay forensics for NaN and Inf in PyTorch training.
+
+    A Recorder in the training loop writes a bundle on the first non-finite gradient;
+    these commands inspect and replay it.
+    """
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@_bundle_arg
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle). 'pkg.mod:fn' or 'path/file.py:fn'.")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
+@click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present).")
+@click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only).")
+@click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
+def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool, rows: int, as_json: bool) -> None:
+    """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
+
+    Exit code 0 when the failure reproduced, 3 when it did not.
+    """
+    from .replay import replay as run
+    from .report import render_report
+
+    diag = _guard(lambda: run(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn))
+    click.echo(_dump_json(diag) if as_json else render_report(diag, rows=rows))
+    if diag["reproduction"]["verdict"] == "not reproduced":
+        sys.exit(EXIT_NOT_REPRODUCED)
+
+
+@main.command()
+@_bundle_arg
+@click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
+    """Summarise BUNDLE without running anything: steps held, tensors, sizes, metadata and the
+    stored diagnosis. Safe on untrusted files: no code from the bundle runs."""
+    from .bundle import open_bundle
+
+    def summarise() -> dict:
+        with open_bundle(bundle) as b:
+            infos = {k: b.info(k) for k in b.keys()}
+            steps = []
+            for s in b.meta["steps"]:
+                steps.append(
+                    {
+                        "step": s["step"],
+                        "forwards": len(s["forwards"]),
+                        "batches": len(s["batches"]),
+                        "loss": s.get("loss"),
+                        "grad_norm": s.get("grad_norm"),
+                        "lrs": s.get("lrs"),
+                        "finite": s.get("finite"),
+                        "snapshot": bool(s.get("snapshot")),
+                    }
+                )
+            return {
+                "path": str(b.path),
+                "format": b.format,
+                "failing_step": b.failing_step,
+                "reason": b.meta.get("reason"),
+                "environment": b.meta.get("environment"),
+                "model_class": b.meta.get("model", {}).get("class"),
+                "model_factory": b.model_factory,
+                "loss_fn": b.loss_fn,
+                "optimizer": b.meta.get("optimizer", {}).get("class"),
+                "steps": steps,
+                "tensors": len(infos),
+                "tensor_bytes": sum(i.nbytes for i in infos.values()),
+                "file_bytes": b.path.stat().st_size,
+                "keys": {k: {"shape": list(i.shape), "dtype": str(i.dtype).replace("torch.", ""), "nbytes": i.nbytes} for k, i in infos.items()} if keys else None,
+                "diagnosis": b.diagnosis,
+                **{k: b.meta[k] for k in ("rank", "world_size") if k in b.meta},
+            }
+
+    info = _guard(summarise)
+    if as_json:
+        click.echo(_dump_json(info))
+        return
+    click.echo(f"{info['path']} ({info['format']}, {info['file_bytes']} bytes, {info['tensors']} tensors, {info['tensor_bytes']} tensor bytes)")
+    env = info.get("environment") or {}
+    click.echo(f"  written by nanreplay {env.get('nanreplay')}, torch {env.get('torch')}, numpy {env.get('numpy')}, python {env.get('python')}")
+    click.echo(f"  failing step: {info['failing_step']}   reason: {info['reason']}")
+    click.echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
+    click.echo("  steps held (ring buffer):")
+    for s in info["steps"]:
+        click.echo(
+            f"    step {s['step']:>6}  forwards {s['forwards']}  batches {s['batches']}  loss {s['loss']}  grad norm {s['grad_norm']}  lr {s['lrs']}"
+            + ("  [weights snapshot]" if s["snapshot"] else "")
+        )
+    d = info.get("diagnosis")
+    click.echo(f"  stored diagnosis: {d['summary'] if d else '(none)'}")
+    if keys and info["keys"]:
+        click.echo("  tensors:")
+        for k, v in info["keys"].items():
+            click.echo(f"    {k:<60} {v['dtype']:<10} {str(v['shape']):<20} {v['nbytes']} B")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,133 @@
+"""Finiteness checks: the fused one-sync check the recorder runs every step, and the detailed
+per-tensor health statistics the replay engine reports.
+
+The fused check follows torch's own gradient clipping (``torch.nn.utils.clip_grad_norm_``):
+one multi-tensor ``torch._foreach_norm`` per (device, dtype) group, accumulated in float32, then
+the 2-norm of the per-tensor norms. A NaN or Inf anywhere makes the total non-finite, so one host
+read of one scalar answers "is any gradient non-finite" and yields the grad norm for free.
+The total can also be non-finite when every value is finite but the norm overflows float32
+(|g| around 1e19 and up); :func:`count_nonfinite` tells the two apart on the slow path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float"]
+
+
+def is_float(t: torch.Tensor) -> bool:
+    """True for floating and complex tensors, the dtypes that can hold NaN or Inf."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def fused_norm(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The 2-norm over all ``tensors`` as a 0-dim float32 tensor on the first tensor's device,
+    computed with one ``_foreach_norm`` per (device, dtype) group and no host sync.
+    Returns ``None`` for an empty sequence.
+    """
+    if not tensors:
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    device = tensors[0].device
+    norms: list[torch.Tensor] = []
+    for (dev, _), ts in groups.items():
+        try:
+            per = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        except (TypeError, RuntimeError):  # older torch without the dtype argument
+            per = torch._foreach_norm([t.float() for t in ts], 2)
+        stacked = torch.stack(per)
+        norms.append(stacked.to(device, non_blocking=True) if dev != device else stacked)
+    return torch.linalg.vector_norm(torch.cat(norms), 2)
+
+
+def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
+    """(NaN count, +Inf count, -Inf count) of one tensor; syncs. Zero for non-float dtypes."""
+    if not is_float(t) or t.numel() == 0:
+        return 0, 0, 0
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    nan = int(torch.isnan(t).sum())
+    pos = int(torch.isposinf(t).sum())
+    neg = int(torch.isneginf(t).sum())
+    return nan, pos, neg
+
+
+@dataclass
+class Health:
+    """Health of one tensor (or of several flattened together).
+
+    Attributes:
+        nan, posinf, neginf: counts of NaN, +Inf and -Inf elements.
+        numel: element count.
+        min, max, mean, absmax: over the finite elements only (``None`` when there are none).
+        dtype: torch dtype name, e.g. ``"float32"``; shape: list of ints (first tensor's when several).
+    """
+
+    nan: int
+    posinf: int
+    neginf: int
+    numel: int
+    min: Optional[float]
+    max: Optional[float]
+    mean: Optional[float]
+    absmax: Optional[float]
+    dtype: str
+    shape: list[int]
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    @property
+    def finite(self) -> bool:
+        return self.nonfinite == 0
+
+    def kinds(self) -> str:
+        """'NaN', '+Inf', '-Inf' or a combination such as 'NaN and -Inf'."""
+        parts = [n for n, c in (("NaN", self.nan), ("+Inf", self.posinf), ("-Inf", self.neginf)) if c]
+        return " and ".join(parts) if parts else "finite"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def tensor_health(tensors: Iterable[torch.Tensor]) -> Optional[Health]:
+    """Health over the floating tensors in ``tensors`` (others are skipped); ``None`` if there
+    are none. Syncs the device: for replay and reports, never for the training hot path."""
+    ts = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and is_float(t)]
+    if not ts:
+        return None
+    nan = pos = neg = numel = 0
+    lo, hi, total, absmax, nfin = math.inf, -math.inf, 0.0, 0.0, 0
+    for t in ts:
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        a, b, c = count_nonfinite(t)
+        nan, pos, neg, numel = nan + a, pos + b, neg + c, numel + t.numel()
+        fin = t[torch.isfinite(t)].double()
+        if fin.numel():
+            lo = min(lo, float(fin.min()))
+            hi = max(hi, float(fin.max()))
+            total += float(fin.sum())
+            absmax = max(absmax, float(fin.abs().max()))
+            nfin += fin.numel()
+    return Health(
+        nan=nan,
+        posinf=pos,
+        neginf=neg,
+        numel=numel,
+        min=lo if nfin else None,
+        max=hi if nfin else None,
+        mean=total / nfin if nfin else None,
+        absmax=absmax if nfin else None,
+        dtype=str(ts[0].dtype).replace("torch.", ""),
+        shape=list(ts[0].shape),
+    )

@@ -1,0 +1,545 @@
+"""The Recorder: attaches to a live training loop, keeps a ring buffer of the last steps, and
+on the first non-finite gradient (or loss) dumps a self-contained bundle and diagnoses it.
+
+Hot-path design (per step, default options):
+
+* one forward pre-hook and one forward hook on the top-level model: keep references to the
+  forward inputs (checked later with the tensor version counter, copied only when the loop is
+  seen to reuse or modify a batch tensor in place), RNG states (host only, no device sync),
+  and a tensor hook on each output to keep the cotangent;
+* one optimizer step pre-hook: one fused ``_foreach_norm`` over all gradients and one host read
+  of one scalar (the grad norm, which is NaN/Inf iff some gradient is).
+
+Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
+the failing step's pre-step weights and optimizer state are still in place when the step pre-hook
+fires, so they are written from where they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .bundle import BundleContent, ForwardRecord, Snapshot, StepRecord, fnum, write_bundle
+from .errors import NonFiniteGradientError
+from .health import fused_norm, is_float
+from .rng import RNGState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Recorder", "RecorderConfig", "callable_path"]
+
+_ACTIONS = ("raise", "skip", "warn")
+
+
+@dataclass(kw_only=True)
+class RecorderConfig:
+    """Options of :class:`Recorder`; every field can also be passed to ``Recorder(...)`` directly.
+
+    Attributes:
+        action: what to do on a non-finite step. ``"raise"`` (default): dump, then raise
+            :class:`~nanreplay.errors.NonFiniteGradientError` from ``optimizer.step()`` before any
+            weight changes. ``"skip"``: dump on the first occurrence, drop this step's gradients so
+            the optimizer leaves weights and state untouched, raise after ``max_consecutive``
+            consecutive skips. ``"warn"``: dump, log a warning, let the step proceed.
+        capacity: steps kept in the ring buffer (>= 1). Each step costs references to its batch
+            and cotangents (their bytes count against ``memory_budget``) and ~5 KiB of RNG state.
+        snapshot_every: every N steps, copy the step-start weights, buffers and optimizer state
+            into the ring buffer (0 = never). Costs one copy of params + optimizer state per
+            snapshot (about 3x the parameter bytes for Adam) in time and memory; ``nanreplay
+            bisect`` needs it to compare the failing step with an earlier, finite one. The failing
+            step's own pre-step state is always saved, at no per-step cost.
+        memory_budget: bytes the ring buffer may hold beyond what training holds anyway (copied
+            batches, kept cotangents, snapshots). Oldest snapshots, then oldest steps, are
+            evicted to stay within it; the current step is kept whole when it fits on its own.
+        out_dir: directory for bundles (created on first dump).
+        bundle_format: ``"h5"`` (HDF5) or ``"safetensors"``.
+        max_consecutive: with ``action="skip"``, raise after this many consecutive skipped steps.
+        max_dumps: bundles written per Recorder (the first non-finite steps), to keep ``warn`` and
+            ``skip`` runs from filling the disk.
+        diagnose: replay the failing step in process right after detection and store the
+            diagnosis in the bundle and the exception message.
+        copy_batch: ``None`` (auto: keep references, switch to copies once a batch tensor is seen
+            reused or modified in place), ``True`` (always copy), ``False`` (never copy).
+        capture_cotangent: keep the gradient w.r.t. the model's outputs, so a model-only replay
+            works without the loss function.
+        check_loss: also check the loss given to :meth:`Recorder.log_loss`.
+    """
+
+    action: str = "raise"
+    capacity: int = 4
+    snapshot_every: int = 0
+    memory_budget: int = 2 << 30
+    out_dir: Union[str, Path] = "nanreplay_bundles"
+    bundle_format: str = "h5"
+    max_consecutive: int = 3
+    max_dumps: int = 1
+    diagnose: bool = True
+    copy_batch: Optional[bool] = None
+    capture_cotangent: bool = True
+    check_loss: bool = True
+
+    def __post_init__(self) -> None:
+        if self.action not in _ACTIONS:
+            raise ValueError(f"action must be one of {_ACTIONS}, got {self.action!r}")
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1 step, got {self.capacity}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 = off), got {self.snapshot_every}")
+        if self.memory_budget < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes, got {self.memory_budget}")
+        if self.bundle_format not in ("h5", "safetensors"):
+            raise ValueError(f"bundle_format must be 'h5' or 'safetensors', got {self.bundle_format!r}")
+        if self.max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be >= 1, got {self.max_consecutive}")
+
+
+def callable_path(fn: Any) -> Optional[str]:
+    """``module:qualname`` of a function or class, or ``/path/script.py:qualname`` when it lives in
+    the ``__main__`` script, so replay can import it again; ``None`` for lambdas and closures."""
+    if fn is None:
+        return None
+    if isinstance(fn, str):
+        return fn
+    mod = getattr(fn, "__module__", None)
+    qual = getattr(fn, "__qualname__", None)
+    if not mod or not qual or "<" in qual:
+        return None
+    if mod == "__main__":
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        return f"{os.path.abspath(main)}:{qual}" if main else None
+    return f"{mod}:{qual}"
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+class _Ref:
+    """A tensor reference plus its version counter at capture time."""
+
+    __slots__ = ("t", "v")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.v = t, t._version
+
+    def fresh(self) -> bool:
+        return self.t._version == self.v
+
+
+class Recorder:
+    """Records a training loop and dumps a bundle on the first non-finite gradient.
+
+    Args:
+        model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls).
+        optimizer: its ``torch.optim.Optimizer``; the check runs in its step pre-hook.
+        loss_fn: optional ``loss_fn(model, batch) -> loss`` (scalar tensor) computing the loss
+            from a batch given to :meth:`record`; a callable, or its import path
+            ``"pkg.mod:fn"`` / ``"/path/file.py:fn"``. With it, replay re-runs the whole step;
+            without it, replay drives the backward pass with the recorded cotangent.
+        model_factory: optional zero-argument callable (or import path) returning a fresh model
+            of the same architecture, for ``nanreplay replay`` in another process.
+        scaler: optional ``torch.amp.GradScaler``; its state is saved in the bundle.
+        config: a :class:`RecorderConfig`; keyword ``options`` override its fields.
+
+    Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
+
+    Example::
+
+        with Recorder(model, opt, loss_fn=step_loss) as rec:
+            for x, y in loader:
+                rec.record((x, y))             # optional: the batch the loss needs
+                loss = step_loss(model, (x, y))
+                rec.log_loss(loss)             # optional: check the loss too
+                loss.backward(); opt.step(); opt.zero_grad()
+
+    Raises:
+        NonFiniteGradientError: from ``optimizer.step()``, with ``action="raise"``.
+        TypeError / ValueError: bad arguments or options.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: Any = None,
+        model_factory: Any = None,
+        scaler: Any = None,
+        config: Optional[RecorderConfig] = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        cfg = config or RecorderConfig()
+        self.config = dataclasses.replace(cfg, **options) if options else cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.loss_fn = _resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
+        self.loss_fn_path = callable_path(loss_fn)
+        self.model_factory_path = callable_path(model_factory)
+        self._param_fqn = {id(p): n for n, p in model.named_parameters()}
+        self.ring: deque[StepRecord] = deque()
+        self.step = 0                     # index of the step in progress
+        self.bundles: list[Path] = []     # bundles written so far
+        self.last_diagnosis: Optional[dict] = None
+        self.skipped = 0                  # consecutive skipped steps
+        self.nonfinite_steps: list[int] = []
+        self._current: Optional[StepRecord] = None
+        self._copy = self.config.copy_batch is True
+        self._storages: dict[int, int] = {}   # storage ptr -> step, to detect recycled input buffers
+        self._refs: list[_Ref] = []            # current step's batch references
+        self._mutable_buffers: Optional[set[str]] = None
+        self._buffer_versions: dict[str, int] = {}
+        self._pending_loss: Optional[torch.Tensor] = None
+        self._replaying = False           # set while diagnose_live replays on the live model
+        self._handles: list[Any] = []
+        self._closed = False
+        self._handles.append(model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
+        self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
+        self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook this Recorder registered. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._closed = True
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public capture API --------------------------------------------------------------------
+    def record(self, batch: Any) -> None:
+        """Capture an explicit batch (any nesting of tuples, lists, dicts, dataclasses; tensors
+        and plain values as leaves) for the step in progress. Call it once per micro-batch,
+        before its forward, in loops whose loss needs more than the model inputs."""
+        if self._replaying:
+            return
+        rec = self._begin_step()
+        rec.batches.append(self._capture_tree(batch))
+
+    def log_loss(self, loss: torch.Tensor) -> None:
+        """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
+        kept in the ring buffer. No sync: it is read together with the grad norm."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._pending_loss = loss.detach().reshape(())
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _begin_step(self) -> StepRecord:
+        if self._current is not None:
+            return self._current
+        rec = StepRecord(step=self.step, rng=RNGState.capture())
+        rec.training = [n for n, m in self.model.named_modules() if m.training]
+        rec.buffers = self._capture_buffers()
+        se = self.config.snapshot_every
+        if se and self.step % se == 0:
+            rec.snapshot = self.snapshot_state(clone=True)
+        self._current = rec
+        self._refs = []
+        self.ring.append(rec)
+        self._evict()
+        return rec
+
+    def _capture_buffers(self) -> dict[str, torch.Tensor]:
+        """Step-start buffers. Buffers seen to change during a step (BatchNorm running stats) are
+        copied; the others are referenced (their version counter proves them unchanged)."""
+        out = {}
+        for name, b in self.model.named_buffers():
+            if self._mutable_buffers is None or name in self._mutable_buffers:
+                out[name] = b.detach().clone()
+            else:
+                out[name] = b.detach()
+            self._buffer_versions[name] = b._version
+        return out
+
+    def _capture_tree(self, tree: Any) -> Any:
+        def cap(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            x = x.detach()
+            if self.config.copy_batch is not False:
+                try:
+                    ptr = x.untyped_storage().data_ptr()
+                except RuntimeError:
+                    ptr = 0
+                if ptr and ptr in self._storages and self._storages[ptr] != self.step and not self._copy:
+                    self._copy = True
+                    logger.info("nanreplay: the loop reuses an input buffer across steps; batches are copied from now on")
+                self._storages[ptr] = self.step
+            if self._copy:
+                return x.clone()
+            self._refs.append(_Ref(x))
+            return x
+
+        return pytree.tree_map(cap, tree)
+
+    def _on_forward_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        # forwards without autograd (evaluation under no_grad) are not part of a training step
+        if self._replaying or not torch.is_grad_enabled():
+            return None
+        rec = self._begin_step()
+        rec.forwards.append(ForwardRecord(inputs=self._capture_tree((args, kwargs))))
+        return None
+
+    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._replaying or not torch.is_grad_enabled():
+            return None
+        rec = self._current
+        if rec is None or not rec.forwards or not self.config.capture_cotangent:
+            return None
+        fw = rec.forwards[-1]
+        leaves, spec = pytree.tree_flatten(output)
+        cot: list[Any] = [None] * len(leaves)
+        fw.cotangent = pytree.tree_unflatten(cot, spec)
+        holder = {"leaves": cot, "spec": spec}
+
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
+
+                def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw, h: dict = holder) -> None:
+                    h["leaves"][i] = g.detach()
+                    fw.cotangent = pytree.tree_unflatten(h["leaves"], h["spec"])
+
+                t.register_hook(hook)
+        return None
+
+    def _grads(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    out.append((self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad))
+        return out
+
+    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        rec = self._begin_step()
+        rec.lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        grads = self._grads()
+        norm = fused_norm([g for _, g in grads])
+        loss = self._pending_loss if self.config.check_loss else None
+        self._pending_loss = None
+        vals: list[Optional[float]]
+        if norm is not None and loss is not None:
+            vals = torch.stack([norm, loss.to(norm.device, torch.float32)]).tolist()  # one sync
+        elif norm is not None:
+            vals = [norm.item(), None]
+        elif loss is not None:
+            vals = [None, float(loss)]
+        else:
+            vals = [None, None]
+        rec.grad_norm, rec.loss = vals
+        bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
+        bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
+        rec.finite = not (bad_grad or bad_loss)
+        self._seal(rec)
+        if rec.finite:
+            self.skipped = 0
+            return None
+        self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
+        return None
+
+    def _seal(self, rec: StepRecord) -> None:
+        """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
+        modified a batch tensor in place (then switch to copying)."""
+        if self._mutable_buffers is None:
+            self._mutable_buffers = {n for n, b in self.model.named_buffers() if b._version != self._buffer_versions.get(n)}
+        if self.config.copy_batch is None and not self._copy and any(not r.fresh() for r in self._refs):
+            self._copy = True
+            logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
+
+    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.step += 1
+        self._current = None
+        self._evict()
+
+    # -- the non-finite path -------------------------------------------------------------------
+    def snapshot_state(self, *, clone: bool) -> Snapshot:
+        """The model's weights and buffers and the optimizer's state now (references, or copies
+        with ``clone=True``)."""
+        cp = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
+        opt_sd = self.optimizer.state_dict()
+        if clone:
+            opt_sd = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, opt_sd)
+        extra = {}
+        if self.scaler is not None and hasattr(self.scaler, "state_dict"):
+            extra["scaler"] = self.scaler.state_dict()
+        return Snapshot(
+            params={n: cp(p) for n, p in self.model.named_parameters()},
+            buffers={n: cp(b) for n, b in self.model.named_buffers()},
+            optimizer=opt_sd,
+            extra=extra,
+        )
+
+    def _handle_nonfinite(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool) -> None:
+        self.nonfinite_steps.append(rec.step)
+        action = self.config.action
+        first = len(self.bundles) < self.config.max_dumps and (action == "raise" or self.skipped == 0)
+        path: Optional[Path] = None
+        if first:
+            path = self._dump(rec, grads, bad_grad, bad_loss)
+        what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b)
+        summary = (self.last_diagnosis or {}).get("summary") if first else None
+        msg = (
+            f"non-finite {what} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})"
+            + (f"; bundle: {path}" if path else "; no bundle written" if first else "")
+            + (f"; diagnosis: {summary}" if summary else "")
+            + (f"; inspect with: nanreplay replay {path}" if path else "")
+        )
+        if action == "raise":
+            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
+        if action == "warn":
+            logger.warning("nanreplay: %s; the step proceeds (action='warn')", msg)
+            return
+        # skip: drop the gradients so the optimizer leaves weights and state untouched
+        self.skipped += 1
+        if self.skipped > self.config.max_consecutive:
+            raise NonFiniteGradientError(
+                f"{msg}; {self.skipped} consecutive steps skipped, more than max_consecutive="
+                f"{self.config.max_consecutive}: training is not recovering",
+                step=rec.step,
+                bundle_path=str(self.bundles[0]) if self.bundles else None,
+                diagnosis=self.last_diagnosis,
+            )
+        logger.warning("nanreplay: %s; skipping this optimizer step (%d in a row)", msg, self.skipped)
+        self._skip_versions = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def bundle_content(self, rec: StepRecord, grads: list, reason: dict) -> BundleContent:
+        """The content of the bundle for the failing step ``rec`` (references; nothing is copied)."""
+        state = self.snapshot_state(clone=False)
+        if rec.buffers is not None:
+            state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
+        steps = [r for r in self.ring if r.step <= rec.step]
+        group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
+        return BundleContent(
+            failing_step=rec.step,
+            steps=steps,
+            state=state,
+            grads={n: g.detach() for n, g in grads},
+            model_info=model_info(self.model),
+            optimizer_info={
+                "class": callable_path(type(self.optimizer)),
+                "param_groups_fqns": group_fqns,
+                "defaults": {k: _jsonable(v) for k, v in self.optimizer.defaults.items()},
+            },
+            reason=reason,
+            model_factory=self.model_factory_path,
+            loss_fn=self.loss_fn_path,
+        )
+
+    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool) -> Optional[Path]:
+        t0 = time.perf_counter()
+        reason = {
+            "nonfinite_grad": bad_grad,
+            "nonfinite_loss": bad_loss,
+            "grad_norm": fnum(rec.grad_norm),
+            "loss": fnum(rec.loss),
+            "action": self.config.action,
+        }
+        try:
+            content = self.bundle_content(rec, grads, reason)
+        except Exception:  # never let the recorder kill training by itself
+            logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
+            return None
+        if self.config.diagnose:
+            try:
+                from .replay import diagnose_live
+
+                content.diagnosis = diagnose_live(self, content)
+                self.last_diagnosis = content.diagnosis
+            except Exception:
+                logger.exception("nanreplay: in-process diagnosis of step %d failed; the bundle is written without it", rec.step)
+        ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
+        path = Path(self.config.out_dir) / f"nanreplay-step{rec.step}{self._name_suffix()}{ext}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            written = write_bundle(path, content)
+        except Exception:
+            logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on", rec.step, path)
+            return None
+        self.bundles.append(written)
+        logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        return written
+
+    def _name_suffix(self) -> str:
+        return ""
+
+    def _evict(self) -> None:
+        """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes."""
+        while len(self.ring) > self.config.capacity:
+            self.ring.popleft()
+
+        def held(r: StepRecord) -> int:
+            n = 0 if not self._copy else sum(_nbytes(fw.inputs) for fw in r.forwards) + _nbytes(r.batches)
+            n += sum(_nbytes(fw.cotangent) for fw in r.forwards if fw.cotangent is not None)
+            n += r.snapshot.nbytes() if r.snapshot is not None else 0
+            n += _nbytes(r.buffers) if r.buffers else 0
+            return n
+
+        budget = self.config.memory_budget
+        total = sum(held(r) for r in self.ring)
+        for r in list(self.ring)[:-1]:  # oldest snapshots first
+            if total <= budget:
+                return
+            if r.snapshot is not None:
+                total -= r.snapshot.nbytes()
+                r.snapshot = None
+        while total > budget and len(self.ring) > 1:
+            total -= held(self.ring.popleft())
+        if total > budget and self.ring:
+            r = self.ring[-1]
+            if r.snapshot is not None:
+                r.snapshot = None
+                logger.warning("nanreplay: one weight snapshot exceeds memory_budget=%d bytes; snapshots are off", budget)
+
+
+def model_info(model: torch.nn.Module) -> dict:
+    """Architecture facts stored in the bundle and checked by replay: class, parameter and buffer
+    FQNs with shape/dtype/device, and every module's FQN and class."""
+    return {
+        "class": callable_path(type(model)),
+        "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device)} for n, p in model.named_parameters()},
+        "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""), "device": str(b.device)} for n, b in model.named_buffers()},
+        "modules": [[n, type(m).__name__] for n, m in model.named_modules()],
+    }
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if isinstance(v, float):
+        return fnum(v)
+    if isinstance(v, (int, str, bool)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    return repr(v)
+
+
+def _resolve(path: str) -> Callable:
+    from .replay import import_callable
+
+    return import_callable(path)

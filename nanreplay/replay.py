@@ -1,0 +1,766 @@
+"""The replay engine: re-execute one recorded step deterministically and find where the first
+non-finite value was born.
+
+Two monitors watch the replay:
+
+* module hooks (``register_forward_pre_hook`` / ``register_forward_hook`` on every module) build
+  the health table: each module's input and output health in execution order. A module is the
+  *producer* when NaN appears in its output while none of its inputs holds NaN, or ±Inf appears
+  while all its inputs are finite; modules that only pass a non-finite value on are *propagators*.
+* an op monitor (a ``TorchDispatchMode`` with ``torch.utils.module_tracker.ModuleTracker`` for the
+  module context) checks every aten op's floating outputs, in the forward pass, the loss and the
+  backward pass, and names the first op where a non-finite value is born by the same rule.
+
+The replay restores the step-start RNG states, weights and buffers, runs with deterministic
+algorithms where torch offers them, and compares the gradients it gets with the recorded ones:
+reproduction is verified, never assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+from .bundle import Bundle, BundleContent, Snapshot, StepRecord, fnum, open_bundle
+from .errors import ModelMismatchError, ReplayError
+from .health import Health, is_float, tensor_health
+from .rng import RNGState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["replay", "replay_step", "diagnose_live", "import_callable", "ReplayResult", "VERDICTS"]
+
+VERDICTS = ("reproduced exactly", "reproduced", "not reproduced")
+
+
+# ---------------------------------------------------------------------------------------------
+# importing user code named by path
+# ---------------------------------------------------------------------------------------------
+def import_callable(path: str) -> Callable:
+    """Import ``"pkg.module:attr"`` or ``"/path/to/file.py:attr"`` (dotted attrs allowed).
+
+    A file is imported under a private module name, so its ``if __name__ == "__main__":`` block
+    does not run. This runs user code: replay only bundles whose model code you trust.
+
+    Raises:
+        ReplayError: malformed path, missing file or module, or missing attribute.
+    """
+    mod_name, sep, qual = path.rpartition(":")
+    if not sep or not mod_name or not qual:
+        raise ReplayError(f"expected an import path 'package.module:function' or 'file.py:function', got {path!r}")
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            file = Path(mod_name)
+            if not file.is_file():
+                raise ReplayError(f"{path!r}: no file {file}; pass --model-factory / --loss-fn with a path that exists here")
+            name = "nanreplay_user_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+            module = sys.modules.get(name)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(name, file)
+                if spec is None or spec.loader is None:
+                    raise ReplayError(f"{path!r}: {file} is not an importable Python file")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                sys.path.insert(0, str(file.resolve().parent))
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    sys.modules.pop(name, None)
+                    raise
+        else:
+            module = importlib.import_module(mod_name)
+        obj: Any = module
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except ReplayError:
+        raise
+    except Exception as e:
+        raise ReplayError(f"could not import {path!r}: {type(e).__name__}: {e}") from e
+    if not callable(obj):
+        raise ReplayError(f"{path!r} names a {type(obj).__name__}, expected a callable")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# monitors
+# ---------------------------------------------------------------------------------------------
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _born(inputs: Optional[Health], output: Optional[Health]) -> bool:
+    """The producer rule: NaN in the output with no NaN in the inputs, or ±Inf in the output
+    with all inputs finite."""
+    if output is None or output.finite:
+        return False
+    if inputs is None:
+        return True
+    if output.nan and not inputs.nan:
+        return True
+    return (output.posinf or output.neginf) > 0 and inputs.finite
+
+
+def _any_nonfinite(ts: Sequence[torch.Tensor]) -> bool:
+    fl = [t for t in ts if is_float(t) and t.numel()]
+    if not fl:
+        return False
+    if len(fl) == 1:
+        return not bool(torch.isfinite(fl[0]).all())
+    return not bool(torch.stack([torch.isfinite(t).all() for t in fl]).all())
+
+
+class ModuleMonitor:
+    """Forward health of every module, in execution order (completion order of forwards), and
+    backward events: the cotangent at each module's output and each parameter's gradient."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.fqn = {id(m): n for n, m in model.named_modules()}
+        self.events: list[dict] = []
+        self._stack: list[Optional[Health]] = []
+        self._handles: list[Any] = []
+        self.phase = "forward"
+        for name, m in model.named_modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                owner = name.rpartition(".")[0]
+                self._handles.append(p.register_post_accumulate_grad_hook(self._param_hook(name, owner)))
+
+    def _pre(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._stack.append(tensor_health(_tensors((args, kwargs))))
+
+    def _post(self, mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        h_in = self._stack.pop() if self._stack else None
+        h_out = tensor_health(_tensors(out))
+        name = self.fqn.get(id(mod), "?")
+        self.events.append(
+            {"phase": self.phase, "module": name, "class": type(mod).__name__, "inputs": h_in, "output": h_out, "born": _born(h_in, h_out)}
+        )
+        for t in _tensors(out):
+            if t.requires_grad and is_float(t):
+                t.register_hook(self._cot_hook(name, type(mod).__name__))
+
+    def _cot_hook(self, name: str, cls: str) -> Callable:
+        def hook(g: torch.Tensor) -> None:
+            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls, "output": tensor_health([g])})
+
+        return hook
+
+    def _param_hook(self, pname: str, owner: str) -> Callable:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname, "output": tensor_health([p.grad])})
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class OpMonitor(TorchDispatchMode):
+    """Checks every aten op's floating outputs during replay. Records each *birth* (an op whose
+    output holds a non-finite value its inputs did not explain, by the producer rule) with its
+    phase, op name and innermost module FQN, plus a count of ops that propagated non-finite values.
+    Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
+    hooks miss; ``ModuleTracker`` supplies the module context in both passes."""
+
+    def __init__(self, tracker: ModuleTracker, root_class: str, *, max_births: int = 32) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.root = root_class
+        self.births: list[dict] = []
+        self.propagated = 0
+        self.max_births = max_births
+        self.phase = "forward"
+        self.index = 0
+
+    def module(self) -> Optional[str]:
+        """FQN of the innermost module running now; ``""`` for the root, ``None`` outside the model."""
+        names = [p for p in self.tracker.parents if p != "Global"]
+        if not names:
+            return None
+        inner = max(names, key=lambda n: n.count("."))
+        head, _, rest = inner.partition(".")
+        return rest if head == self.root else inner
+
+    # ops whose output is uninitialised memory: never a birth, never checked
+    _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        if name in self._UNINITIALISED:
+            return func(*args, **kwargs)
+        # in-place and out= ops overwrite an input: take the inputs' health before the op runs
+        mutating = func._schema.is_mutable if hasattr(func, "_schema") else False
+        h_in_before = tensor_health(_tensors((args, kwargs))) if mutating else None
+        out = func(*args, **kwargs)
+        self.index += 1
+        outs = _tensors(out)
+        if not outs or not _any_nonfinite(outs):
+            return out
+        h_in = h_in_before if mutating else tensor_health(_tensors((args, kwargs)))
+        h_out = tensor_health(outs)
+        if _born(h_in, h_out) and len(self.births) < self.max_births:
+            module = self.module()
+            if self.phase == "backward" or self.tracker.is_bw:
+                phase = "backward"
+            else:
+                phase = "loss" if (self.phase == "loss_fn" and module is None) else "forward"
+            self.births.append(
+                {
+                    "phase": phase,
+                    "op": name,
+                    "aten": str(func),
+                    "module": module,
+                    "op_index": self.index,
+                    "inputs": h_in,
+                    "output": h_out,
+                }
+            )
+        else:
+            self.propagated += 1
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# running one step
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class StepInputs:
+    """What a replay of one step needs, wherever it comes from (live recorder or bundle)."""
+
+    record: StepRecord
+    state: Snapshot
+    recorded_grads: dict[str, torch.Tensor]
+    loss_fn: Optional[Callable] = None
+
+
+@dataclass
+class ReplayResult:
+    """The outcome of one replay, turned into the diagnosis dict by :func:`diagnose`."""
+
+    mode: str                                    # "loss_fn" | "cotangent" | "forward-only"
+    modules: ModuleMonitor
+    ops: Optional[OpMonitor]
+    losses: list[Optional[Health]]
+    cotangents: list[Optional[Health]]
+    inputs: list[dict]                           # non-finite input leaves
+    weights: list[dict]                          # non-finite step-start params/buffers
+    grads: dict[str, torch.Tensor]
+    outputs: list[Optional[Health]]
+    warnings: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    prev_bench = torch.backends.cudnn.benchmark
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+        torch.backends.cudnn.benchmark = prev_bench
+
+
+def _to_device(tree: Any, device: Optional[torch.device]) -> Any:
+    if device is None:
+        return tree
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _nonfinite_leaves(tree: Any, root: str) -> list[dict]:
+    out = []
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and is_float(leaf) and leaf.numel():
+            h = tensor_health([leaf])
+            if h is not None and not h.finite:
+                bad = (~torch.isfinite(leaf.detach())).nonzero()
+                samples = sorted({int(i) for i in bad[:, 0].tolist()})[:16] if leaf.dim() else []
+                out.append({"leaf": root + pytree.keystr(path), "health": h, "samples": samples})
+    return out
+
+
+def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Copy recorded weights and buffers into ``model`` in place.
+
+    Raises:
+        ModelMismatchError: missing/unexpected FQNs or a shape/dtype that differs.
+    """
+    params = dict(model.named_parameters())
+    bufs = dict(model.named_buffers())
+    missing = sorted(set(state.params) - set(params))
+    unexpected = sorted(set(params) - set(state.params))
+    problems = []
+    if missing:
+        problems.append(f"the bundle has parameters the model lacks: {missing[:8]}")
+    if unexpected:
+        problems.append(f"the model has parameters the bundle lacks: {unexpected[:8]}")
+    for n, t in state.params.items():
+        if n in params and (params[n].shape != t.shape or params[n].dtype != t.dtype):
+            problems.append(f"{n}: bundle {tuple(t.shape)} {t.dtype}, model {tuple(params[n].shape)} {params[n].dtype}")
+    if problems:
+        raise ModelMismatchError(
+            "the model does not match the bundle: " + "; ".join(problems[:10])
+            + ". Pass --model-factory with the factory that built the recorded model."
+        )
+    with torch.no_grad():
+        for n, t in state.params.items():
+            params[n].copy_(t)
+        for n, t in (buffers if buffers is not None else state.buffers).items():
+            if n in bufs and bufs[n].shape == t.shape:
+                bufs[n].copy_(t)
+
+
+def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> ReplayResult:
+    """Re-execute one step on ``model``, whose weights and buffers must already hold the
+    step-start state: restore the step's RNG states, run forward (and the loss, or the recorded
+    cotangent) and backward under the monitors. Leaves the replayed gradients in ``.grad``."""
+    rec = inp.record
+    for p in model.parameters():
+        p.grad = None
+    training = set(rec.training)
+    if training or rec.training == []:
+        for name, m in model.named_modules():
+            m.train(name in training)
+    weights = _nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
+    use_loss = inp.loss_fn is not None and bool(rec.batches)
+    if use_loss:
+        mode = "loss_fn"
+        inputs = [x for i, b in enumerate(rec.batches) for x in _nonfinite_leaves(b, f"batch[{i}]" if len(rec.batches) > 1 else "batch")]
+    else:
+        have_cot = bool(rec.forwards) and all(fw.cotangent is not None for fw in rec.forwards)
+        mode = "cotangent" if have_cot else "forward-only"
+        inputs = [x for i, fw in enumerate(rec.forwards) for x in _nonfinite_leaves(fw.inputs, f"inputs[{i}]")]
+    if not rec.batches and not rec.forwards:
+        raise ReplayError(
+            f"step {rec.step} has no recorded batch or forward call; the recorder saw no grad-enabled forward "
+            "of the model in that step. Call Recorder.record(batch) in the loop."
+        )
+    mon = ModuleMonitor(model)
+    tracker = ModuleTracker()
+    opmon = OpMonitor(tracker, type(model).__name__) if ops else None
+    losses: list[Optional[Health]] = []
+    cots: list[Optional[Health]] = []
+    outs: list[Optional[Health]] = []
+    warnings: list[str] = []
+    try:
+        with _deterministic(), tracker, (opmon if opmon is not None else contextlib.nullcontext()):
+            rec.rng.restore()
+            if use_loss:
+                for b in rec.batches:
+                    mon.phase = "forward"
+                    if opmon:
+                        opmon.phase = "loss_fn"
+                    n0 = len(mon.events)
+                    loss = inp.loss_fn(model, _to_device(b, device))
+                    top = [e for e in mon.events[n0:] if e["module"] == ""]
+                    outs.append(top[-1]["output"] if top else None)
+                    if not isinstance(loss, torch.Tensor):
+                        raise ReplayError(f"the loss function returned {type(loss).__name__}, expected a scalar tensor")
+                    losses.append(tensor_health([loss]))
+                    mon.phase = "backward"
+                    if opmon:
+                        opmon.phase = "backward"
+                    loss.backward()
+            else:
+                pending = []
+                for fw in rec.forwards:
+                    mon.phase = "forward"
+                    if opmon:
+                        opmon.phase = "forward"
+                    args, kwargs = _to_device(fw.inputs, device)
+                    out = model(*args, **kwargs)
+                    outs.append(tensor_health(_tensors(out)))
+                    if mode == "cotangent":
+                        pending.append((out, _to_device(fw.cotangent, device)))
+                # backward after all forwards: each micro-batch's graph is independent
+                for out, cot in pending:
+                    mon.phase = "backward"
+                    if opmon:
+                        opmon.phase = "backward"
+                    o_leaves = pytree.tree_leaves(out)
+                    c_leaves = pytree.tree_leaves(cot, is_leaf=lambda x: x is None)
+                    pairs = [(o, c) for o, c in zip(o_leaves, c_leaves) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) and o.requires_grad]
+                    cots.append(tensor_health([c for _, c in pairs]))
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+                if mode == "forward-only":
+                    warnings.append("no cotangent and no loss function: only the forward pass was replayed")
+    finally:
+        mon.close()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return ReplayResult(mode, mon, opmon, losses, cots, inputs, weights, grads, outs, warnings)
+
+
+# ---------------------------------------------------------------------------------------------
+# verdict and diagnosis
+# ---------------------------------------------------------------------------------------------
+def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> dict:
+    """Compare gradients: same non-finite positions (NaN, +Inf, -Inf) and the max abs
+    difference of the finite values. Verdict: ``reproduced exactly`` (same pattern, finite values
+    bit-equal), ``reproduced`` (the replay is non-finite where the recording was, within a max abs
+    difference), ``not reproduced`` (the replay's gradients are finite, or differ in which
+    parameters are non-finite)."""
+    if not recorded:
+        return {"verdict": "not reproduced", "max_abs_diff": None, "detail": "the bundle holds no recorded gradients to compare"}
+    exact, max_diff, mismatched, missing = True, 0.0, [], []
+    rec_bad, rep_bad = set(), set()
+    for name, r in recorded.items():
+        g = replayed.get(name)
+        if g is None:
+            missing.append(name)
+            exact = False
+            continue
+        r = r.to(g.device)
+        if not is_float(r):
+            continue
+        if not torch.isfinite(r).all():
+            rec_bad.add(name)
+        if not torch.isfinite(g).all():
+            rep_bad.add(name)
+        same_pattern = (
+            torch.equal(torch.isnan(r), torch.isnan(g)) and torch.equal(torch.isposinf(r), torch.isposinf(g)) and torch.equal(torch.isneginf(r), torch.isneginf(g))
+        )
+        fin = torch.isfinite(r) & torch.isfinite(g)
+        d = float((r[fin].double() - g[fin].double()).abs().max()) if fin.any() else 0.0
+        max_diff = max(max_diff, d)
+        if not same_pattern:
+            mismatched.append(name)
+        if not same_pattern or d != 0.0:
+            exact = False
+    detail = []
+    if missing:
+        detail.append(f"{len(missing)} recorded gradient(s) absent in the replay, e.g. {missing[:3]}")
+    if mismatched:
+        detail.append(f"non-finite positions differ in {len(mismatched)} tensor(s), e.g. {mismatched[:3]}")
+    if not rep_bad and rec_bad:
+        verdict = "not reproduced"
+        detail.insert(0, "the replayed gradients are all finite")
+    elif rec_bad and not rec_bad <= rep_bad:
+        verdict = "not reproduced"
+        detail.insert(0, f"recorded non-finite gradients in {sorted(rec_bad - rep_bad)[:3]} are finite in the replay")
+    elif exact:
+        verdict = "reproduced exactly"
+    else:
+        verdict = "reproduced"
+    return {
+        "verdict": verdict,
+        "max_abs_diff": fnum(max_diff),
+        "nonfinite_recorded": len(rec_bad),
+        "nonfinite_replayed": len(rep_bad),
+        "detail": "; ".join(detail),
+    }
+
+
+def _h(h: Optional[Health]) -> Optional[dict]:
+    return h.to_json() if h is not None else None
+
+
+def _event_json(e: dict) -> dict:
+    return {k: (_h(v) if isinstance(v, Health) else v) for k, v in e.items()}
+
+
+def _compare_loss(repro: dict, recorded: Optional[float], replayed: list[Optional[Health]]) -> None:
+    """Fold the loss into the verdict: a recorded non-finite loss that replays finite (or the
+    reverse) means the failure was not reproduced, whatever the gradients say."""
+    hs = [h for h in replayed if h is not None]
+    if recorded is None or not hs:
+        return
+    rec_bad = not math.isfinite(recorded)
+    rep_bad = any(not h.finite for h in hs)
+    repro["loss_recorded"] = fnum(recorded)
+    if rec_bad != rep_bad:
+        repro["verdict"] = "not reproduced"
+        msg = f"recorded loss {recorded} but the replayed loss is {'non-finite' if rep_bad else 'finite'}"
+        repro["detail"] = msg + ("; " + repro["detail"] if repro.get("detail") else "")
+
+
+def diagnose(
+    result: ReplayResult,
+    *,
+    step: int,
+    recorded_grads: dict[str, torch.Tensor],
+    recorded_loss: Optional[float] = None,
+    table_rows: int = 8,
+) -> dict:
+    """Turn a replay into the diagnosis (a JSON-able dict; field names documented in
+    ``docs/report.md``): ``phase`` of birth (``weights``, ``input``, ``forward``, ``loss``,
+    ``backward``, or ``none``), ``origin`` (module FQN and class, op when known), the
+    ``summary`` sentence, the ``health`` table around the origin and the ``reproduction`` verdict."""
+    repro = compare_grads(recorded_grads, result.grads)
+    _compare_loss(repro, recorded_loss, result.losses)
+    fwd = [e for e in result.modules.events if e["phase"] == "forward"]
+    bwd = [e for e in result.modules.events if e["phase"] == "backward"]
+    births = result.ops.births if result.ops is not None else []
+    origin: Optional[dict] = None
+    phase = "none"
+    cause = ""
+    model_out_bad = any(h is not None and not h.finite for h in result.outputs)
+    loss_bad = any(h is not None and not h.finite for h in result.losses)
+    cot_bad = any(h is not None and not h.finite for h in result.cotangents)
+    fwd_births = [b for b in births if b["phase"] == "forward"]
+
+    def op_in(module: Optional[str], ph: str) -> Optional[dict]:
+        for b in births:
+            m = b["module"]
+            if b["phase"] == ph and m is not None and (module is None or module == "" or m == module or m.startswith(module + ".")):
+                return b
+        return None
+
+    if result.weights:
+        w = result.weights[0]
+        phase, cause = "weights", "the step-start weights were already non-finite (an earlier optimizer update corrupted them)"
+        leaf = w["leaf"]
+        fqn = leaf.split("'")[3] if leaf.count("'") >= 4 else leaf
+        origin = {"module": fqn.rpartition(".")[0], "tensor": fqn, "kind": "producer"}
+    elif any(x["health"].nan or x["health"].posinf for x in result.inputs):
+        x = next(x for x in result.inputs if x["health"].nan or x["health"].posinf)
+        phase, cause = "input", f"the recorded batch already holds {x['health'].kinds()} at {x['leaf']}"
+        origin = {"module": None, "leaf": x["leaf"], "samples": x["samples"], "kind": "bad input data"}
+    elif model_out_bad:
+        prod = next((e for e in fwd if e["born"]), None)
+        phase = "forward"
+        if prod is not None:
+            origin = {"module": prod["module"], "class": prod["class"], "kind": "producer"}
+            op = op_in(prod["module"], "forward")
+        else:
+            op = fwd_births[0] if fwd_births else None
+            origin = {"module": op["module"] if op else "", "class": None, "kind": "producer"}
+        if op:
+            origin["op"] = op["op"]
+        cause = "a non-finite value is born in the forward pass"
+    elif loss_bad or (result.mode == "cotangent" and cot_bad):
+        phase = "loss"
+        op = next((b for b in births if b["phase"] == "loss"), None) if result.mode == "loss_fn" else None
+        origin = {"module": None, "class": None, "kind": "outside the model"}
+        if op:
+            origin["op"] = op["op"]
+        cause = (
+            "the model's forward pass is finite; the non-finite value is born outside the model, in the loss"
+            + (" function" if result.mode == "loss_fn" else " (the recorded gradient w.r.t. the model output is non-finite)")
+        )
+    else:
+        bop = next((b for b in births if b["phase"] == "backward"), None)
+        first_bad = next((e for e in bwd if e["output"] is not None and not e["output"].finite), None)
+        if bop is not None or first_bad is not None:
+            phase = "backward"
+            module = bop["module"] if bop is not None else first_bad["module"]
+            cls = dict(result.modules.fqn_class).get(module) if hasattr(result.modules, "fqn_class") else None
+            origin = {"module": module, "class": cls, "kind": "producer"}
+            if bop is not None:
+                origin["op"] = bop["op"]
+            cause = "the forward pass and the loss are finite; the non-finite value is born in the backward pass"
+            if first_bad is not None:
+                origin["first_nonfinite_gradient"] = first_bad.get("param") or f"cotangent at {first_bad['module'] or '(model output)'}"
+    classes = {e["module"]: e["class"] for e in fwd}
+    if origin is not None and origin.get("module") is not None and origin.get("class") is None:
+        origin["class"] = classes.get(origin["module"])
+    summary = _summary(step, phase, origin, cause, repro)
+    table = _table(fwd, origin, table_rows)
+    return {
+        "step": step,
+        "phase": phase,
+        "origin": origin,
+        "cause": cause,
+        "summary": summary,
+        "mode": result.mode,
+        "reproduction": repro,
+        "health": table,
+        "births": [_event_json(b) for b in births[:16]],
+        "propagated_ops": result.ops.propagated if result.ops is not None else None,
+        "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
+        "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
+        "loss": [_h(h) for h in result.losses],
+        "warnings": result.warnings,
+    }
+
+
+def _where(origin: Optional[dict]) -> str:
+    if not origin:
+        return ""
+    parts = []
+    if origin.get("op"):
+        parts.append(f"op {origin['op']}")
+    if origin.get("module") is not None:
+        m = origin["module"] or "(root module)"
+        parts.append(f"in module {m}" + (f" ({origin['class']})" if origin.get("class") else ""))
+    if origin.get("leaf"):
+        parts.append(f"at {origin['leaf']}" + (f", samples {origin['samples']}" if origin.get("samples") else ""))
+    return " ".join(parts)
+
+
+def _summary(step: int, phase: str, origin: Optional[dict], cause: str, repro: dict) -> str:
+    v = repro["verdict"]
+    if v == "reproduced" and repro.get("max_abs_diff") is not None:
+        v = f"reproduced (max abs difference {repro['max_abs_diff']})"
+    if phase == "none":
+        return f"step {step}: the replay produced no non-finite value; {v}."
+    where = _where(origin)
+    head = {
+        "weights": "non-finite weights before the step",
+        "input": "non-finite value in the input data",
+        "forward": "non-finite value born in the forward pass",
+        "loss": "non-finite value born in the loss, outside the model",
+        "backward": "non-finite value born in the backward pass",
+    }[phase]
+    return f"step {step}: {head}" + (f", {where}" if where and phase != "loss" else (f" ({where})" if where else "")) + f"; {cause}; {v}."
+
+
+def _table(fwd: list[dict], origin: Optional[dict], rows: int) -> list[dict]:
+    """The first ``rows`` module events around the origin (or the first ones), as JSON."""
+    idx = 0
+    if origin and origin.get("module") is not None:
+        idx = next((i for i, e in enumerate(fwd) if e["module"] == origin["module"]), 0)
+    lo = max(0, idx - rows // 2)
+    out = []
+    for i, e in enumerate(fwd[lo : lo + rows], start=lo):
+        role = "producer" if e["born"] else ("propagator" if e["output"] is not None and not e["output"].finite else "")
+        out.append({"index": i, "module": e["module"], "class": e["class"], "role": role, "inputs": _h(e["inputs"]), "output": _h(e["output"])})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _preserve_live(model: torch.nn.Module) -> Iterator[None]:
+    """Around an in-process replay: keep the live gradients, buffers, module modes and RNG."""
+    grads = {p: p.grad for p in model.parameters()}
+    bufs = {n: b.detach().clone() for n, b in model.named_buffers()}
+    modes = {m: m.training for m in model.modules()}
+    rng = RNGState.capture()
+    try:
+        yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in bufs:
+                    b.copy_(bufs[n])
+        for m, t in modes.items():
+            m.train(t)
+        rng.restore()
+
+
+def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> dict:
+    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict."""
+    result = run_step(model, inp, ops=ops, device=device)
+    return diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
+
+
+def diagnose_live(recorder: Any, content: BundleContent) -> dict:
+    """In-process diagnosis, run by the Recorder right after detection: replays the failing step
+    on the live model (its weights are still the pre-step weights), then puts back the live
+    gradients, buffers, module modes and RNG states, so training can continue unchanged."""
+    rec = content.steps[-1]
+    model = recorder.model
+    inp = StepInputs(record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn)
+    recorder._replaying = True
+    try:
+        with _preserve_live(model):
+            with torch.no_grad():
+                bufs = dict(model.named_buffers())
+                for n, t in content.state.buffers.items():
+                    if n in bufs and bufs[n] is not t:
+                        bufs[n].copy_(t)
+            return replay_step(model, inp)
+    finally:
+        recorder._replaying = False
+
+
+def replay(
+    bundle: Union[str, Path, Bundle],
+    *,
+    model: Optional[torch.nn.Module] = None,
+    model_factory: Union[str, Callable, None] = None,
+    loss_fn: Union[str, Callable, None] = None,
+    device: Union[str, torch.device, None] = None,
+    ops: bool = True,
+    use_loss_fn: bool = True,
+) -> dict:
+    """Replay a bundle's failing step and diagnose it.
+
+    Args:
+        bundle: a path or an open :class:`~nanreplay.bundle.Bundle`.
+        model: a model of the recorded architecture; else ``model_factory`` (callable or import
+            path), else the factory recorded in the bundle.
+        loss_fn: ``loss_fn(model, batch) -> loss``; defaults to the recorded one. Without it (or
+            with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
+        device: where to replay (default: the recorded parameters' device when present here,
+            else CPU).
+        ops: run the op-level monitor (slower, names the aten op).
+
+    Returns:
+        the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
+
+    Raises:
+        FileNotFoundError, BundleFormatError: unreadable bundle.
+        ReplayError: no model could be built, or the loss function failed.
+        ModelMismatchError: the model does not match the recorded one.
+    """
+    own = not isinstance(bundle, Bundle)
+    b = open_bundle(bundle) if own else bundle
+    try:
+        if model is None:
+            factory = model_factory or b.model_factory
+            if factory is None:
+                raise ReplayError(
+                    f"{b.path} records no model factory; pass --model-factory module:function "
+                    "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
+                )
+            fn = import_callable(factory) if isinstance(factory, str) else factory
+            try:
+                model = fn()
+            except Exception as e:
+                raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
+            if not isinstance(model, torch.nn.Module):
+                raise ReplayError(f"the model factory {factory!r} returned {type(model).__name__}, expected a torch.nn.Module")
+        lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
+        if isinstance(lf, str):
+            lf = import_callable(lf)
+        if not use_loss_fn:
+            lf = None
+        dev = torch.device(device) if device is not None else _recorded_device(b)
+        model = model.to(dev)
+        state = b.state()
+        rec = b.step(b.failing_step)
+        load_state(model, state)
+        inp = StepInputs(record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf)
+        diag = replay_step(model, inp, ops=ops, device=dev)
+        diag["bundle"] = str(b.path)
+        diag["device"] = str(dev)
+        return diag
+    finally:
+        if own:
+            b.close()
+
+
+def _recorded_device(b: Bundle) -> torch.device:
+    devs = {v.get("device", "cpu") for v in b.meta.get("model", {}).get("params", {}).values()}
+    dev = next(iter(devs), "cpu")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        logger.warning("the bundle was recorded on %s; replaying on the CPU (results may differ)", dev)
+        return torch.device("cpu")
+    return torch.device(dev)
