@@ -418,7 +418,8 @@ def edited(path: pathlib.Path, edit) -> None:
 def test_empty_file(tmp_path, ext):
     path = tmp_path / f"e.{ext}"
     path.touch()
-    with pytest.raises(BundleFormatError, match=leading(path, "empty file (0 bytes): expected a ")):
+    kind = "an HDF5" if ext == "h5" else "a safetensors"
+    with pytest.raises(BundleFormatError, match=leading(path, f"empty file (0 bytes): expected {kind} nanreplay bundle")):
         read_flat(path)
 
 
