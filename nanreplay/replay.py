@@ -633,9 +633,17 @@ def _table(fwd: list[dict], origin: Optional[dict], rows: int) -> list[dict]:
     if origin and origin.get("module") is not None:
         idx = next((i for i, e in enumerate(fwd) if e["module"] == origin["module"]), 0)
     lo = max(0, idx - rows // 2)
+    roles, born_before = [], []
+    for e in fwd:  # forwards complete children first: a parent of an earlier producer only contains it
+        if e["born"]:
+            inside = any(m == e["module"] or m.startswith(e["module"] + ".") or e["module"] == "" for m in born_before)
+            roles.append("contains producer" if inside else "producer")
+            born_before.append(e["module"])
+        else:
+            roles.append("propagator" if e["output"] is not None and not e["output"].finite else "")
     out = []
     for i, e in enumerate(fwd[lo : lo + rows], start=lo):
-        role = "producer" if e["born"] else ("propagator" if e["output"] is not None and not e["output"].finite else "")
+        role = roles[i]
         out.append({"index": i, "module": e["module"], "class": e["class"], "role": role, "inputs": _h(e["inputs"]), "output": _h(e["output"])})
     return out
 

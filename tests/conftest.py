@@ -1,0 +1,25 @@
+import logging
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    yield
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    return tmp_path / "bundles"

@@ -1,0 +1,94 @@
+"""Small models with known failure modes, shared by the tests. Importable by replay as
+``models:<factory>`` (pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 8, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 16)
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def make_mlp() -> nn.Module:
+    return MLP()
+
+
+def make_dropout_mlp() -> nn.Module:
+    return MLP(dropout=0.5)
+
+
+class SafeDiv(nn.Module):
+    """x / s where s is a learned scale; becomes 0/0 = NaN when an input row is all zero."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.abs().sum(-1, keepdim=True)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = SafeDiv()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(torch.relu(self.proj(x))))
+
+
+class Nested(nn.Module):
+    """encoder.block.norm divides by a row sum: a ReLU that zeroes a whole row makes it 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleDict({"block": Block()})
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder["block"](x))
+
+
+def make_nested() -> nn.Module:
+    return Nested()
+
+
+class SqrtNet(nn.Module):
+    """The norm of a linear layer's output: finite forward, NaN gradient when a row is all zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.root = SqrtLayer()
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.root(self.fc(x)))
+
+
+class SqrtLayer(nn.Module):
+    """Row-wise L2 norm written by hand: sqrt(0) = 0 forward, sqrt'(0) = inf backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((x * x).sum(-1, keepdim=True))
+
+
+def make_sqrt() -> nn.Module:
+    return SqrtNet()
+
+
+def mse_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def mean_loss(model: nn.Module, batch) -> torch.Tensor:
+    return model(batch["x"]).mean()

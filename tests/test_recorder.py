@@ -1,0 +1,217 @@
+"""The Recorder in a live loop: detection, actions, hooks, capture semantics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from nanreplay import NonFiniteGradientError, Recorder, RecorderConfig, open_bundle
+
+
+def _poison_step(model: nn.Module, opt, rec: Recorder, x, *, bad: bool):
+    out = model(x)
+    loss = out.pow(2).mean() * (float("nan") if bad else 1.0)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _hook_counts(model: nn.Module) -> int:
+    n = 0
+    for m in model.modules():
+        n += len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+    return n
+
+
+def _opt_state(opt) -> dict:
+    return copy.deepcopy(opt.state_dict())
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for key, v in a["state"][k].items():
+            w = b["state"][k][key]
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, w), (k, key)
+            else:
+                assert v == w
+
+
+def test_close_removes_every_hook(out_dir):
+    model = models.make_nested()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _hook_counts(model)
+    pre_opt = len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)
+    rec = Recorder(model, opt, out_dir=out_dir)
+    assert _hook_counts(model) > before
+    rec.close()
+    rec.close()  # idempotent
+    assert _hook_counts(model) == before
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == pre_opt
+
+
+def test_hooks_removed_when_the_loop_raises(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteGradientError):
+        with Recorder(model, opt, out_dir=out_dir, diagnose=False):
+            _poison_step(model, opt, None, torch.randn(4, 8), bad=True)
+    assert _hook_counts(model) == 0
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_raise_dumps_and_leaves_weights_uncorrupted(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    with Recorder(model, opt, out_dir=out_dir) as rec:
+        for _ in range(3):
+            _poison_step(model, opt, rec, x, bad=False)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state = _opt_state(opt)
+        with pytest.raises(NonFiniteGradientError) as info:
+            _poison_step(model, opt, rec, x, bad=True)
+    err = info.value
+    assert err.step == 3
+    assert err.bundle_path is not None and err.bundle_path.endswith(".h5")
+    assert "step 3" in str(err) and err.bundle_path in str(err)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    _assert_same_state(state, opt.state_dict())
+    with open_bundle(err.bundle_path) as b:
+        assert b.failing_step == 3
+        assert b.steps == [0, 1, 2, 3]
+        saved = b.state().params
+        for n in before:
+            assert torch.equal(saved[n], before[n])
+        assert all(not torch.isfinite(g).all() for g in b.grads().values())
+
+
+def test_skip_leaves_weights_and_optimizer_state_bit_identical(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    x = torch.randn(4, 8)
+    with Recorder(model, opt, out_dir=out_dir, action="skip", max_consecutive=2) as rec:
+        for _ in range(2):
+            _poison_step(model, opt, rec, x, bad=False)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state = _opt_state(opt)
+        _poison_step(model, opt, rec, x, bad=True)  # skipped, no raise
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]), n
+        _assert_same_state(state, opt.state_dict())
+        assert len(rec.bundles) == 1
+        _poison_step(model, opt, rec, x, bad=True)  # second consecutive skip: still allowed
+        with pytest.raises(NonFiniteGradientError, match="consecutive"):
+            _poison_step(model, opt, rec, x, bad=True)
+        assert len(rec.bundles) == 1  # dumped once, on the first occurrence
+    # a finite step after a skip trains normally
+    model2 = models.make_mlp()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    with Recorder(model2, opt2, out_dir=out_dir, action="skip", diagnose=False) as rec2:
+        _poison_step(model2, opt2, rec2, x, bad=True)
+        w = model2.fc1.weight.detach().clone()
+        _poison_step(model2, opt2, rec2, x, bad=False)
+        assert not torch.equal(w, model2.fc1.weight)
+        assert rec2.skipped == 0
+
+
+def test_warn_lets_the_step_proceed(out_dir, caplog):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out_dir, action="warn", diagnose=False) as rec:
+        _poison_step(model, opt, rec, torch.randn(4, 8), bad=True)
+        assert len(rec.bundles) == 1
+        assert rec.nonfinite_steps == [0]
+    assert not torch.isfinite(model.fc1.weight).all()  # the step went ahead, as asked
+    assert "action='warn'" in caplog.text
+
+
+def test_failed_dump_is_logged_and_training_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=blocker / "sub", action="warn", diagnose=False) as rec:
+        _poison_step(model, opt, rec, torch.randn(4, 8), bad=True)
+        _poison_step(model, opt, rec, torch.randn(4, 8), bad=False)
+    assert rec.bundles == []
+    assert "could not write the bundle" in caplog.text
+
+
+def test_loss_only_nonfinite_is_detected(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        out = model(torch.randn(4, 8))
+        loss = out.mean()
+        rec.log_loss(loss * float("inf"))  # a loss the loop logs, while grads stay finite
+        loss.backward()
+        with pytest.raises(NonFiniteGradientError, match="non-finite loss"):
+            opt.step()
+
+
+def test_gradient_accumulation_captures_every_micro_batch(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    with Recorder(model, opt, out_dir=out_dir) as rec:
+        for x in xs:
+            model(x).pow(2).mean().backward()
+        torch.no_grad()(model)(torch.randn(5, 8))  # an evaluation forward is not part of the step
+        model.fc1.weight.grad[0, 0] = float("nan")
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    with open_bundle(info.value.bundle_path) as b:
+        rec0 = b.step(0)
+        assert len(rec0.forwards) == 3
+        for fw, x in zip(rec0.forwards, xs):
+            args, kwargs = fw.inputs
+            assert torch.equal(args[0], x) and kwargs == {}
+            assert fw.cotangent is not None and fw.cotangent.shape == (2, 4)
+
+
+def test_in_place_change_of_a_batch_tensor_switches_to_copies(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    buf = torch.randn(4, 8)  # a loop that refills one input buffer, as CUDA-graph loops do
+    firsts = []
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False, capacity=8) as rec:
+        for i in range(4):
+            buf.copy_(torch.full((4, 8), float(i)))
+            firsts.append(buf.clone())
+            model(buf).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        held = {r.step: r.forwards[0].inputs[0][0] for r in rec.ring}
+    for step in (1, 2, 3):  # copied from the moment the reuse was seen
+        assert torch.equal(held[step], firsts[step]), step
+
+
+def test_memory_budget_is_never_exceeded(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    one_snapshot = 3 * sum(p.numel() * 4 for p in model.parameters())
+    with Recorder(model, opt, out_dir=out_dir, snapshot_every=1, capacity=10, memory_budget=2 * one_snapshot + 4096, copy_batch=True) as rec:
+        for _ in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        held = sum(r.snapshot.nbytes() for r in rec.ring if r.snapshot is not None)
+        assert held <= rec.config.memory_budget
+        assert sum(r.snapshot is not None for r in rec.ring) >= 1
+
+
+def test_config_validation_names_the_bad_value():
+    with pytest.raises(ValueError, match=r"action must be one of .* got 'explode'"):
+        RecorderConfig(action="explode")
+    with pytest.raises(ValueError, match="capacity must be >= 1 step, got 0"):
+        RecorderConfig(capacity=0)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        Recorder(object(), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1))

@@ -1,0 +1,218 @@
+"""Replay: reproduction and origin attribution, from the live recorder and from a bundle."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models
+from nanreplay import NonFiniteGradientError, Recorder, open_bundle, replay
+from nanreplay.errors import ModelMismatchError, ReplayError
+
+
+def _fail_once(model, opt, batch, loss_fn, out_dir, **opts) -> NonFiniteGradientError:
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, **opts) as rec:
+        rec.record(batch)
+        loss = loss_fn(model, batch)
+        rec.log_loss(loss)
+        loss.backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    return info.value
+
+
+def test_dropout_model_replays_exact_gradients(out_dir):
+    model = models.make_dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    with Recorder(model, opt, loss_fn=models.mse_loss, model_factory=models.make_dropout_mlp, out_dir=out_dir) as rec:
+        for step in range(3):
+            rec.record((x, y))
+            loss = models.mse_loss(model, (x, y))
+            loss.backward()
+            if step == 2:
+                model.fc2.bias.grad[0] = float("nan")  # poison after the fact: the replay's grads differ only there
+                with pytest.raises(NonFiniteGradientError) as info:
+                    opt.step()
+            else:
+                opt.step()
+                opt.zero_grad()
+    # replay from the bundle in a fresh model: dropout masks must be the same
+    with open_bundle(info.value.bundle_path) as b:
+        recorded = b.grads()
+        model2 = models.make_dropout_mlp()
+        diag = replay(b, model=model2)
+    replayed = {n: p.grad for n, p in model2.named_parameters()}
+    for n in recorded:
+        if n != "fc2.bias":
+            assert torch.equal(recorded[n], replayed[n]), n
+    # the poisoned gradient was not produced by the step: replay says so honestly
+    assert diag["reproduction"]["verdict"] == "not reproduced"
+
+
+def test_dropout_nan_step_reproduced_exactly(out_dir):
+    """A step made non-finite by its data replays to bit-identical gradients under dropout."""
+    model = models.make_dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+    y = torch.randn(16, 4)
+    y[3, 1] = float("inf")
+    err = _fail_once(model, opt, (x, y), models.mse_loss, out_dir, model_factory=models.make_dropout_mlp)
+    assert err.diagnosis["reproduction"]["verdict"] == "reproduced exactly"
+    diag = replay(err.bundle_path)
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+    assert diag["phase"] == "input"
+    assert diag["origin"]["leaf"] == "batch[1]"
+    assert diag["origin"]["samples"] == [3]
+
+
+def _nested_failure(out_dir):
+    model = models.make_nested()
+    with torch.no_grad():
+        model.encoder["block"].proj.bias.fill_(-1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 8) * 3
+    x[2] = 0.0  # row 2: relu(proj(0)) = relu(-1) = 0 everywhere, then 0 / 0 in encoder.block.norm
+    return _fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
+
+
+def test_forward_nan_in_nested_submodule_is_attributed_to_it(out_dir):
+    err = _nested_failure(out_dir)
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert diag["phase"] == "forward"
+        assert diag["origin"]["module"] == "encoder.block.norm"
+        assert diag["origin"]["class"] == "SafeDiv"
+        assert diag["origin"]["op"] == "div"
+        assert diag["reproduction"]["verdict"] == "reproduced exactly"
+        roles = {row["module"]: row["role"] for row in diag["health"]}
+        assert roles["encoder.block.norm"] == "producer"
+        assert roles["encoder.block.out"] == "propagator"  # a later layer only passes it on
+        assert roles.get("encoder.block") != "producer"     # nor is the parent blamed
+
+
+def test_nan_born_only_in_backward_is_reported_as_backward(out_dir):
+    model = models.make_sqrt()
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    x[0] = 0.0  # row 0: fc(0) = 0, its norm sqrt(0) = 0 is finite, its derivative is not
+    err = _fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    diag = replay(err.bundle_path)
+    assert diag["phase"] == "backward"
+    assert diag["origin"]["module"] == "root"
+    assert all(row["output"]["nan"] == 0 for row in diag["health"])  # the forward was finite
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+    assert "backward" in diag["summary"]
+
+
+def test_model_only_replay_uses_the_recorded_cotangent(out_dir):
+    err = _nested_failure(out_dir)
+    diag = replay(err.bundle_path, use_loss_fn=False)
+    assert diag["mode"] == "cotangent"
+    assert diag["origin"]["module"] == "encoder.block.norm"
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def test_nonfinite_cotangent_is_born_in_the_loss(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, model_factory=models.make_mlp, out_dir=out_dir) as rec:
+        out = model(torch.randn(4, 8))
+        (out / torch.zeros(())).sum().backward()  # the loss divides by zero; the model is fine
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    diag = replay(info.value.bundle_path)
+    assert diag["mode"] == "cotangent"
+    assert diag["phase"] == "loss"
+    assert "outside the model, in the loss" in diag["summary"]
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def test_model_mismatch_is_a_clear_error(out_dir):
+    err = _nested_failure(out_dir)
+    with pytest.raises(ModelMismatchError, match="the model does not match the bundle"):
+        replay(err.bundle_path, model=models.make_mlp())
+    with pytest.raises(ReplayError, match="could not import 'no_such_module:f'"):
+        replay(err.bundle_path, model_factory="no_such_module:f")
+
+
+@dataclasses.dataclass
+class Batch:
+    image: torch.Tensor
+    meta: dict
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def nested_loss(model, batch) -> torch.Tensor:
+    b: Batch = batch["main"]
+    assert isinstance(b, Batch) and isinstance(batch["pair"], Pair)
+    scale = batch["pair"].b * b.meta["scale"]
+    return (model(b.image) * scale).mean() + 0 * batch["extra"][1][0].sum()
+
+
+@pytest.mark.parametrize("fmt", ["h5", "safetensors"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
+def test_bundle_round_trips_nested_batch_and_optimizer_state(out_dir, fmt, opt_name):
+    model = models.make_mlp()
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if opt_name == "sgd_momentum"
+        else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
+    batch = {
+        "main": Batch(image=torch.randn(3, 8), meta={"scale": 2.0, "name": "x", "none": None}),
+        "pair": Pair(a=[1, 2], b=torch.tensor(0.5)),
+        "extra": (torch.arange(4), [torch.ones(2, dtype=torch.bfloat16)]),
+    }
+    with Recorder(model, opt, loss_fn=nested_loss, out_dir=out_dir, bundle_format=fmt, diagnose=False) as rec:
+        for _ in range(2):
+            rec.record(batch)
+            nested_loss(model, batch).backward()
+            opt.step()
+        state = {k: {kk: (vv.clone() if isinstance(vv, torch.Tensor) else vv) for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
+        rec.record(batch)
+        nested_loss(model, batch).backward()
+        model.fc1.weight.grad[0, 0] = float("nan")
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    path = info.value.bundle_path
+    assert path.endswith(".h5" if fmt == "h5" else ".safetensors")
+    with open_bundle(path) as b:
+        got = b.step(2).batches[0]
+        assert isinstance(got["main"], Batch) and torch.equal(got["main"].image, batch["main"].image)
+        assert got["main"].meta == batch["main"].meta
+        assert isinstance(got["pair"], Pair) and got["pair"].a == [1, 2] and torch.equal(got["pair"].b, batch["pair"].b)
+        assert isinstance(got["extra"], tuple) and torch.equal(got["extra"][0], batch["extra"][0])
+        assert got["extra"][1][0].dtype == torch.bfloat16
+        saved = b.state().optimizer
+        assert saved["param_groups"] == opt.state_dict()["param_groups"]
+        for k, v in state.items():
+            for kk, vv in v.items():
+                assert torch.equal(saved["state"][k][kk], vv) if isinstance(vv, torch.Tensor) else saved["state"][k][kk] == vv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["h5", "safetensors"])
+def test_weights_and_grads_of_every_float_dtype_round_trip_bit_exactly(out_dir, dtype, fmt):
+    model = models.make_mlp().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out_dir, bundle_format=fmt, diagnose=False) as rec:
+        model(torch.randn(2, 8, dtype=dtype)).float().sum().backward()
+        g = model.fc1.weight.grad
+        g.view(torch.int16 if dtype.itemsize == 2 else torch.int32 if dtype.itemsize == 4 else torch.int64)[0, 0] = -1  # NaN with a full payload
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    with open_bundle(info.value.bundle_path) as b:
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        for n, p in model.named_parameters():
+            assert b.state().params[n].dtype == dtype
+            assert torch.equal(b.state().params[n].view(ints), p.detach().view(ints))
+            assert torch.equal(b.grads()[n].view(ints), p.grad.view(ints))
