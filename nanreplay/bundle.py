@@ -93,6 +93,9 @@ class StepRecord:
         finite: ``True``/``False`` once checked, ``None`` before.
         buffers: step-start buffers (FQN -> tensor) when kept for this step.
         snapshot: step-start weights and optimizer state, when ``snapshot_every`` chose this step.
+        autocast: ``{"device_type": "cuda", "dtype": "float16"}`` when the model's forward ran
+            under ``torch.autocast``, else ``None``; replay runs the step under the same autocast.
+        scaler_skipped: ``True`` when a GradScaler skipped this step's optimizer step.
     """
 
     step: int
@@ -106,6 +109,8 @@ class StepRecord:
     finite: Optional[bool] = None
     buffers: Optional[dict[str, torch.Tensor]] = None
     snapshot: Optional[Snapshot] = None
+    autocast: Optional[dict] = None
+    scaler_skipped: Optional[bool] = None
 
 
 @dataclass
@@ -217,6 +222,8 @@ def write_bundle(path: str | Path, content: BundleContent) -> Path:
                 "finite": rec.finite,
                 "buffers": bufm,
                 "snapshot": snapm,
+                "autocast": rec.autocast,
+                "scaler_skipped": rec.scaler_skipped,
             }
         )
     state_meta = _snapshot_to_flat(content.state, "state/", tensors)
@@ -341,6 +348,8 @@ class Bundle:
                 finite=m.get("finite"),
                 buffers={b: get(f"{p}buffers/{b}") for b in m["buffers"]} if m.get("buffers") is not None else None,
                 snapshot=_snapshot_from_flat(get, m["snapshot"], f"{p}snapshot/") if m.get("snapshot") else None,
+                autocast=_autocast_meta(m.get("autocast")),
+                scaler_skipped=m.get("scaler_skipped"),
             )
 
         return self._guard(f"step {k}", build)
@@ -364,6 +373,19 @@ class Bundle:
     @property
     def loss_fn(self) -> Optional[str]:
         return self.meta.get("loss_fn")
+
+
+_AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _autocast_meta(m: Any) -> Optional[dict]:
+    """Validate a step's ``autocast`` entry (untrusted input): None, or a device type and one of
+    the autocast dtypes."""
+    if m is None:
+        return None
+    if not isinstance(m, dict) or not isinstance(m.get("device_type"), str) or m.get("dtype") not in _AUTOCAST_DTYPES:
+        raise ValueError(f"autocast entry {m!r}: expected {{'device_type': str, 'dtype': one of {_AUTOCAST_DTYPES}}}")
+    return {"device_type": m["device_type"], "dtype": m["dtype"]}
 
 
 def open_bundle(path: str | Path) -> Bundle:

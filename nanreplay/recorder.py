@@ -76,6 +76,16 @@ class RecorderConfig:
         capture_cotangent: keep the gradient w.r.t. the model's outputs, so a model-only replay
             works without the loss function.
         check_loss: also check the loss given to :meth:`Recorder.log_loss`.
+        check_in_optimizer_step: run the check in the optimizer's step pre-hook (default). Turn it
+            off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
+            (Lightning does), and call :meth:`Recorder.check_step` where the gradients are ready.
+        origin_hook: when ``model`` is a ``DistributedDataParallel``, register the comm hook of
+            :func:`nanreplay.distributed.register_origin_hook` (each bucket checked before its
+            all-reduce, so the rank where a non-finite gradient was born is known). Needs one extra
+            copy of the gradients per step (the rank-local gradients, kept until the step ends).
+        min_scale: with a GradScaler, dump when a skipped step leaves the loss scale below this.
+        max_scaler_skips: with a GradScaler, dump when more than this many consecutive steps were
+            skipped for non-finite gradients (a healthy fp16 run skips a few in a row at most).
     """
 
     action: str = "raise"
@@ -90,6 +100,10 @@ class RecorderConfig:
     copy_batch: Optional[bool] = None
     capture_cotangent: bool = True
     check_loss: bool = True
+    check_in_optimizer_step: bool = True
+    origin_hook: bool = True
+    min_scale: float = 1.0
+    max_scaler_skips: int = 10
 
     def __post_init__(self) -> None:
         if self.action not in _ACTIONS:
@@ -104,6 +118,10 @@ class RecorderConfig:
             raise ValueError(f"bundle_format must be 'h5' or 'safetensors', got {self.bundle_format!r}")
         if self.max_consecutive < 1:
             raise ValueError(f"max_consecutive must be >= 1, got {self.max_consecutive}")
+        if self.max_scaler_skips < 1:
+            raise ValueError(f"max_scaler_skips must be >= 1, got {self.max_scaler_skips}")
+        if not self.min_scale >= 0:
+            raise ValueError(f"min_scale must be a loss scale >= 0, got {self.min_scale}")
 
 
 def callable_path(fn: Any) -> Optional[str]:
@@ -143,7 +161,12 @@ class Recorder:
     """Records a training loop and dumps a bundle on the first non-finite gradient.
 
     Args:
-        model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls).
+        model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls),
+            or its ``DistributedDataParallel`` wrapper: the Recorder then hooks the wrapped module
+            (FQNs without the ``module.`` prefix, so the bundle replays on a plain model), takes
+            its decisions together with every rank (see :mod:`nanreplay.distributed`) and finds
+            the rank where the non-finite value was born. Under ``torch.distributed`` without DDP
+            the agreement still happens; bundles are named ``...-rank{r}of{w}``.
         optimizer: its ``torch.optim.Optimizer``; the check runs in its step pre-hook.
         loss_fn: optional ``loss_fn(model, batch) -> loss`` (scalar tensor) computing the loss
             from a batch given to :meth:`record`; a callable, or its import path
@@ -151,7 +174,9 @@ class Recorder:
             without it, replay drives the backward pass with the recorded cotangent.
         model_factory: optional zero-argument callable (or import path) returning a fresh model
             of the same architecture, for ``nanreplay replay`` in another process.
-        scaler: optional ``torch.amp.GradScaler``; its state is saved in the bundle.
+        scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients are
+            normal and only counted (:attr:`scaler_skips`); see :mod:`nanreplay.amp` for when
+            they become a failure. Its state is saved in the bundle and restored by replay.
         config: a :class:`RecorderConfig`; keyword ``options`` override its fields.
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
@@ -187,6 +212,10 @@ class Recorder:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
+        from .distributed import RankContext, unwrap_model
+
+        self.wrapper = model
+        model = unwrap_model(model)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -208,12 +237,28 @@ class Recorder:
         self._buffer_versions: dict[str, int] = {}
         self._pending_loss: Optional[torch.Tensor] = None
         self._replaying = False           # set while diagnose_live replays on the live model
+        self.extra_meta: dict[str, Any] = {}   # JSON merged into every bundle's metadata
         self._handles: list[Any] = []
         self._closed = False
+        self.dist = RankContext.detect(self)    # None outside torch.distributed
+        self._amp = None
+        if scaler is not None:
+            from .amp import ScalerWatch
+
+            self._amp = ScalerWatch(self, scaler)
+            self._handles.append(self._amp)
         self._handles.append(model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
-        self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
+        if self.config.check_in_optimizer_step:
+            self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
+        if self.dist is not None and self.config.origin_hook and model is not self.wrapper:
+            self.dist.attach_origin_hook(self.wrapper)
+
+    @property
+    def scaler_skips(self) -> int:
+        """Steps the GradScaler skipped for non-finite gradients so far (0 without a scaler)."""
+        return self._amp.total_skips if self._amp is not None else 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -299,6 +344,8 @@ class Recorder:
         if self._replaying or not torch.is_grad_enabled():
             return None
         rec = self._begin_step()
+        if rec.autocast is None:
+            rec.autocast = _autocast_state(args, kwargs)
         rec.forwards.append(ForwardRecord(inputs=self._capture_tree((args, kwargs))))
         return None
 
@@ -333,31 +380,55 @@ class Recorder:
         return out
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.check_step()
+        return None
+
+    def check_step(self) -> bool:
+        """Check the gradients now (and the loss given to :meth:`log_loss`): one fused norm and
+        one host read; under ``torch.distributed`` one small all-reduce too, so every rank takes
+        the same decision. Returns ``True`` when the step is finite (on every rank), else acts
+        as ``action`` says (``"raise"`` raises here) and returns ``False``.
+
+        The optimizer step pre-hook calls it; call it yourself with
+        ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
         rec = self._begin_step()
-        rec.lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        rec.lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
         loss = self._pending_loss if self.config.check_loss else None
         self._pending_loss = None
-        vals: list[Optional[float]]
-        if norm is not None and loss is not None:
-            vals = torch.stack([norm, loss.to(norm.device, torch.float32)]).tolist()  # one sync
-        elif norm is not None:
-            vals = [norm.item(), None]
-        elif loss is not None:
-            vals = [None, float(loss)]
-        else:
-            vals = [None, None]
-        rec.grad_norm, rec.loss = vals
+        rec.grad_norm, rec.loss, agreed = self._read_check(norm, loss)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
-        rec.finite = not (bad_grad or bad_loss)
+        rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._seal(rec)
+        if self._amp is not None:
+            self._amp.on_checked(rec.finite)
         if rec.finite:
             self.skipped = 0
-            return None
+            return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
-        return None
+        return False
+
+    def _read_check(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[Optional[float], Optional[float], Optional[bool]]:
+        """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
+        finiteness is ``None`` outside torch.distributed; inside, the ranks' flags are all-reduced
+        on the device first (:meth:`nanreplay.distributed.RankContext.agree`)."""
+        present = [t for t in (norm, loss) if t is not None]
+        if self.dist is None and not present:
+            return None, None, None
+        device = present[0].device if present else self.dist.device()
+        parts = [t.to(device, torch.float32).reshape(1) for t in present]
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
+        n = len(parts)
+        if self.dist is not None:
+            flat = torch.cat([flat, self.dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])
+        vals = flat.tolist()  # the one host read
+        it = iter(vals[:n])
+        g = next(it) if norm is not None else None
+        lo = next(it) if loss is not None else None
+        agreed = self.dist.decide(vals[n:]) if self.dist is not None else None
+        return g, lo, agreed
 
     def _seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
@@ -369,8 +440,14 @@ class Recorder:
             logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.end_step()
+
+    def end_step(self) -> None:
+        """Close the step in progress: the next forward or :meth:`record` starts step
+        ``self.step + 1``. The optimizer step post-hook calls it."""
         self.step += 1
         self._current = None
+        self._pending_loss = None
         self._evict()
 
     # -- the non-finite path -------------------------------------------------------------------
@@ -382,7 +459,9 @@ class Recorder:
         if clone:
             opt_sd = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, opt_sd)
         extra = {}
-        if self.scaler is not None and hasattr(self.scaler, "state_dict"):
+        if self._amp is not None:
+            extra["scaler"] = self._amp.state_for_bundle()
+        elif self.scaler is not None and hasattr(self.scaler, "state_dict"):
             extra["scaler"] = self.scaler.state_dict()
         return Snapshot(
             params={n: cp(p) for n, p in self.model.named_parameters()},
@@ -391,17 +470,25 @@ class Recorder:
             extra=extra,
         )
 
-    def _handle_nonfinite(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool) -> None:
+    def _handle_nonfinite(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, *, cause: Optional[dict] = None) -> None:
+        """``cause``: JSON merged into the bundle's ``reason``; its ``"message"`` replaces the
+        opening words of the error message (used for GradScaler and cross-rank decisions)."""
         self.nonfinite_steps.append(rec.step)
         action = self.config.action
         first = len(self.bundles) < self.config.max_dumps and (action == "raise" or self.skipped == 0)
+        cause = dict(cause or {})
+        if self.dist is not None:
+            cause = {**self.dist.reason(), **cause}
+        if self._amp is not None:
+            cause = {**self._amp.reason(bad_grad), **cause}
         path: Optional[Path] = None
         if first:
-            path = self._dump(rec, grads, bad_grad, bad_loss)
-        what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b)
+            path = self._dump(rec, grads, bad_grad, bad_loss, cause)
+        what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
         summary = (self.last_diagnosis or {}).get("summary") if first else None
+        head = cause.get("message") or f"non-finite {what}"
         msg = (
-            f"non-finite {what} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})"
+            f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})"
             + (f"; bundle: {path}" if path else "; no bundle written" if first else "")
             + (f"; diagnosis: {summary}" if summary else "")
             + (f"; inspect with: nanreplay replay {path}" if path else "")
@@ -432,13 +519,16 @@ class Recorder:
         state = self.snapshot_state(clone=False)
         if rec.buffers is not None:
             state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
+        grad_tensors = {n: g.detach() for n, g in grads}
+        if self.dist is not None:
+            grad_tensors = self.dist.local_grads(grads, grad_tensors)
         steps = [r for r in self.ring if r.step <= rec.step]
         group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
         return BundleContent(
             failing_step=rec.step,
             steps=steps,
             state=state,
-            grads={n: g.detach() for n, g in grads},
+            grads=grad_tensors,
             model_info=model_info(self.model),
             optimizer_info={
                 "class": callable_path(type(self.optimizer)),
@@ -448,9 +538,10 @@ class Recorder:
             reason=reason,
             model_factory=self.model_factory_path,
             loss_fn=self.loss_fn_path,
+            extra_meta=dict(self.extra_meta),
         )
 
-    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool) -> Optional[Path]:
+    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, cause: Optional[dict] = None) -> Optional[Path]:
         t0 = time.perf_counter()
         reason = {
             "nonfinite_grad": bad_grad,
@@ -458,6 +549,7 @@ class Recorder:
             "grad_norm": fnum(rec.grad_norm),
             "loss": fnum(rec.loss),
             "action": self.config.action,
+            **(cause or {}),
         }
         try:
             content = self.bundle_content(rec, grads, reason)
@@ -469,6 +561,8 @@ class Recorder:
                 from .replay import diagnose_live
 
                 content.diagnosis = diagnose_live(self, content)
+                if self.dist is not None:
+                    self.dist.annotate(content.diagnosis)
                 self.last_diagnosis = content.diagnosis
             except Exception:
                 logger.exception("nanreplay: in-process diagnosis of step %d failed; the bundle is written without it", rec.step)
@@ -485,7 +579,7 @@ class Recorder:
         return written
 
     def _name_suffix(self) -> str:
-        return ""
+        return self.dist.name_suffix() if self.dist is not None else ""
 
     def _evict(self) -> None:
         """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes."""
@@ -525,6 +619,19 @@ def model_info(model: torch.nn.Module) -> dict:
         "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""), "device": str(b.device)} for n, b in model.named_buffers()},
         "modules": [[n, type(m).__name__] for n, m in model.named_modules()],
     }
+
+
+def _autocast_state(*trees: Any) -> Optional[dict]:
+    """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
+    ``None`` outside autocast; replay runs the step under the same autocast."""
+    kinds = ["cpu"] + [t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.device.type != "cpu"][:1]
+    for dev in reversed(kinds):
+        try:
+            if torch.is_autocast_enabled(dev):
+                return {"device_type": dev, "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+        except (TypeError, RuntimeError):  # a device type this torch has no autocast for
+            continue
+    return None
 
 
 def _jsonable(v: Any) -> Any:

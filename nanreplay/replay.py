@@ -251,6 +251,8 @@ class StepInputs:
     state: Snapshot
     recorded_grads: dict[str, torch.Tensor]
     loss_fn: Optional[Callable] = None
+    scaler: Optional[dict] = None          # GradScaler state_dict of the step, when one was used
+    grads_unscaled: Optional[bool] = None  # whether the recorded gradients were unscaled
 
 
 @dataclass
@@ -357,6 +359,12 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             f"step {rec.step} has no recorded batch or forward call; the recorder saw no grad-enabled forward "
             "of the model in that step. Call Recorder.record(batch) in the loop."
         )
+    from .amp import replay_scaler
+
+    dev = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    scaler = replay_scaler(inp.scaler, dev)
+    ac = rec.autocast
+    autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
     mon = ModuleMonitor(model)
     tracker = ModuleTracker()
     opmon = OpMonitor(tracker, type(model).__name__) if ops else None
@@ -373,7 +381,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     if opmon:
                         opmon.phase = "loss_fn"
                     n0 = len(mon.events)
-                    loss = inp.loss_fn(model, _to_device(b, device))
+                    with autocast:
+                        loss = inp.loss_fn(model, _to_device(b, device))
                     top = [e for e in mon.events[n0:] if e["module"] == ""]
                     outs.append(top[-1]["output"] if top else None)
                     if not isinstance(loss, torch.Tensor):
@@ -382,7 +391,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     mon.phase = "backward"
                     if opmon:
                         opmon.phase = "backward"
-                    loss.backward()
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
             else:
                 pending = []
                 for fw in rec.forwards:
@@ -390,7 +399,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     if opmon:
                         opmon.phase = "forward"
                     args, kwargs = _to_device(fw.inputs, device)
-                    out = model(*args, **kwargs)
+                    with autocast:
+                        out = model(*args, **kwargs)
                     outs.append(tensor_health(_tensors(out)))
                     if mode == "cotangent":
                         pending.append((out, _to_device(fw.cotangent, device)))
@@ -407,6 +417,9 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                         torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
                 if mode == "forward-only":
                     warnings.append("no cotangent and no loss function: only the forward pass was replayed")
+            if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only":
+                # the recorded gradients were unscaled by the scaler: unscale the replayed ones the same way
+                scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
     finally:
         mon.close()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -684,7 +697,10 @@ def diagnose_live(recorder: Any, content: BundleContent) -> dict:
     gradients, buffers, module modes and RNG states, so training can continue unchanged."""
     rec = content.steps[-1]
     model = recorder.model
-    inp = StepInputs(record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn)
+    inp = StepInputs(
+        record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn,
+        scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
+    )
     recorder._replaying = True
     try:
         with _preserve_live(model):
@@ -731,6 +747,8 @@ def replay(
     own = not isinstance(bundle, Bundle)
     b = open_bundle(bundle) if own else bundle
     try:
+        if model is None and model_factory is None and b.model_factory is None and b.meta.get("model_init"):
+            model = build_from_init(b.meta["model_init"])
         if model is None:
             factory = model_factory or b.model_factory
             if factory is None:
@@ -755,7 +773,10 @@ def replay(
         state = b.state()
         rec = b.step(b.failing_step)
         load_state(model, state)
-        inp = StepInputs(record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf)
+        inp = StepInputs(
+            record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf,
+            scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
+        )
         diag = replay_step(model, inp, ops=ops, device=dev)
         diag["bundle"] = str(b.path)
         diag["device"] = str(dev)
@@ -763,6 +784,29 @@ def replay(
     finally:
         if own:
             b.close()
+
+
+def build_from_init(init: Any) -> torch.nn.Module:
+    """Build a model from a bundle's ``model_init`` entry, ``{"class": "pkg.mod:Class",
+    "kwargs": {...JSON...}}``: ``Class(**kwargs)``, the way Lightning's ``load_from_checkpoint``
+    rebuilds a LightningModule from its saved hyperparameters.
+
+    Raises:
+        ReplayError: a malformed entry, a class that cannot be imported, or a constructor error.
+    """
+    if not isinstance(init, dict) or not isinstance(init.get("class"), str) or not isinstance(init.get("kwargs", {}), dict):
+        raise ReplayError(f"the bundle's model_init is {init!r}; expected {{'class': 'pkg.mod:Class', 'kwargs': {{...}}}}: pass --model-factory")
+    cls = import_callable(init["class"])
+    try:
+        model = cls(**init.get("kwargs", {}))
+    except Exception as e:
+        raise ReplayError(
+            f"{init['class']}(**{init.get('kwargs')}) raised {type(e).__name__}: {e}; the recorded hyperparameters do not "
+            "rebuild the model here: pass --model-factory"
+        ) from e
+    if not isinstance(model, torch.nn.Module):
+        raise ReplayError(f"{init['class']} built a {type(model).__name__}, expected a torch.nn.Module")
+    return model
 
 
 def _recorded_device(b: Bundle) -> torch.device:
