@@ -92,57 +92,81 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 
 
 @main.command()
-@_bundle_arg
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=Path))
 @click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
-    """Summarise BUNDLE without running anything: steps held, tensors, sizes, metadata and the
-    stored diagnosis. Safe on untrusted files: no code from the bundle runs."""
+def inspect(bundles: tuple[Path, ...], keys: bool, as_json: bool) -> None:
+    """Summarise BUNDLES without running anything: steps held, tensors, sizes, metadata and the
+    stored diagnosis. Safe on untrusted files: no code from the bundle runs.
+
+    Given the bundles of several ranks of one distributed run, also says which rank the
+    non-finite values were born on (JSON: {"bundles": [...], "ranks": {...}})."""
+    from .distributed import rank_summary
+
+    infos = [_guard(lambda b=b: _summarise(b, keys)) for b in bundles]
+    if len(infos) == 1:
+        info = infos[0]
+        if as_json:
+            click.echo(_dump_json(info))
+            return
+        _echo_summary(info, keys)
+        return
+    ranks = rank_summary(infos)
+    if as_json:
+        click.echo(_dump_json({"bundles": infos, "ranks": ranks}))
+        return
+    for info in infos:
+        _echo_summary(info, keys)
+        click.echo("")
+    click.echo(f"ranks {ranks['ranks']}: {ranks['message']}")
+
+
+def _summarise(bundle: Path, keys: bool) -> dict:
     from .bundle import open_bundle
 
-    def summarise() -> dict:
-        with open_bundle(bundle) as b:
-            infos = {k: b.info(k) for k in b.keys()}
-            steps = []
-            for s in b.meta["steps"]:
-                steps.append(
-                    {
-                        "step": s["step"],
-                        "forwards": len(s["forwards"]),
-                        "batches": len(s["batches"]),
-                        "loss": s.get("loss"),
-                        "grad_norm": s.get("grad_norm"),
-                        "lrs": s.get("lrs"),
-                        "finite": s.get("finite"),
-                        "snapshot": bool(s.get("snapshot")),
-                    }
-                )
-            return {
-                "path": str(b.path),
-                "format": b.format,
-                "failing_step": b.failing_step,
-                "reason": b.meta.get("reason"),
-                "environment": b.meta.get("environment"),
-                "model_class": b.meta.get("model", {}).get("class"),
-                "model_factory": b.model_factory,
-                "loss_fn": b.loss_fn,
-                "optimizer": b.meta.get("optimizer", {}).get("class"),
-                "steps": steps,
-                "tensors": len(infos),
-                "tensor_bytes": sum(i.nbytes for i in infos.values()),
-                "file_bytes": b.path.stat().st_size,
-                "keys": {k: {"shape": list(i.shape), "dtype": str(i.dtype).replace("torch.", ""), "nbytes": i.nbytes} for k, i in infos.items()} if keys else None,
-                "diagnosis": b.diagnosis,
-                **{k: b.meta[k] for k in ("rank", "world_size") if k in b.meta},
-            }
+    with open_bundle(bundle) as b:
+        infos = {k: b.info(k) for k in b.keys()}
+        steps = []
+        for s in b.meta["steps"]:
+            steps.append(
+                {
+                    "step": s["step"],
+                    "forwards": len(s["forwards"]),
+                    "batches": len(s["batches"]),
+                    "loss": s.get("loss"),
+                    "grad_norm": s.get("grad_norm"),
+                    "lrs": s.get("lrs"),
+                    "finite": s.get("finite"),
+                    "snapshot": bool(s.get("snapshot")),
+                }
+            )
+        return {
+            "path": str(b.path),
+            "format": b.format,
+            "failing_step": b.failing_step,
+            "reason": b.meta.get("reason"),
+            "environment": b.meta.get("environment"),
+            "model_class": b.meta.get("model", {}).get("class"),
+            "model_factory": b.model_factory,
+            "loss_fn": b.loss_fn,
+            "optimizer": b.meta.get("optimizer", {}).get("class"),
+            "steps": steps,
+            "tensors": len(infos),
+            "tensor_bytes": sum(i.nbytes for i in infos.values()),
+            "file_bytes": b.path.stat().st_size,
+            "keys": {k: {"shape": list(i.shape), "dtype": str(i.dtype).replace("torch.", ""), "nbytes": i.nbytes} for k, i in infos.items()} if keys else None,
+            "diagnosis": b.diagnosis,
+            **{k: b.meta[k] for k in ("rank", "world_size", "distributed") if k in b.meta},
+        }
 
-    info = _guard(summarise)
-    if as_json:
-        click.echo(_dump_json(info))
-        return
+
+def _echo_summary(info: dict, keys: bool) -> None:
     click.echo(f"{info['path']} ({info['format']}, {info['file_bytes']} bytes, {info['tensors']} tensors, {info['tensor_bytes']} tensor bytes)")
     env = info.get("environment") or {}
     click.echo(f"  written by nanreplay {env.get('nanreplay')}, torch {env.get('torch')}, numpy {env.get('numpy')}, python {env.get('python')}")
+    if "rank" in info:
+        d = info.get("distributed") or {}
+        click.echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
     click.echo(f"  failing step: {info['failing_step']}   reason: {info['reason']}")
     click.echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
     click.echo("  steps held (ring buffer):")

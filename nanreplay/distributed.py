@@ -243,7 +243,7 @@ def register_origin_hook(
     inner = hook or default_hooks.allreduce_hook
     inner_state = state if hook is not None else (state if state is not None else context.group)
 
-    def nanreplay_origin_hook(_: Any, bucket: "dist.GradBucket") -> torch.futures.Future:
+    def nanreplay_origin_hook(_, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations: none here
         context.note_bucket(bucket, keep=keep_local_grads)
         return inner(inner_state, bucket)
 
@@ -257,6 +257,7 @@ def rank_summary(metas: Iterable[dict]) -> dict:
     The first failing step is the smallest ``failing_step``; the origin ranks are those whose
     local values were non-finite before the all-reduce in that step (as recorded in every
     rank's bundle). Returns ``{"first_step", "origin_ranks", "ranks", "world_size", "message"}``."""
+    metas = list(metas)
     rows = []
     for m in metas:
         d = m.get("distributed") or {}
@@ -266,7 +267,7 @@ def rank_summary(metas: Iterable[dict]) -> dict:
         return {"first_step": None, "origin_ranks": [], "ranks": [], "world_size": None, "message": "no bundle carries a rank: these are single-process bundles"}
     first = min(r["step"] for r in with_rank)
     origins = sorted({o for r in with_rank if r["step"] == first for o in r["origin_ranks"]})
-    ws = {m.get("world_size") for m in metas} - {None} if isinstance(metas, list) else set()
+    ws = {m.get("world_size") for m in metas} - {None}
     if origins:
         msg = f"first non-finite step {first}: born on rank(s) {origins} before the gradient all-reduce"
     else:

@@ -92,3 +92,22 @@ def mse_loss(model: nn.Module, batch) -> torch.Tensor:
 
 def mean_loss(model: nn.Module, batch) -> torch.Tensor:
     return model(batch["x"]).mean()
+
+
+class RatioNet(nn.Module):
+    """A bias-free projection, a row normalisation, a head: a zero input row (padding) makes
+    0 / 0 = NaN born in ``norm``; any other row is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.norm = SafeDiv()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.proj(x)))
+
+
+def make_ratio() -> nn.Module:
+    torch.manual_seed(1234)  # the same weights on every rank and in replay
+    return RatioNet()
