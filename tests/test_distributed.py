@@ -25,9 +25,17 @@ BAD_RANK, BAD_STEP = 1, 2
 JOIN_TIMEOUT_S = 90
 
 
-def _worker(rank: int, world: int, store: str, out: str, action: str) -> None:
+def _worker(rank: int, world: int, store: str, out: str, actions: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        for action in actions:  # one process group, one fresh model and Recorder per scenario
+            _scenario(rank, str(Path(out, action)), action)
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenario(rank: int, out: str, action: str) -> None:
     result: dict = {"rank": rank, "steps_done": 0}
     try:
         model = models.make_ratio()
@@ -56,15 +64,14 @@ def _worker(rank: int, world: int, store: str, out: str, action: str) -> None:
             result["hooked"] = rec.dist.hooked
         dist.barrier()  # every rank reaches here: nobody was left waiting in a collective
     finally:
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
 
 
-def _run(tmp: Path, action: str) -> list[dict]:
+def _run(tmp: Path, actions: list[str]) -> dict[str, list[dict]]:
     out = tmp / "bundles"
-    out.mkdir()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(_worker, args=(WORLD, str(tmp / "store"), str(out), action), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(WORLD, str(tmp / "store"), str(out), actions), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not ctx.join(timeout=1):
@@ -74,12 +81,17 @@ def _run(tmp: Path, action: str) -> list[dict]:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    return [json.loads((out / f"result{r}.json").read_text()) for r in range(WORLD)]
+    return {a: [json.loads((out / a / f"result{r}.json").read_text()) for r in range(WORLD)] for a in actions}
 
 
 @pytest.fixture(scope="module")
-def raised(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ddp_raise"), "raise")
+def runs(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ddp"), ["raise", "skip"])
+
+
+@pytest.fixture(scope="module")
+def raised(runs):
+    return runs["raise"]
 
 
 def test_both_ranks_stop_in_the_same_step(raised):
@@ -130,8 +142,8 @@ def test_inspect_on_rank_bundles_names_the_first_rank(raised):
     assert [b["rank"] for b in info["bundles"]] == [0, 1]
 
 
-def test_skip_is_agreed_and_keeps_ranks_in_step(tmp_path):
-    res = _run(tmp_path, "skip")
+def test_skip_is_agreed_and_keeps_ranks_in_step(runs):
+    res = runs["skip"]
     # both ranks skipped the same step and went on; their weights stay identical
     assert [r["nonfinite_steps"] for r in res] == [[BAD_STEP], [BAD_STEP]]
     assert [r["steps_done"] for r in res] == [5, 5]

@@ -1,0 +1,97 @@
+"""The Lightning callback with a real Trainer on the CPU: a NaN stops training, the bundle
+rebuilds the LightningModule from its hyperparameters and replays training_step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import models  # noqa: E402
+from nanreplay import NonFiniteGradientError, open_bundle, replay  # noqa: E402
+from nanreplay.integrations.lightning import NanReplayCallback  # noqa: E402
+
+BAD_STEP = 2
+
+
+class LitRatio(pl.LightningModule):
+    def __init__(self, lr: float = 0.05, seed: int = 1234) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = models.RatioNet()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+def _loader():
+    g = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(36, 8, generator=g), torch.randn(36, 4, generator=g)
+    xs[6 * BAD_STEP + 1] = 0.0  # a padding row in the third batch: 0 / 0 in net.norm
+    ds = torch.utils.data.TensorDataset(xs, ys)
+    return torch.utils.data.DataLoader(ds, batch_size=6, shuffle=False)
+
+
+def _trainer(cb):
+    return pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+    )
+
+
+def test_trainer_stops_at_the_nan_and_the_bundle_replays(tmp_path):
+    model = LitRatio(lr=0.05)
+    cb = NanReplayCallback(out_dir=tmp_path)
+    trainer = _trainer(cb)
+    trainer.fit(model, _loader())
+    assert trainer.should_stop
+    assert cb.recorder.nonfinite_steps == [BAD_STEP]
+    assert cb.recorder.step == BAD_STEP + 1  # stopped right after the failing batch
+    with open_bundle(cb.bundle_path) as b:
+        assert b.failing_step == BAD_STEP
+        assert b.meta["model_init"] == {"class": "test_lightning:LitRatio", "kwargs": {"lr": 0.05, "seed": 1234}}
+        assert b.loss_fn == "nanreplay.integrations.lightning:training_step_loss"
+        state = b.state()
+        batch = b.step(BAD_STEP).batches[0]
+    assert batch["batch_idx"] == BAD_STEP
+    # the failing step was skipped: the weights after fit are the failing step's pre-step weights
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), state.params[n]), n
+    diag = replay(cb.bundle_path)  # rebuilds LitRatio(lr=0.05, seed=1234), loss = training_step
+    assert diag["mode"] == "loss_fn"
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+    assert diag["phase"] == "forward" and diag["origin"]["module"] == "net.norm"
+
+
+def test_raise_mode_raises_from_fit(tmp_path):
+    cb = NanReplayCallback(out_dir=tmp_path, on_nonfinite="raise", diagnose=False)
+    with pytest.raises(NonFiniteGradientError) as info:
+        _trainer(cb).fit(LitRatio(), _loader())
+    assert info.value.step == BAD_STEP
+    assert info.value.bundle_path == cb.bundle_path and cb.bundle_path.endswith(f"nanreplay-step{BAD_STEP}.h5")
+
+
+def test_callback_refuses_action():
+    with pytest.raises(ValueError, match="action is set by NanReplayCallback"):
+        NanReplayCallback(action="warn")
+
+
+def test_import_nanreplay_does_not_import_lightning():
+    code = "import sys, nanreplay, nanreplay.cli; print(json.dumps(sorted(m for m in sys.modules if 'lightning' in m)))"
+    out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
