@@ -130,3 +130,12 @@ def test_model_that_does_not_match_exits_5(nested_bundle):
 def test_help(command):
     r = _run(*command, "--help")
     assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def test_cli_help_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, nanreplay.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
