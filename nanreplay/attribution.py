@@ -396,3 +396,152 @@ def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], 
     if explode and not dom:
         return {"cause": "explosion", "detail": "values grew across steps", "evidence": ev}
     return {"cause": "numerics", "detail": dom or f"{b['op']} outside its domain", "evidence": ev}
+
+
+# ---------------------------------------------------------------------------------------------
+# putting it together: the attribution fields of the diagnosis
+# ---------------------------------------------------------------------------------------------
+def _kinds(h: Any) -> str:
+    if h is None:
+        return "non-finite value"
+    h = h.to_json() if isinstance(h, Health) else h
+    parts = [n for n, k in (("NaN", "nan"), ("+Inf", "posinf"), ("-Inf", "neginf")) if h.get(k)]
+    return " and ".join(parts) or "non-finite value"
+
+
+def _where_src(src: Optional[dict]) -> Optional[str]:
+    return f"{os.path.basename(src['file'])}:{src['line']}" if src else None
+
+
+def _compact(b: dict) -> dict:
+    out = b.get("output")
+    out = out.to_json() if isinstance(out, Health) else out
+    return {
+        "phase": b["phase"], "op": b["op"], "node": b.get("node"), "module": b.get("module"),
+        "source": b.get("source"), "kinds": _kinds(out), "op_index": b.get("op_index"),
+    }
+
+
+def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, device: Optional[torch.device] = None, samples: bool = True) -> dict:
+    """Add the exact attribution to a diagnosis (``docs/report.md`` documents every field):
+
+    * ``origin`` gains ``aten``, ``node``, ``forward_op``, ``source`` (the user's file/line),
+      ``nonfinite`` (``"NaN"``, ``"+Inf"``...), ``dtype``, ``shape``, ``inputs``/``output`` health;
+    * ``chain``: the op-level births up to the origin, in execution order (a forward -Inf masked by
+      ``torch.where`` before a backward NaN);
+    * ``samples``: which samples carry the first non-finite values (rows of the producer op's
+      output) or alone make the step non-finite (per-sample replay);
+    * ``optimizer``: the replay of ``optimizer.step()`` when the forward and backward are finite;
+    * ``classification``: the cause verdict with its evidence; ``history``: grad norms and
+      learning rates of the ring buffer; ``allowed_births`` and ``allowlist``;
+    * ``summary``: the one actionable sentence.
+    """
+    from .blame import batch_size, replay_optimizer_update, samples_to_blame
+
+    births = result.ops.births if result.ops is not None else []
+    origin = diag.get("origin")
+    phase = diag["phase"]
+    opt_res = None
+    grads_finite = all(not (is_float(g) and not bool(torch.isfinite(g).all())) for g in inp.recorded_grads.values())
+    if phase == "none" and inp.optimizer_info and inp.state.optimizer is not None and grads_finite and inp.recorded_grads:
+        opt_res = replay_optimizer_update(inp.state, inp.recorded_grads, inp.optimizer_info, device=device, allow=result.ops.allow if result.ops else None)
+        if opt_res and opt_res.get("nonfinite"):
+            phase = diag["phase"] = "optimizer"
+            first = opt_res["param"]
+            origin = diag["origin"] = {
+                "module": first.rpartition(".")[0], "class": None, "kind": "optimizer update", "param": first,
+                "state_key": opt_res["state_key"], "optimizer": opt_res["class"],
+            }
+            classes = dict((n, type(m).__name__) for n, m in model.named_modules())
+            origin["class"] = classes.get(origin["module"])
+            diag["cause"] = opt_res["detail"]
+            if opt_res["births"]:
+                origin["op"] = opt_res["births"][0]["op"]
+    ob = None
+    if origin and origin.get("op_index") is not None:
+        ob = next((b for b in births if b["op_index"] == origin["op_index"]), None)
+    if ob is not None:
+        out_h, in_h = ob.get("output"), ob.get("inputs")
+        origin.update(
+            aten=ob.get("aten"), node=ob.get("node"), forward_op=ob.get("forward_op"), source=ob.get("source"),
+            nonfinite=_kinds(out_h), dtype=out_h.dtype if out_h else None, shape=out_h.shape if out_h else None,
+            inputs=in_h.to_json() if isinstance(in_h, Health) else in_h, output=out_h.to_json() if isinstance(out_h, Health) else out_h,
+        )
+    chain = [_compact(b) for b in births if ob is None or b["op_index"] <= ob["op_index"]] if births else []
+    diag["chain"] = chain[:16]
+    # samples
+    smp = None
+    use_loss = inp.loss_fn is not None and bool(inp.record.batches)
+    size = batch_size(inp.record, use_loss)
+    if phase == "input" and origin:
+        smp = {"indices": origin.get("samples", []), "batch_size": size, "method": "non-finite rows of the recorded batch", "warnings": []}
+    elif phase in ("forward", "loss", "backward") and size is not None:
+        rows = ob.get("rows") if ob is not None and phase != "backward" else None
+        if rows and rows["size"] == size and rows["indices"]:
+            smp = {"indices": rows["indices"], "batch_size": size, "method": "non-finite rows of the producer op's output", "warnings": []}
+        elif samples:
+            smp = samples_to_blame(model, inp, phase=phase, device=device)
+    diag["samples"] = smp
+    if origin is not None and smp is not None and phase != "input":
+        origin["samples"] = smp["indices"]
+    diag["optimizer"] = opt_res
+    hist = grad_norm_history(inp.history, inp.record.step) if inp.history else None
+    diag["history"] = hist
+    leaf = origin.get("leaf") if origin else None
+    diag["classification"] = classify(phase, ob, hist, optimizer=opt_res, input_leaf=leaf)
+    diag["allowed_births"] = len(result.ops.allowed) if result.ops is not None else None
+    diag["allowlist"] = result.ops.allow.to_json() if result.ops is not None else None
+    if smp:
+        diag["warnings"] = list(diag.get("warnings", [])) + list(smp.get("warnings", []))
+    diag["summary"] = summary_sentence(diag)
+    return diag
+
+
+def summary_sentence(diag: dict) -> str:
+    """The one actionable sentence, e.g. ``NaN born in backward of sqrt (SqrtBackward0) at
+    model.py:41 in module encoder.norm, step 4711, samples [17]; forward was finite; cause:
+    numerics (sqrt derivative at 0); reproduced exactly.``"""
+    phase, step, o = diag["phase"], diag["step"], diag.get("origin") or {}
+    repro = diag.get("reproduction") or {}
+    v = repro.get("verdict", "")
+    if v == "reproduced" and repro.get("max_abs_diff") is not None:
+        v = f"reproduced (max abs difference {repro['max_abs_diff']})"
+    if phase == "none":
+        return f"step {step}: the replay produced no non-finite value; {v}."
+    cls = diag.get("classification") or {}
+    kinds = o.get("nonfinite") or "non-finite value"
+    src = _where_src(o.get("source"))
+    mod = o.get("module")
+    in_mod = f" in module {mod or '(root module)'}" + (f" ({o['class']})" if o.get("class") else "") if mod is not None else ""
+    smp = o.get("samples")
+    parts = []
+    if phase == "input":
+        parts.append(f"non-finite value in the input data at {o.get('leaf')}")
+    elif phase == "weights":
+        parts.append(f"non-finite weights before the step ({o.get('tensor')})")
+    elif phase == "optimizer":
+        parts.append(f"{kinds if o.get('nonfinite') else 'non-finite value'} born in the optimizer update ({o.get('optimizer')}) of parameter {o.get('param')}"
+                     + (f", state {o['state_key']}" if o.get("state_key") else ""))
+    elif phase == "backward":
+        fop = o.get("forward_op") or o.get("op")
+        parts.append(f"{kinds} born in backward of {fop}" + (f" ({o['node']})" if o.get("node") else f" (op {o['op']})" if o.get("op") else "")
+                     + (f" at {src}" if src else "") + in_mod)
+    elif phase == "loss":
+        parts.append(f"{kinds} born in the loss, outside the model" + (f", in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else ""))
+    else:
+        parts.append(f"{kinds} born in the {phase} pass" + (f" in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else "") + in_mod)
+    head = parts[0] + f", step {step}" + (f", samples {smp}" if smp else "")
+    tail = []
+    if phase == "backward":
+        fwd = [c for c in diag.get("chain", []) if c["phase"] in ("forward", "loss")]
+        if fwd:
+            c = fwd[0]
+            tail.append(f"forward had {c['kinds']} born in {c['op']}" + (f" at {_where_src(c['source'])}" if c.get("source") else "")
+                        + " that was masked before the output")
+        else:
+            tail.append("forward was finite")
+    elif phase == "loss":
+        tail.append("the model's forward pass is finite; the non-finite value is born outside the model, in the loss")
+    if cls:
+        tail.append(f"cause: {cls['cause']} ({cls['detail']})")
+    return "; ".join([head] + tail) + f"; {v}."

@@ -590,6 +590,7 @@ def diagnose(
             origin = {"module": op["module"] if op else "", "class": None, "kind": "producer"}
         if op:
             origin["op"] = op["op"]
+            origin["op_index"] = op["op_index"]
         cause = "a non-finite value is born in the forward pass"
     elif loss_bad or (result.mode == "cotangent" and cot_bad):
         phase = "loss"
@@ -597,6 +598,7 @@ def diagnose(
         origin = {"module": None, "class": None, "kind": "outside the model"}
         if op:
             origin["op"] = op["op"]
+            origin["op_index"] = op["op_index"]
         cause = (
             "the model's forward pass is finite; the non-finite value is born outside the model, in the loss"
             + (" function" if result.mode == "loss_fn" else " (the recorded gradient w.r.t. the model output is non-finite)")
@@ -611,6 +613,7 @@ def diagnose(
             origin = {"module": module, "class": cls, "kind": "producer"}
             if bop is not None:
                 origin["op"] = bop["op"]
+                origin["op_index"] = bop["op_index"]
             cause = "the forward pass and the loss are finite; the non-finite value is born in the backward pass"
             if first_bad is not None:
                 origin["first_nonfinite_gradient"] = first_bad.get("param") or f"cotangent at {first_bad['module'] or '(model output)'}"
@@ -713,10 +716,13 @@ def _preserve_live(model: torch.nn.Module) -> Iterator[None]:
         rng.restore()
 
 
-def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> dict:
-    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict."""
+def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True) -> dict:
+    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict, with
+    the exact attribution of :func:`nanreplay.attribution.attribute` (source line, autograd node,
+    causal chain, samples, optimizer update, cause verdict)."""
     result = run_step(model, inp, ops=ops, device=device)
-    return diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
+    diag = diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
+    return attribution.attribute(diag, result, model, inp, device=device, samples=samples)
 
 
 def diagnose_live(recorder: Any, content: BundleContent) -> dict:
@@ -725,7 +731,11 @@ def diagnose_live(recorder: Any, content: BundleContent) -> dict:
     gradients, buffers, module modes and RNG states, so training can continue unchanged."""
     rec = content.steps[-1]
     model = recorder.model
-    inp = StepInputs(record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn)
+    inp = StepInputs(
+        record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn,
+        allow=Allowlist(recorder.config.allow_nonfinite), optimizer_info=content.optimizer_info,
+        history=list(content.steps), reason=dict(content.reason),
+    )
     recorder._replaying = True
     try:
         with _preserve_live(model):
@@ -748,6 +758,9 @@ def replay(
     device: Union[str, torch.device, None] = None,
     ops: bool = True,
     use_loss_fn: bool = True,
+    allow: Optional[Sequence[str]] = None,
+    default_allow: bool = True,
+    samples: bool = True,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
 
@@ -759,7 +772,14 @@ def replay(
             with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
         device: where to replay (default: the recorded parameters' device when present here,
             else CPU).
-        ops: run the op-level monitor (slower, names the aten op).
+        ops: run the op-level monitor (slower, names the aten op, the source line, the autograd
+            node; runs under anomaly mode).
+        allow: extra allowlist rules ``"MODULE:OP[:-inf]"`` for legitimate non-finite values, on
+            top of those recorded in the bundle (``RecorderConfig.allow_nonfinite``).
+        default_allow: keep the default rules (-Inf written by attention masking).
+        samples: find the samples to blame by per-sample replay where the producer's output
+            does not show them directly (extra forward/backward passes, see
+            :func:`nanreplay.blame.samples_to_blame`).
 
     Returns:
         the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
@@ -796,8 +816,13 @@ def replay(
         state = b.state()
         rec = b.step(b.failing_step)
         load_state(model, state)
-        inp = StepInputs(record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf)
-        diag = replay_step(model, inp, ops=ops, device=dev)
+        rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
+        history = [b.step(k) for k in b.steps if k <= b.failing_step]
+        inp = StepInputs(
+            record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
+            optimizer_info=b.meta.get("optimizer"), history=history, reason=dict(b.meta.get("reason") or {}),
+        )
+        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples)
         diag["bundle"] = str(b.path)
         diag["device"] = str(dev)
         return diag
