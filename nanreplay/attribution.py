@@ -315,7 +315,7 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
     prior = [s for s in steps if s.step < failing_step]
     norms = [(s.step, float(s.grad_norm)) for s in prior if s.grad_norm is not None and math.isfinite(float(s.grad_norm))]
     lrs = [(s.step, max(s.lrs)) for s in steps if s.lrs]
-    out: dict = {"grad_norms": [[k, v] for k, v in norms], "lrs": [[k, v] for k, v in lrs], "exploding": False, "lr_spike": None}
+    out: dict = {"grad_norms": [[k, v] for k, v in norms], "lrs": [[k, _jnum(v)] for k, v in lrs], "exploding": False, "lr_spike": None}
     if len(norms) >= 2:
         base = statistics.median(v for _, v in norms[:-1])
         out["growth"] = norms[-1][1] / base if base > 0 else math.inf
@@ -325,9 +325,13 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
         lo = min(vals)
         hi_step, hi = max(lrs, key=lambda kv: kv[1] if math.isfinite(kv[1]) else math.inf)
         if lo > 0 and (not math.isfinite(hi) or hi / lo >= ratio):
-            out["lr_spike"] = {"step": hi_step, "lr": hi, "min_lr": lo}
-    out["growth"] = out.get("growth")
+            out["lr_spike"] = {"step": hi_step, "lr": _jnum(hi), "min_lr": lo}
+    out["growth"] = _jnum(out.get("growth"))
     return out
+
+
+def _jnum(x: Any) -> Any:
+    return repr(float(x)) if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], *, optimizer: Optional[dict] = None,
@@ -357,10 +361,10 @@ def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], 
     explode = bool(history and (history.get("exploding") or history.get("lr_spike")))
     if history and history.get("exploding"):
         ev.append(f"grad norm rose to {history['grad_norms'][-1][1]:.4g} at step {history['grad_norms'][-1][0]}, "
-                  f"{history['growth']:.3g}x the median of the earlier steps in the ring buffer")
+                  f"{float(history['growth']):.3g}x the median of the earlier steps in the ring buffer")
     if history and history.get("lr_spike"):
         sp = history["lr_spike"]
-        ev.append(f"learning rate {sp['lr']:.4g} at step {sp['step']}, vs {sp['min_lr']:.4g} in the ring buffer")
+        ev.append(f"learning rate {float(sp['lr']):.4g} at step {sp['step']}, vs {sp['min_lr']:.4g} in the ring buffer")
     if origin_birth is None:
         if explode:
             return {"cause": "explosion", "detail": "gradients grew across steps", "evidence": ev}
@@ -457,6 +461,17 @@ def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, devi
             diag["cause"] = opt_res["detail"]
             if opt_res["births"]:
                 origin["op"] = opt_res["births"][0]["op"]
+    if phase == "none" and inp.recorded_grads and grads_finite and not (opt_res and opt_res.get("nonfinite")):
+        gn = inp.reason.get("grad_norm")
+        if gn is not None and not math.isfinite(float(gn)):
+            fqn, g = max(inp.recorded_grads.items(), key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
+            phase = diag["phase"] = "backward"
+            origin = diag["origin"] = {"module": fqn.rpartition(".")[0], "class": None, "kind": "explosion", "param": fqn,
+                                       "largest_gradient": float(g.detach().abs().max().double())}
+            origin["class"] = dict((n, type(m).__name__) for n, m in model.named_modules()).get(origin["module"])
+            diag["cause"] = ("every gradient is finite but their 2-norm overflows float32; the largest gradient "
+                             f"({origin['largest_gradient']:.4g}) is in {fqn}")
+            samples = False
     ob = None
     if origin and origin.get("op_index") is not None:
         ob = next((b for b in births if b["op_index"] == origin["op_index"]), None)
@@ -522,6 +537,9 @@ def summary_sentence(diag: dict) -> str:
     elif phase == "optimizer":
         parts.append(f"{kinds if o.get('nonfinite') else 'non-finite value'} born in the optimizer update ({o.get('optimizer')}) of parameter {o.get('param')}"
                      + (f", state {o['state_key']}" if o.get("state_key") else ""))
+    elif phase == "backward" and o.get("kind") == "explosion":
+        parts.append(f"gradients exploded in backward: every gradient is finite but their 2-norm overflows float32; the largest "
+                     f"({o['largest_gradient']:.4g}) is in {o['param']}" + in_mod)
     elif phase == "backward":
         fop = o.get("forward_op") or o.get("op")
         parts.append(f"{kinds} born in backward of {fop}" + (f" ({o['node']})" if o.get("node") else f" (op {o['op']})" if o.get("op") else "")
@@ -532,7 +550,7 @@ def summary_sentence(diag: dict) -> str:
         parts.append(f"{kinds} born in the {phase} pass" + (f" in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else "") + in_mod)
     head = parts[0] + f", step {step}" + (f", samples {smp}" if smp else "")
     tail = []
-    if phase == "backward":
+    if phase == "backward" and o.get("kind") != "explosion":
         fwd = [c for c in diag.get("chain", []) if c["phase"] in ("forward", "loss")]
         if fwd:
             c = fwd[0]

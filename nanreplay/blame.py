@@ -264,6 +264,12 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
         ev.append(f"{blamed[0]} of {first} is 0 where the update became non-finite; with those zeros replaced by a tiny positive value the update is finite")
     elif zero_keys:
         ev.append(f"state {', '.join(zero_keys)} of {first} is 0 where the update became non-finite")
+    else:  # first step: no pre-step state to vary; name the post-step state that is 0 there
+        p_obj = params[first]
+        post_zero = [k for k, v in opt.state.get(p_obj, {}).items() if isinstance(v, torch.Tensor) and v.shape == p_new.shape and bool((v[mask] == 0).any())]
+        if post_zero:
+            out["zero_state"] = post_zero
+            ev.append(f"state {', '.join(post_zero)} of {first} is 0 after the step where the update became non-finite (first step: no earlier state)")
     if zero_hp:
         ev.append(f"zero-valued hyperparameters in param group {gi}: {', '.join(f'{k}=0' for k in zero_hp)}")
     for b in mon.births[:1]:
