@@ -262,3 +262,26 @@ def test_exploding_gradients_from_a_learning_rate_spike(out_dir):
     assert (diag["phase"], o["kind"], o["module"], diag["samples"]) == ("backward", "explosion", o["param"].rpartition(".")[0], None)
     assert o["param"] in {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert diag["summary"].startswith("gradients exploded in backward")
+
+
+def test_cli_json_and_allow_option(out_dir):
+    from click.testing import CliRunner
+
+    from nanreplay.cli import main
+
+    model = models.make_sqrt()
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    x = torch.randn(4, 4)
+    x[2] = 0.0
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    r = CliRunner().invoke(main, ["replay", err.bundle_path, "--json", "--allow", "root:mul"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["origin"]["node"] == "SqrtBackward0" and d["classification"]["cause"] == "numerics" and "root:mul:-inf" not in d["allowlist"]
+    assert "root:mul" in d["allowlist"]
+    r = CliRunner().invoke(main, ["replay", err.bundle_path])
+    assert r.exit_code == 0 and r.output.startswith("+Inf born in backward of sqrt (SqrtBackward0)")
+    assert "autograd node: SqrtBackward0" in r.output
+    r = CliRunner().invoke(main, ["replay", err.bundle_path, "--allow", "nocolon"])
+    assert r.exit_code == 2 and "an allowlist rule is 'MODULE:OP'" in r.output
