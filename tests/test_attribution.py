@@ -103,7 +103,7 @@ def test_masked_attention_trains_without_false_alarms(out_dir):
     model = fm.make_attn()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with Recorder(model, opt, loss_fn=fm.attn_loss, out_dir=out_dir, model_factory=fm.make_attn) as rec:
-        for _ in range(15):
+        for _ in range(8):
             batch = _attn_batch()
             rec.record(batch)
             loss = fm.attn_loss(model, batch)
