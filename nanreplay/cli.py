@@ -106,8 +106,9 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 @main.command()
 @_bundle_arg
 @click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Read every tensor and check its CRC-32, so a corrupted bundle is reported (exit 4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
+def inspect(bundle: Path, keys: bool, verify: bool, as_json: bool) -> None:
     """Summarise BUNDLE without running anything: steps held, tensors, sizes, metadata and the
     stored diagnosis. Safe on untrusted files: no code from the bundle runs."""
     from .bundle import open_bundle
@@ -115,6 +116,9 @@ def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
     def summarise() -> dict:
         with open_bundle(bundle) as b:
             infos = {k: b.info(k) for k in b.keys()}
+            if verify:
+                for k in infos:
+                    b.tensor(k)  # raises BundleFormatError on a CRC mismatch
             steps = []
             for s in b.meta["steps"]:
                 steps.append(
