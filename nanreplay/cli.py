@@ -44,7 +44,7 @@ def _guard(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except FileNotFoundError as e:
-        raise CLIError(f"{e}. Check the path; bundles are written to the Recorder's out_dir (default ./nanreplay_bundles).", EXIT_BAD_BUNDLE) from e
+        raise CLIError(str(e), EXIT_BAD_BUNDLE) from e
     except IsADirectoryError as e:
         raise CLIError(f"{e}: expected a bundle file (.h5 or .safetensors), found a directory.", EXIT_BAD_BUNDLE) from e
     except BundleFormatError as e:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -107,8 +108,10 @@ class RecorderConfig:
 
 
 def callable_path(fn: Any) -> Optional[str]:
-    """``module:qualname`` of a function or class, or ``/path/script.py:qualname`` when it lives in
-    the ``__main__`` script, so replay can import it again; ``None`` for lambdas and closures."""
+    """``module:qualname`` of a function or class when its module can be imported by name again,
+    else ``/path/to/file.py:qualname`` (functions of the ``__main__`` script, of files loaded by
+    path, of replay's own file imports); ``None`` for lambdas, closures and objects without a
+    source file."""
     if fn is None:
         return None
     if isinstance(fn, str):
@@ -117,10 +120,22 @@ def callable_path(fn: Any) -> Optional[str]:
     qual = getattr(fn, "__qualname__", None)
     if not mod or not qual or "<" in qual:
         return None
-    if mod == "__main__":
-        main = getattr(sys.modules.get("__main__"), "__file__", None)
-        return f"{os.path.abspath(main)}:{qual}" if main else None
-    return f"{mod}:{qual}"
+    if _importable_by_name(mod):
+        return f"{mod}:{qual}"
+    file = getattr(sys.modules.get(mod), "__file__", None)
+    if file is None:  # a module loaded by path without registering it: its code still knows its file
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__init__", None), "__code__", None)
+        file = getattr(code, "co_filename", None)
+    return f"{os.path.abspath(file)}:{qual}" if file and os.path.isfile(file) else None
+
+
+def _importable_by_name(mod: str) -> bool:
+    if mod == "__main__" or mod.startswith("nanreplay_user_"):
+        return False
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _nbytes(tree: Any) -> int:
