@@ -79,9 +79,13 @@ def main(verbose: int) -> None:
 @click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
 @click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present).")
 @click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only).")
+@click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values (fnmatch patterns; repeatable), on top of the defaults for -Inf attention masks and the rules recorded in the bundle.")
+@click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...).")
+@click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
-def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool, rows: int, as_json: bool) -> None:
+def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     Exit code 0 when the failure reproduced, 3 when it did not.
@@ -89,7 +93,15 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
     from .replay import replay as run
     from .report import render_report
 
-    diag = _guard(lambda: run(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn))
+    from .attribution import AllowRule
+
+    for rule in allow:
+        try:
+            AllowRule.parse(rule)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--allow") from e
+    diag = _guard(lambda: run(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
+                              allow=list(allow), default_allow=not no_default_allow, samples=not no_samples))
     click.echo(_dump_json(diag) if as_json else render_report(diag, rows=rows))
     if diag["reproduction"]["verdict"] == "not reproduced":
         sys.exit(EXIT_NOT_REPRODUCED)
@@ -98,8 +110,9 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 @main.command()
 @_bundle_arg
 @click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Read every tensor and check its CRC-32, so a corrupted bundle is reported (exit 4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
+def inspect(bundle: Path, keys: bool, verify: bool, as_json: bool) -> None:
     """Summarise BUNDLE without running anything: steps held, tensors, sizes, metadata and the
     stored diagnosis. Safe on untrusted files: no code from the bundle runs."""
     from .bundle import open_bundle
@@ -107,6 +120,9 @@ def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
     def summarise() -> dict:
         with open_bundle(bundle) as b:
             infos = {k: b.info(k) for k in b.keys()}
+            if verify:
+                for k in infos:
+                    b.tensor(k)  # raises BundleFormatError on a CRC mismatch
             steps = []
             for s in b.meta["steps"]:
                 steps.append(

@@ -77,6 +77,19 @@ class RecorderConfig:
         capture_cotangent: keep the gradient w.r.t. the model's outputs, so a model-only replay
             works without the loss function.
         check_loss: also check the loss given to :meth:`Recorder.log_loss`.
+        check_update: also check the optimizer update (off by default). Every step, the
+            pre-step weights and optimizer state are copied in the step pre-hook (one copy of
+            params + optimizer state: about 3x the parameter bytes for Adam, in memory and in
+            device copy time per step), and after ``optimizer.step()`` one fused
+            ``_foreach_norm`` over the updated parameters and floating optimizer state with one
+            host read tells whether the update made them non-finite. Then the pre-step weights and
+            state are put back (for ``raise`` and ``skip``; ``warn`` keeps the update), a bundle is
+            written with the pre-step state and the (finite) gradients, and the diagnosis replays
+            the update to name the parameter and the state key.
+        allow_nonfinite: extra allowlist rules for legitimate non-finite values, ``"MODULE:OP"``
+            or ``"MODULE:OP:-inf"`` (fnmatch patterns, see :class:`nanreplay.attribution.AllowRule`),
+            on top of the default rules for -Inf attention masks; stored in the bundle
+            (``meta["replay_options"]``) for later replays.
     """
 
     action: str = "raise"
@@ -91,8 +104,16 @@ class RecorderConfig:
     copy_batch: Optional[bool] = None
     capture_cotangent: bool = True
     check_loss: bool = True
+    check_update: bool = False
+    allow_nonfinite: tuple = ()
 
     def __post_init__(self) -> None:
+        from .attribution import AllowRule
+
+        self.allow_nonfinite = tuple(self.allow_nonfinite)
+        for r in self.allow_nonfinite:
+            if not isinstance(r, AllowRule):
+                AllowRule.parse(str(r))  # raises ValueError naming the bad rule
         if self.action not in _ACTIONS:
             raise ValueError(f"action must be one of {_ACTIONS}, got {self.action!r}")
         if self.capacity < 1:
@@ -222,6 +243,7 @@ class Recorder:
         self._mutable_buffers: Optional[set[str]] = None
         self._buffer_versions: dict[str, int] = {}
         self._pending_loss: Optional[torch.Tensor] = None
+        self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
         self._replaying = False           # set while diagnose_live replays on the live model
         self._handles: list[Any] = []
         self._closed = False
@@ -370,6 +392,8 @@ class Recorder:
         self._seal(rec)
         if rec.finite:
             self.skipped = 0
+            if self.config.check_update:
+                self._pre_update = self.snapshot_state(clone=True)
             return None
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return None
@@ -384,9 +408,55 @@ class Recorder:
             logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        pre, self._pre_update = self._pre_update, None
+        rec = self._current
         self.step += 1
         self._current = None
         self._evict()
+        if pre is not None and rec is not None:
+            self._check_update(rec, pre)
+
+    def _check_update(self, rec: StepRecord, pre: Snapshot) -> None:
+        """``check_update``: one fused norm over the updated parameters and floating optimizer
+        state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
+        and diagnose, then act."""
+        state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
+        params = [p.detach() for g in self.optimizer.param_groups for p in g["params"]]
+        norm = fused_norm(params + state)
+        if norm is None or math.isfinite(norm.item()):
+            return
+        post = self.snapshot_state(clone=True) if self.config.action == "warn" else None
+        self._restore(pre)
+        grads = self._grads()
+        self.nonfinite_steps.append(rec.step)
+        path = None
+        if len(self.bundles) < self.config.max_dumps:
+            path = self._dump(rec, grads, False, False, state=pre, update=True)
+        summary = (self.last_diagnosis or {}).get("summary")
+        msg = (
+            f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
+            + (f"; bundle: {path}" if path else "")
+            + (f"; diagnosis: {summary}" if summary else "")
+        )
+        if self.config.action == "raise":
+            raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
+                                         bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
+        if self.config.action == "warn":
+            self._restore(post)
+            logger.warning("nanreplay: %s; the update is kept (action='warn')", msg)
+            return
+        logger.warning("nanreplay: %s; the update was undone (action='skip')", msg)
+
+    def _restore(self, snap: Optional[Snapshot]) -> None:
+        """Copy a cloned snapshot back into the live model and optimizer."""
+        if snap is None:
+            return
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in snap.params:
+                    p.copy_(snap.params[n])
+        if snap.optimizer is not None:
+            self.optimizer.load_state_dict(snap.optimizer)
 
     # -- the non-finite path -------------------------------------------------------------------
     def snapshot_state(self, *, clone: bool) -> Snapshot:
@@ -442,9 +512,10 @@ class Recorder:
             for p in group["params"]:
                 p.grad = None
 
-    def bundle_content(self, rec: StepRecord, grads: list, reason: dict) -> BundleContent:
-        """The content of the bundle for the failing step ``rec`` (references; nothing is copied)."""
-        state = self.snapshot_state(clone=False)
+    def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
+        """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
+        ``state``: the pre-step state when it is no longer the live one (``check_update``)."""
+        state = state if state is not None else self.snapshot_state(clone=False)
         if rec.buffers is not None:
             state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
         steps = [r for r in self.ring if r.step <= rec.step]
@@ -463,19 +534,21 @@ class Recorder:
             reason=reason,
             model_factory=self.model_factory_path,
             loss_fn=self.loss_fn_path,
+            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}},
         )
 
-    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool) -> Optional[Path]:
+    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, *, state: Optional[Snapshot] = None, update: bool = False) -> Optional[Path]:
         t0 = time.perf_counter()
         reason = {
             "nonfinite_grad": bad_grad,
             "nonfinite_loss": bad_loss,
+            "nonfinite_update": update,
             "grad_norm": fnum(rec.grad_norm),
             "loss": fnum(rec.loss),
             "action": self.config.action,
         }
         try:
-            content = self.bundle_content(rec, grads, reason)
+            content = self.bundle_content(rec, grads, reason, state)
         except Exception:  # never let the recorder kill training by itself
             logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
             return None

@@ -53,7 +53,7 @@ def test_digits_example_end_to_end(digits_bundle):
     r = _run("replay", digits_bundle)
     assert r.exit_code == 0, r.output
     first = r.output.splitlines()[0]
-    assert first.startswith("step ")
+    assert first.startswith("NaN born in the loss, outside the model, in op div at digits_nan.py:")
     assert "born in the loss, outside the model" in first
     assert "reproduced exactly" in first
     assert "phase:         loss" in r.output
@@ -78,7 +78,7 @@ def test_inspect_lists_steps_keys_and_diagnosis(nested_bundle):
     assert r.exit_code == 0
     assert "failing step: 0" in r.output
     assert "state/params/encoder.block.proj.weight" in r.output
-    assert "stored diagnosis: step 0: non-finite value born in the forward pass" in r.output
+    assert "stored diagnosis: NaN born in the forward pass in op div" in r.output
 
 
 def test_missing_path_is_a_clean_error():
