@@ -11,6 +11,8 @@ importing torch.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -22,6 +24,7 @@ _EXPORTS = {
     "write_bundle": ".bundle",
     "Bundle": ".bundle",
     "replay": ".replay",
+    "bisect": ".bisect",
     "NanReplayError": ".errors",
     "BundleFormatError": ".errors",
     "NonFiniteGradientError": ".errors",
@@ -44,8 +47,24 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
 
 
+class _Package(types.ModuleType):
+    """Keeps ``nanreplay.replay`` / ``nanreplay.bisect`` the public functions: importing the
+    submodule of the same name (``import nanreplay.bisect``) makes the import system set the
+    package attribute to the module, which would shadow the function behind ``from nanreplay
+    import replay``. The submodules stay importable through ``sys.modules``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == "." + name and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 if TYPE_CHECKING:  # pragma: no cover
     from .bundle import Bundle, open_bundle, write_bundle
     from .errors import BundleFormatError, ModelMismatchError, NanReplayError, NonFiniteGradientError, ReplayError
     from .recorder import Recorder, RecorderConfig
+    from .bisect import bisect
     from .replay import replay

@@ -133,13 +133,24 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
         return search(idx[:mid], False) + search(idx[mid:], False)
 
     found = search(list(range(size)), size > 1) if size > 1 else ([0] if bad([0]) else [])
-    if size > 1 and found == list(range(size)):
+    batch_level = size is not None and size > 1 and found == list(range(size))
+    if batch_level:
+        # blaming every sample names none: report no indices rather than a misleading list
         warnings.append("every sample alone is non-finite: the failure depends on the batch as a whole (or on the weights), not on particular samples")
+        found = []
     if size > 1 and not found and complete:
         warnings.append("no sample alone is non-finite: the failure needs several samples together (a batch-level interaction)")
     if not complete:
         warnings.append(f"stopped after {max_runs} per-sample replays; the list may be incomplete")
-    return {"indices": found, "batch_size": size, "method": "per-sample replay", "runs": runs, "complete": complete, "warnings": warnings}
+    return {
+        "indices": found,
+        "batch_size": size,
+        "method": "per-sample replay",
+        "batch_level": batch_level,
+        "runs": runs,
+        "complete": complete,
+        "warnings": warnings,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

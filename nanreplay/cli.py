@@ -9,11 +9,15 @@ Exit codes (stable, for scripts):
 3     ``replay``: the failure was NOT reproduced
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
+      (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
+6     ``bisect``: the search named no culprit (the failure did not reproduce, the cause is
+      outside what the search varies, or ``--max-replays`` ran out)
 ====  =========================================================================
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -22,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import click
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5, 6
 
 
 class CLIError(click.ClickException):
@@ -197,6 +201,54 @@ def _echo_summary(info: dict, keys: bool) -> None:
         click.echo("  tensors:")
         for k, v in info["keys"].items():
             click.echo(f"    {k:<60} {v['dtype']:<10} {str(v['shape']):<20} {v['nbytes']} B")
+
+
+@main.command()
+@_bundle_arg
+@click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples"]), default="layers", show_default=True, help="What to search over.")
+@click.option("--max-replays", default=64, show_default=True, type=click.IntRange(min=1), help="Most replays the search may run.")
+@click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps: a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--device", help="Device to replay on (default: the recorded one when present).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str], as_json: bool) -> None:
+    """Search BUNDLE for the cause of its non-finite step by replaying variations of it:
+    the layers whose weight change makes it non-finite, the first layer that must run in float32,
+    the first step that left the healthy range, or the smallest bad subset of the batch.
+
+    Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not.
+    The bundle is never modified.
+    """
+    from .bisect import bisect as run
+
+    err = click.get_text_stream("stderr")
+    show = err.isatty()
+    with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
+        res = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None))
+    if as_json:
+        click.echo(_dump_json(res))
+    else:
+        click.echo(res["answer"])
+        click.echo("")
+        click.echo(f"  status:   {res['status']}")
+        click.echo(f"  replays:  {res['replays']} (max {res['max_replays']}) on {res['device']}")
+        for c in res["culprits"]:
+            click.echo("  culprit:  " + ", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))))
+        d = res["details"]
+        if d.get("verification"):
+            click.echo(f"  replay:   {d['verification']}")
+        for row in d.get("timeline", []):
+            click.echo(
+                f"    step {row['step']:>5}  loss {row['loss']!s:<12.12} grad norm {row['grad_norm']!s:<12.12} update {row.get('update_norm', '-')!s:<12.12}"
+                f" recorded ok {row['matches_recording']!s:<5} {'; '.join(row['anomalies'])}"
+            )
+        for r in d.get("largest_moves", [])[:5]:
+            click.echo(f"    moved {r['layer'] or '(root)':<28} relative change {r['relative_change']!s:<12.12} max |change| {r['max_abs_diff']}")
+        for w in res["warnings"]:
+            click.echo(f"  warning:  {w}")
+    if res["status"] != "found":
+        sys.exit(EXIT_NOT_FOUND)
 
 
 if __name__ == "__main__":  # pragma: no cover

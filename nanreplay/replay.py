@@ -806,22 +806,8 @@ def replay(
     own = not isinstance(bundle, Bundle)
     b = open_bundle(bundle) if own else bundle
     try:
-        if model is None and model_factory is None and b.model_factory is None and b.meta.get("model_init"):
-            model = build_from_init(b.meta["model_init"])
         if model is None:
-            factory = model_factory or b.model_factory
-            if factory is None:
-                raise ReplayError(
-                    f"{b.path} records no model factory; pass --model-factory module:function "
-                    "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
-                )
-            fn = import_callable(factory) if isinstance(factory, str) else factory
-            try:
-                model = fn()
-            except Exception as e:
-                raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
-            if not isinstance(model, torch.nn.Module):
-                raise ReplayError(f"the model factory {factory!r} returned {type(model).__name__}, expected a torch.nn.Module")
+            model = build_model(b, model_factory)
         lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
         if isinstance(lf, str):
             lf = import_callable(lf)
@@ -869,6 +855,76 @@ def build_from_init(init: Any) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ReplayError(f"{init['class']} built a {type(model).__name__}, expected a torch.nn.Module")
     return model
+
+
+def build_model(b: Bundle, model_factory: Union[str, Callable, None] = None) -> torch.nn.Module:
+    """A fresh model of the recorded architecture from ``model_factory`` (a zero-argument callable
+    or its import path), else from the factory recorded in the bundle ``b``, else from its
+    ``model_init`` (class and JSON kwargs, see :func:`build_from_init`). Weights are not loaded.
+
+    Raises:
+        ReplayError: no factory recorded or given, the factory cannot be imported, raises, or
+            returns something other than an ``nn.Module``.
+    """
+    factory = model_factory or b.model_factory
+    if factory is None and b.meta.get("model_init"):
+        return build_from_init(b.meta["model_init"])  # class + JSON hyperparameters (Lightning)
+    if factory is None:
+        raise ReplayError(
+            f"{b.path} records no model factory; pass --model-factory module:function "
+            "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
+        )
+    fn = import_callable(factory) if isinstance(factory, str) else factory
+    try:
+        model = fn()
+    except Exception as e:
+        raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ReplayError(f"the model factory {factory!r} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def build_optimizer(b: Bundle, model: torch.nn.Module, state: Optional[dict] = None) -> torch.optim.Optimizer:
+    """Rebuild the recorded optimizer over ``model``'s parameters from the bundle's
+    ``meta["optimizer"]`` (class import path, parameter FQNs of each param group, defaults), then
+    load ``state`` (an ``optimizer.state_dict()``, e.g. a snapshot's) when given, which also
+    restores each group's hyperparameters (lr, betas, ...).
+
+    Raises:
+        ReplayError: the bundle records no optimizer class, or it cannot be imported or built.
+        ModelMismatchError: a recorded parameter FQN is not in ``model``, or ``state`` does not
+            fit the rebuilt param groups.
+    """
+    info = b.meta.get("optimizer") or {}
+    cls_path = info.get("class")
+    if not cls_path:
+        raise ReplayError(f"{b.path} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
+    cls = import_callable(cls_path)
+    params = dict(model.named_parameters())
+    groups = []
+    for fqns in info.get("param_groups_fqns", []):
+        missing = [f for f in fqns if f not in params]
+        if missing:
+            raise ModelMismatchError(
+                f"the recorded optimizer holds parameters {missing[:5]} that the model lacks; "
+                "pass --model-factory with the factory that built the recorded model"
+            )
+        groups.append({"params": [params[f] for f in fqns]})
+    defaults = dict(info.get("defaults") or {})
+    try:
+        opt = cls(groups, **defaults)
+    except (TypeError, ValueError) as e:  # a default that JSON could not carry (repr'd): the state fixes it
+        logger.info("rebuilding %s with its recorded defaults failed (%s); retrying with lr only", cls_path, e)
+        try:
+            opt = cls(groups, lr=float(defaults.get("lr", 1e-3)) if not isinstance(defaults.get("lr"), str) else 1e-3)
+        except Exception as e2:
+            raise ReplayError(f"could not rebuild the optimizer {cls_path}: {type(e2).__name__}: {e2}") from e2
+    if state is not None:
+        try:
+            opt.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ModelMismatchError(f"the recorded optimizer state does not fit the rebuilt {cls_path}: {e}") from e
+    return opt
 
 
 def _recorded_device(b: Bundle) -> torch.device:

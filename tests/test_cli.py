@@ -139,3 +139,10 @@ def test_cli_help_does_not_import_torch():
     code = "import sys, nanreplay.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_digits_failure_is_batch_level_not_blamed_on_samples(digits_bundle):
+    diag = json.loads(_run("replay", "--json", digits_bundle).output)
+    assert diag["samples"]["batch_level"] is True
+    assert diag["samples"]["indices"] == []
+    assert "samples [" not in diag["summary"]
