@@ -783,6 +783,24 @@ def _bisect_samples(ctx: _Ctx) -> dict:
                "removal_makes_finite": necessary, "mode": "loss_fn" if use_loss else "cotangent"}
     if status == "incomplete" and len(culprit) == len(samples):
         return _result("samples", ctx, status, f"The search ran out of replays (--max-replays {ctx.runner.max_replays}); raise --max-replays.", [], details)
+    if status == "found" and not necessary and len(culprit) == 1 and len(samples) > 1:
+        # a lone failing sample with no necessary one: check whether any sample fails alone,
+        # in which case the failure belongs to the batch (or the loss, or the weights), not to samples
+        others = [y for y in samples if y != culprit[0]]
+        probe = [others[k * (len(others) - 1) // 3] for k in range(4)] if len(others) > 4 else others
+        probe = list(dict.fromkeys(probe))
+        try:
+            alone = [y for y in probe if fails([y])]
+        except _BudgetExhausted:
+            alone = []
+        details["other_samples_failing_alone"] = [label(y) for y in alone]
+        details["other_samples_probed"] = [label(y) for y in probe]
+        if alone and len(alone) == len(probe):
+            answer = (
+                f"Step {F} is non-finite with any single sample: {len(alone) + 1} of {len(alone) + 1} samples tested fail on their own, "
+                "so the cause is not in particular samples; look at the loss, the weights or the batch as a whole (nanreplay replay)."
+            )
+            return _result("samples", ctx, "not in search space", answer, [], details)
     subset = ", ".join(str(label(x)) for x in culprit)
     answer = f"Step {F} stays non-finite with only sample{'s' if len(culprit) > 1 else ''} {subset} of its {len(samples)}"
     if necessary:

@@ -277,3 +277,27 @@ def test_cli_bisect(spike_bundle):
     assert r.exit_code == 2
     r = runner.invoke(main, ["bisect", spike_bundle, "--threshold", "0.5"])
     assert r.exit_code == 2
+
+
+def test_samples_search_does_not_blame_one_sample_for_a_batch_level_failure(out_dir):
+    """Every sample alone fails (the loss divides by a count that is zero for any subset):
+    bisect must not name 'sample 0' as the culprit."""
+    import models as m
+    from nanreplay import NonFiniteGradientError, Recorder
+    from nanreplay.bisect import bisect
+
+    def loss(model, batch):
+        return model(batch).sum() / torch.zeros(())
+
+    model = m.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 8)
+    with Recorder(model, opt, loss_fn=loss, out_dir=out_dir, diagnose=False) as rec:
+        rec.record(x)
+        loss(model, x).backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    res = bisect(info.value.bundle_path, over="samples", model=m.make_mlp(), loss_fn=loss)
+    assert res["status"] == "not in search space"
+    assert res["culprits"] == []
+    assert "any single sample" in res["answer"]
