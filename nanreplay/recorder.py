@@ -434,19 +434,21 @@ class Recorder:
         extra = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, live.extra)
         return _SlotSnapshot(params=params, buffers=buffers, optimizer=opt, extra=extra, slot=slot)
 
-    def _release(self, snap: Optional[Snapshot]) -> None:
-        """Give an evicted snapshot's tensors back for reuse (one free slot is kept)."""
+    def _release(self, snap: Optional[Snapshot], *, reuse: bool = True) -> None:
+        """Give an evicted snapshot's tensors back for reuse (one free slot is kept); with
+        ``reuse=False`` (dropped to honour ``memory_budget``) they are freed instead."""
         if isinstance(snap, _SlotSnapshot) and snap.slot is not None:
-            self._free_slots[:] = [snap.slot]
+            if reuse:
+                self._free_slots[:] = [snap.slot]
             snap.slot = None
 
     def _capacity(self) -> int:
         # unchecked steps (check_every > 1) come on top of the steps asked for
         return self.config.capacity + self.config.check_every - 1
 
-    def _drop_oldest(self) -> StepRecord:
+    def _drop_oldest(self, *, reuse: bool = True) -> StepRecord:
         r = self.ring.popleft()
-        self._release(r.snapshot)
+        self._release(r.snapshot, reuse=reuse)
         return r
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
@@ -683,15 +685,15 @@ class Recorder:
                 return
             if r.snapshot is not None:
                 total -= r.snapshot.nbytes()
-                self._release(r.snapshot)
+                self._release(r.snapshot, reuse=False)
                 r.snapshot = None
         pending = {id(r) for r in self._pending}  # unchecked steps are never evicted
         while total > budget and len(self.ring) > 1 and id(self.ring[0]) not in pending:
-            total -= held(self._drop_oldest())
+            total -= held(self._drop_oldest(reuse=False))
         if total > budget and self.ring:
             r = self.ring[-1]
             if r.snapshot is not None:
-                self._release(r.snapshot)
+                self._release(r.snapshot, reuse=False)
                 r.snapshot = None
                 logger.warning("nanreplay: one weight snapshot exceeds memory_budget=%d bytes; snapshots are off", budget)
 
