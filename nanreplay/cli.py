@@ -9,11 +9,15 @@ Exit codes (stable, for scripts):
 3     ``replay``: the failure was NOT reproduced
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
+      (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
+6     ``bisect``: the search named no culprit (the failure did not reproduce, the cause is
+      outside what the search varies, or ``--max-replays`` ran out)
 ====  =========================================================================
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -22,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import click
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5, 6
 
 
 class CLIError(click.ClickException):
@@ -40,7 +44,7 @@ def _guard(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except FileNotFoundError as e:
-        raise CLIError(f"{e}. Check the path; bundles are written to the Recorder's out_dir (default ./nanreplay_bundles).", EXIT_BAD_BUNDLE) from e
+        raise CLIError(str(e), EXIT_BAD_BUNDLE) from e
     except IsADirectoryError as e:
         raise CLIError(f"{e}: expected a bundle file (.h5 or .safetensors), found a directory.", EXIT_BAD_BUNDLE) from e
     except BundleFormatError as e:
@@ -75,9 +79,13 @@ def main(verbose: int) -> None:
 @click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
 @click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present).")
 @click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only).")
+@click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values (fnmatch patterns; repeatable), on top of the defaults for -Inf attention masks and the rules recorded in the bundle.")
+@click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...).")
+@click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
-def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool, rows: int, as_json: bool) -> None:
+def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     Exit code 0 when the failure reproduced, 3 when it did not.
@@ -85,7 +93,15 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
     from .replay import replay as run
     from .report import render_report
 
-    diag = _guard(lambda: run(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn))
+    from .attribution import AllowRule
+
+    for rule in allow:
+        try:
+            AllowRule.parse(rule)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--allow") from e
+    diag = _guard(lambda: run(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
+                              allow=list(allow), default_allow=not no_default_allow, samples=not no_samples))
     click.echo(_dump_json(diag) if as_json else render_report(diag, rows=rows))
     if diag["reproduction"]["verdict"] == "not reproduced":
         sys.exit(EXIT_NOT_REPRODUCED)
@@ -94,8 +110,9 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 @main.command()
 @_bundle_arg
 @click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Read every tensor and check its CRC-32, so a corrupted bundle is reported (exit 4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
+def inspect(bundle: Path, keys: bool, verify: bool, as_json: bool) -> None:
     """Summarise BUNDLE without running anything: steps held, tensors, sizes, metadata and the
     stored diagnosis. Safe on untrusted files: no code from the bundle runs."""
     from .bundle import open_bundle
@@ -103,6 +120,9 @@ def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
     def summarise() -> dict:
         with open_bundle(bundle) as b:
             infos = {k: b.info(k) for k in b.keys()}
+            if verify:
+                for k in infos:
+                    b.tensor(k)  # raises BundleFormatError on a CRC mismatch
             steps = []
             for s in b.meta["steps"]:
                 steps.append(
@@ -157,6 +177,54 @@ def inspect(bundle: Path, keys: bool, as_json: bool) -> None:
         click.echo("  tensors:")
         for k, v in info["keys"].items():
             click.echo(f"    {k:<60} {v['dtype']:<10} {str(v['shape']):<20} {v['nbytes']} B")
+
+
+@main.command()
+@_bundle_arg
+@click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples"]), default="layers", show_default=True, help="What to search over.")
+@click.option("--max-replays", default=64, show_default=True, type=click.IntRange(min=1), help="Most replays the search may run.")
+@click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps: a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--device", help="Device to replay on (default: the recorded one when present).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str], as_json: bool) -> None:
+    """Search BUNDLE for the cause of its non-finite step by replaying variations of it:
+    the layers whose weight change makes it non-finite, the first layer that must run in float32,
+    the first step that left the healthy range, or the smallest bad subset of the batch.
+
+    Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not.
+    The bundle is never modified.
+    """
+    from .bisect import bisect as run
+
+    err = click.get_text_stream("stderr")
+    show = err.isatty()
+    with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
+        res = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None))
+    if as_json:
+        click.echo(_dump_json(res))
+    else:
+        click.echo(res["answer"])
+        click.echo("")
+        click.echo(f"  status:   {res['status']}")
+        click.echo(f"  replays:  {res['replays']} (max {res['max_replays']}) on {res['device']}")
+        for c in res["culprits"]:
+            click.echo("  culprit:  " + ", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))))
+        d = res["details"]
+        if d.get("verification"):
+            click.echo(f"  replay:   {d['verification']}")
+        for row in d.get("timeline", []):
+            click.echo(
+                f"    step {row['step']:>5}  loss {row['loss']!s:<12.12} grad norm {row['grad_norm']!s:<12.12} update {row.get('update_norm', '-')!s:<12.12}"
+                f" recorded ok {row['matches_recording']!s:<5} {'; '.join(row['anomalies'])}"
+            )
+        for r in d.get("largest_moves", [])[:5]:
+            click.echo(f"    moved {r['layer'] or '(root)':<28} relative change {r['relative_change']!s:<12.12} max |change| {r['max_abs_diff']}")
+        for w in res["warnings"]:
+            click.echo(f"  warning:  {w}")
+    if res["status"] != "found":
+        sys.exit(EXIT_NOT_FOUND)
 
 
 if __name__ == "__main__":  # pragma: no cover

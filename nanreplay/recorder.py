@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -99,6 +100,19 @@ class RecorderConfig:
             Cost per step: one masked copy of params + optimizer state + gradients (read 2x,
             write 1x; about 4x the parameter bytes for Adam, held once). Worth it where a host
             sync costs more than that copy (GPUs); on CPU a sync is free and N = 1 is cheaper.
+        check_update: also check the optimizer update (off by default). Every step, the
+            pre-step weights and optimizer state are copied in the step pre-hook (one copy of
+            params + optimizer state: about 3x the parameter bytes for Adam, in memory and in
+            device copy time per step), and after ``optimizer.step()`` one fused
+            ``_foreach_norm`` over the updated parameters and floating optimizer state with one
+            host read tells whether the update made them non-finite. Then the pre-step weights and
+            state are put back (for ``raise`` and ``skip``; ``warn`` keeps the update), a bundle is
+            written with the pre-step state and the (finite) gradients, and the diagnosis replays
+            the update to name the parameter and the state key.
+        allow_nonfinite: extra allowlist rules for legitimate non-finite values, ``"MODULE:OP"``
+            or ``"MODULE:OP:-inf"`` (fnmatch patterns, see :class:`nanreplay.attribution.AllowRule`),
+            on top of the default rules for -Inf attention masks; stored in the bundle
+            (``meta["replay_options"]``) for later replays.
     """
 
     action: str = "raise"
@@ -114,8 +128,16 @@ class RecorderConfig:
     capture_cotangent: bool = True
     check_loss: bool = True
     check_every: int = 1
+    check_update: bool = False
+    allow_nonfinite: tuple = ()
 
     def __post_init__(self) -> None:
+        from .attribution import AllowRule
+
+        self.allow_nonfinite = tuple(self.allow_nonfinite)
+        for r in self.allow_nonfinite:
+            if not isinstance(r, AllowRule):
+                AllowRule.parse(str(r))  # raises ValueError naming the bad rule
         if self.action not in _ACTIONS:
             raise ValueError(f"action must be one of {_ACTIONS}, got {self.action!r}")
         if self.capacity < 1:
@@ -133,8 +155,10 @@ class RecorderConfig:
 
 
 def callable_path(fn: Any) -> Optional[str]:
-    """``module:qualname`` of a function or class, or ``/path/script.py:qualname`` when it lives in
-    the ``__main__`` script, so replay can import it again; ``None`` for lambdas and closures."""
+    """``module:qualname`` of a function or class when its module can be imported by name again,
+    else ``/path/to/file.py:qualname`` (functions of the ``__main__`` script, of files loaded by
+    path, of replay's own file imports); ``None`` for lambdas, closures and objects without a
+    source file."""
     if fn is None:
         return None
     if isinstance(fn, str):
@@ -143,10 +167,22 @@ def callable_path(fn: Any) -> Optional[str]:
     qual = getattr(fn, "__qualname__", None)
     if not mod or not qual or "<" in qual:
         return None
-    if mod == "__main__":
-        main = getattr(sys.modules.get("__main__"), "__file__", None)
-        return f"{os.path.abspath(main)}:{qual}" if main else None
-    return f"{mod}:{qual}"
+    if _importable_by_name(mod):
+        return f"{mod}:{qual}"
+    file = getattr(sys.modules.get(mod), "__file__", None)
+    if file is None:  # a module loaded by path without registering it: its code still knows its file
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__init__", None), "__code__", None)
+        file = getattr(code, "co_filename", None)
+    return f"{os.path.abspath(file)}:{qual}" if file and os.path.isfile(file) else None
+
+
+def _importable_by_name(mod: str) -> bool:
+    if mod == "__main__" or mod.startswith("nanreplay_user_"):
+        return False
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _nbytes(tree: Any) -> int:
@@ -233,6 +269,7 @@ class Recorder:
         self._mutable_buffers: Optional[set[str]] = None
         self._buffer_versions: dict[str, int] = {}
         self._pending_loss: Optional[torch.Tensor] = None
+        self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
         self._replaying = False           # set while diagnose_live replays on the live model
         self._handles: list[Any] = []
         self._closed = False
@@ -395,6 +432,8 @@ class Recorder:
         self._seal(rec)
         if rec.finite:
             self.skipped = 0
+            if self.config.check_update:
+                self._pre_update = self.snapshot_state(clone=True)
             return None
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return None
@@ -409,9 +448,55 @@ class Recorder:
             logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        pre, self._pre_update = self._pre_update, None
+        rec = self._current
         self.step += 1
         self._current = None
         self._evict()
+        if pre is not None and rec is not None:
+            self._check_update(rec, pre)
+
+    def _check_update(self, rec: StepRecord, pre: Snapshot) -> None:
+        """``check_update``: one fused norm over the updated parameters and floating optimizer
+        state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
+        and diagnose, then act."""
+        state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
+        params = [p.detach() for g in self.optimizer.param_groups for p in g["params"]]
+        norm = fused_norm(params + state)
+        if norm is None or math.isfinite(norm.item()):
+            return
+        post = self.snapshot_state(clone=True) if self.config.action == "warn" else None
+        self._restore(pre)
+        grads = self._grads()
+        self.nonfinite_steps.append(rec.step)
+        path = None
+        if len(self.bundles) < self.config.max_dumps:
+            path = self._dump(rec, grads, False, False, state=pre, update=True)
+        summary = (self.last_diagnosis or {}).get("summary")
+        msg = (
+            f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
+            + (f"; bundle: {path}" if path else "")
+            + (f"; diagnosis: {summary}" if summary else "")
+        )
+        if self.config.action == "raise":
+            raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
+                                         bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
+        if self.config.action == "warn":
+            self._restore(post)
+            logger.warning("nanreplay: %s; the update is kept (action='warn')", msg)
+            return
+        logger.warning("nanreplay: %s; the update was undone (action='skip')", msg)
+
+    def _restore(self, snap: Optional[Snapshot]) -> None:
+        """Copy a cloned snapshot back into the live model and optimizer."""
+        if snap is None:
+            return
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in snap.params:
+                    p.copy_(snap.params[n])
+        if snap.optimizer is not None:
+            self.optimizer.load_state_dict(snap.optimizer)
 
     # -- weight snapshots in recycled slots -------------------------------------------------------
     def _take_snapshot(self) -> Snapshot:
@@ -598,7 +683,8 @@ class Recorder:
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
-        ``state``: its pre-step state when it is no longer the live one (``check_every > 1``)."""
+        ``state``: the pre-step state when it is no longer the live one (``check_update``,
+        ``check_every > 1``); it is copied shallowly, never modified."""
         state = self.snapshot_state(clone=False) if state is None else dataclasses.replace(state)
         if rec.buffers is not None:
             state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
@@ -618,13 +704,15 @@ class Recorder:
             reason=reason,
             model_factory=self.model_factory_path,
             loss_fn=self.loss_fn_path,
+            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}},
         )
 
-    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, state: Optional[Snapshot] = None) -> Optional[Path]:
+    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, *, state: Optional[Snapshot] = None, update: bool = False) -> Optional[Path]:
         t0 = time.perf_counter()
         reason = {
             "nonfinite_grad": bad_grad,
             "nonfinite_loss": bad_loss,
+            "nonfinite_update": update,
             "grad_norm": fnum(rec.grad_norm),
             "loss": fnum(rec.loss),
             "action": self.config.action,

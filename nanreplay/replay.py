@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -39,6 +40,8 @@ from .bundle import Bundle, BundleContent, Snapshot, StepRecord, fnum, open_bund
 from .errors import ModelMismatchError, ReplayError
 from .health import Health, is_float, tensor_health
 from .rng import RNGState
+from . import attribution
+from .attribution import Allowlist
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +184,15 @@ class OpMonitor(TorchDispatchMode):
     Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
     hooks miss; ``ModuleTracker`` supplies the module context in both passes."""
 
-    def __init__(self, tracker: ModuleTracker, root_class: str, *, max_births: int = 32) -> None:
+    def __init__(self, tracker: ModuleTracker, root_class: str, *, max_births: int = 32, allow: Optional[Allowlist] = None) -> None:
         super().__init__()
         self.tracker = tracker
         self.root = root_class
         self.births: list[dict] = []
+        self.allowed: list[dict] = []    # births matched by the allowlist (legitimate -Inf masks)
         self.propagated = 0
         self.max_births = max_births
+        self.allow = allow if allow is not None else Allowlist()
         self.phase = "forward"
         self.index = 0
 
@@ -218,26 +223,45 @@ class OpMonitor(TorchDispatchMode):
             return out
         h_in = h_in_before if mutating else tensor_health(_tensors((args, kwargs)))
         h_out = tensor_health(outs)
-        if _born(h_in, h_out) and len(self.births) < self.max_births:
-            module = self.module()
-            if self.phase == "backward" or self.tracker.is_bw:
-                phase = "backward"
-            else:
-                phase = "loss" if (self.phase == "loss_fn" and module is None) else "forward"
-            self.births.append(
-                {
-                    "phase": phase,
-                    "op": name,
-                    "aten": str(func),
-                    "module": module,
-                    "op_index": self.index,
-                    "inputs": h_in,
-                    "output": h_out,
-                }
-            )
+        if _born(h_in, h_out):
+            self._record_birth(func, name, args, kwargs, outs, h_in, h_out, mutating)
         else:
             self.propagated += 1
         return out
+
+    def _phase_now(self, module: Optional[str]) -> str:
+        if self.phase == "optimizer":
+            return "optimizer"
+        if self.phase == "backward" or self.tracker.is_bw:
+            return "backward"
+        return "loss" if (self.phase == "loss_fn" and module is None) else "forward"
+
+    def _record_birth(self, func: Any, name: str, args: tuple, kwargs: dict, outs: list, h_in: Optional[Health], h_out: Health, mutating: bool) -> None:
+        """Describe one birth: where (phase, module, source line, autograd node and its forward
+        source), what (health, dtype, shape, non-finite rows) and why (wider-dtype recomputation,
+        zeros in the inputs). Allowed births (legitimate -Inf masks) are kept apart."""
+        module = self.module()
+        phase = self._phase_now(module)
+        rule = self.allow.match(module, name, h_out)
+        if rule is not None:
+            if len(self.allowed) < self.max_births:
+                self.allowed.append({"phase": phase, "op": name, "module": module, "op_index": self.index, "rule": str(rule), "output": h_out})
+            return
+        if len(self.births) >= self.max_births:
+            return
+        b: dict = {"phase": phase, "op": name, "aten": str(func), "module": module, "op_index": self.index, "inputs": h_in, "output": h_out}
+        if phase == "backward":
+            node, fwd_src = attribution.current_node()
+            b["node"] = node
+            b["forward_op"] = attribution.node_forward_op(node)
+            b["source"] = fwd_src
+        else:
+            b["node"] = None
+            b["source"] = attribution.user_frame_now()
+        b["wider"] = None if mutating else attribution.wider_recompute(func, args, kwargs, outs)
+        b["input_zeros"] = attribution.zero_counts(_tensors((args, kwargs)))
+        b["rows"] = attribution.nonfinite_rows(outs)
+        self.births.append(b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +275,10 @@ class StepInputs:
     state: Snapshot
     recorded_grads: dict[str, torch.Tensor]
     loss_fn: Optional[Callable] = None
+    allow: Optional[Allowlist] = None            # legitimate non-finite values (default: -Inf masks)
+    optimizer_info: Optional[dict] = None        # bundle meta["optimizer"]: class path, param_groups_fqns
+    history: list = field(default_factory=list)  # ring-buffer StepRecords up to the failing step
+    reason: dict = field(default_factory=dict)   # why the recorder dumped (meta["reason"])
 
 
 @dataclass
@@ -281,6 +309,19 @@ def _deterministic() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
         torch.backends.cudnn.benchmark = prev_bench
+
+
+@contextlib.contextmanager
+def _anomaly(on: bool) -> Iterator[None]:
+    """Autograd anomaly mode without the NaN check: torch then stores each autograd node's forward
+    stack in ``node.metadata["traceback_"]``, which names the forward line of a backward birth."""
+    if not on:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        with torch.autograd.set_detect_anomaly(True, check_nan=False):
+            yield
 
 
 def _to_device(tree: Any, device: Optional[torch.device]) -> Any:
@@ -359,13 +400,13 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
         )
     mon = ModuleMonitor(model)
     tracker = ModuleTracker()
-    opmon = OpMonitor(tracker, type(model).__name__) if ops else None
+    opmon = OpMonitor(tracker, type(model).__name__, allow=inp.allow) if ops else None
     losses: list[Optional[Health]] = []
     cots: list[Optional[Health]] = []
     outs: list[Optional[Health]] = []
     warnings: list[str] = []
     try:
-        with _deterministic(), tracker, (opmon if opmon is not None else contextlib.nullcontext()):
+        with _deterministic(), _anomaly(ops), tracker, (opmon if opmon is not None else contextlib.nullcontext()):
             rec.rng.restore()
             if use_loss:
                 for b in rec.batches:
@@ -549,6 +590,7 @@ def diagnose(
             origin = {"module": op["module"] if op else "", "class": None, "kind": "producer"}
         if op:
             origin["op"] = op["op"]
+            origin["op_index"] = op["op_index"]
         cause = "a non-finite value is born in the forward pass"
     elif loss_bad or (result.mode == "cotangent" and cot_bad):
         phase = "loss"
@@ -556,6 +598,7 @@ def diagnose(
         origin = {"module": None, "class": None, "kind": "outside the model"}
         if op:
             origin["op"] = op["op"]
+            origin["op_index"] = op["op_index"]
         cause = (
             "the model's forward pass is finite; the non-finite value is born outside the model, in the loss"
             + (" function" if result.mode == "loss_fn" else " (the recorded gradient w.r.t. the model output is non-finite)")
@@ -570,6 +613,7 @@ def diagnose(
             origin = {"module": module, "class": cls, "kind": "producer"}
             if bop is not None:
                 origin["op"] = bop["op"]
+                origin["op_index"] = bop["op_index"]
             cause = "the forward pass and the loss are finite; the non-finite value is born in the backward pass"
             if first_bad is not None:
                 origin["first_nonfinite_gradient"] = first_bad.get("param") or f"cotangent at {first_bad['module'] or '(model output)'}"
@@ -672,10 +716,13 @@ def _preserve_live(model: torch.nn.Module) -> Iterator[None]:
         rng.restore()
 
 
-def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> dict:
-    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict."""
+def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True) -> dict:
+    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict, with
+    the exact attribution of :func:`nanreplay.attribution.attribute` (source line, autograd node,
+    causal chain, samples, optimizer update, cause verdict)."""
     result = run_step(model, inp, ops=ops, device=device)
-    return diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
+    diag = diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
+    return attribution.attribute(diag, result, model, inp, device=device, samples=samples)
 
 
 def diagnose_live(recorder: Any, content: BundleContent) -> dict:
@@ -684,7 +731,11 @@ def diagnose_live(recorder: Any, content: BundleContent) -> dict:
     gradients, buffers, module modes and RNG states, so training can continue unchanged."""
     rec = content.steps[-1]
     model = recorder.model
-    inp = StepInputs(record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn)
+    inp = StepInputs(
+        record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn,
+        allow=Allowlist(recorder.config.allow_nonfinite), optimizer_info=content.optimizer_info,
+        history=list(content.steps), reason=dict(content.reason),
+    )
     recorder._replaying = True
     try:
         with _preserve_live(model):
@@ -707,6 +758,9 @@ def replay(
     device: Union[str, torch.device, None] = None,
     ops: bool = True,
     use_loss_fn: bool = True,
+    allow: Optional[Sequence[str]] = None,
+    default_allow: bool = True,
+    samples: bool = True,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
 
@@ -718,7 +772,14 @@ def replay(
             with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
         device: where to replay (default: the recorded parameters' device when present here,
             else CPU).
-        ops: run the op-level monitor (slower, names the aten op).
+        ops: run the op-level monitor (slower, names the aten op, the source line, the autograd
+            node; runs under anomaly mode).
+        allow: extra allowlist rules ``"MODULE:OP[:-inf]"`` for legitimate non-finite values, on
+            top of those recorded in the bundle (``RecorderConfig.allow_nonfinite``).
+        default_allow: keep the default rules (-Inf written by attention masking).
+        samples: find the samples to blame by per-sample replay where the producer's output
+            does not show them directly (extra forward/backward passes, see
+            :func:`nanreplay.blame.samples_to_blame`).
 
     Returns:
         the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
@@ -732,19 +793,7 @@ def replay(
     b = open_bundle(bundle) if own else bundle
     try:
         if model is None:
-            factory = model_factory or b.model_factory
-            if factory is None:
-                raise ReplayError(
-                    f"{b.path} records no model factory; pass --model-factory module:function "
-                    "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
-                )
-            fn = import_callable(factory) if isinstance(factory, str) else factory
-            try:
-                model = fn()
-            except Exception as e:
-                raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
-            if not isinstance(model, torch.nn.Module):
-                raise ReplayError(f"the model factory {factory!r} returned {type(model).__name__}, expected a torch.nn.Module")
+            model = build_model(b, model_factory)
         lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
         if isinstance(lf, str):
             lf = import_callable(lf)
@@ -755,14 +804,86 @@ def replay(
         state = b.state()
         rec = b.step(b.failing_step)
         load_state(model, state)
-        inp = StepInputs(record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf)
-        diag = replay_step(model, inp, ops=ops, device=dev)
+        rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
+        history = [b.step(k) for k in b.steps if k <= b.failing_step]
+        inp = StepInputs(
+            record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
+            optimizer_info=b.meta.get("optimizer"), history=history, reason=dict(b.meta.get("reason") or {}),
+        )
+        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples)
         diag["bundle"] = str(b.path)
         diag["device"] = str(dev)
         return diag
     finally:
         if own:
             b.close()
+
+
+def build_model(b: Bundle, model_factory: Union[str, Callable, None] = None) -> torch.nn.Module:
+    """A fresh model of the recorded architecture from ``model_factory`` (a zero-argument callable
+    or its import path), else from the factory recorded in the bundle ``b``. Weights are not loaded.
+
+    Raises:
+        ReplayError: no factory recorded or given, the factory cannot be imported, raises, or
+            returns something other than an ``nn.Module``.
+    """
+    factory = model_factory or b.model_factory
+    if factory is None:
+        raise ReplayError(
+            f"{b.path} records no model factory; pass --model-factory module:function "
+            "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
+        )
+    fn = import_callable(factory) if isinstance(factory, str) else factory
+    try:
+        model = fn()
+    except Exception as e:
+        raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ReplayError(f"the model factory {factory!r} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def build_optimizer(b: Bundle, model: torch.nn.Module, state: Optional[dict] = None) -> torch.optim.Optimizer:
+    """Rebuild the recorded optimizer over ``model``'s parameters from the bundle's
+    ``meta["optimizer"]`` (class import path, parameter FQNs of each param group, defaults), then
+    load ``state`` (an ``optimizer.state_dict()``, e.g. a snapshot's) when given, which also
+    restores each group's hyperparameters (lr, betas, ...).
+
+    Raises:
+        ReplayError: the bundle records no optimizer class, or it cannot be imported or built.
+        ModelMismatchError: a recorded parameter FQN is not in ``model``, or ``state`` does not
+            fit the rebuilt param groups.
+    """
+    info = b.meta.get("optimizer") or {}
+    cls_path = info.get("class")
+    if not cls_path:
+        raise ReplayError(f"{b.path} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
+    cls = import_callable(cls_path)
+    params = dict(model.named_parameters())
+    groups = []
+    for fqns in info.get("param_groups_fqns", []):
+        missing = [f for f in fqns if f not in params]
+        if missing:
+            raise ModelMismatchError(
+                f"the recorded optimizer holds parameters {missing[:5]} that the model lacks; "
+                "pass --model-factory with the factory that built the recorded model"
+            )
+        groups.append({"params": [params[f] for f in fqns]})
+    defaults = dict(info.get("defaults") or {})
+    try:
+        opt = cls(groups, **defaults)
+    except (TypeError, ValueError) as e:  # a default that JSON could not carry (repr'd): the state fixes it
+        logger.info("rebuilding %s with its recorded defaults failed (%s); retrying with lr only", cls_path, e)
+        try:
+            opt = cls(groups, lr=float(defaults.get("lr", 1e-3)) if not isinstance(defaults.get("lr"), str) else 1e-3)
+        except Exception as e2:
+            raise ReplayError(f"could not rebuild the optimizer {cls_path}: {type(e2).__name__}: {e2}") from e2
+    if state is not None:
+        try:
+            opt.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ModelMismatchError(f"the recorded optimizer state does not fit the rebuilt {cls_path}: {e}") from e
+    return opt
 
 
 def _recorded_device(b: Bundle) -> torch.device:

@@ -24,6 +24,24 @@ def fmt_health(h: Optional[dict]) -> str:
     return (", ".join(bad) + f" of {h['numel']}") if bad else "finite"
 
 
+def _origin_details(o: dict) -> list[str]:
+    """Source line, autograd node, dtype/shape, health and optimizer fields of the origin."""
+    out = []
+    src = o.get("source")
+    if src:
+        out.append(f"  source:        {src['file']}:{src['line']} in {src['function']}" + (f": {src['code']}" if src.get("code") else ""))
+    if o.get("node"):
+        out.append(f"  autograd node: {o['node']} (backward of forward op {o.get('forward_op')})")
+    if o.get("aten"):
+        out.append(f"  aten op:       {o['aten']}  {o.get('dtype')} {o.get('shape')}")
+    if o.get("inputs") or o.get("output"):
+        out.append(f"  op health:     inputs {fmt_health(o.get('inputs'))}; output {fmt_health(o.get('output'))}")
+    for k in ("param", "state_key", "optimizer"):
+        if o.get(k):
+            out.append(f"  {k.replace('_', ' ') + ':':<15}{o[k]}")
+    return out
+
+
 def render_report(diag: dict, *, rows: int = 8) -> str:
     """The human-readable replay report: one actionable sentence first, then the origin, the
     reproduction verdict, and the health table of the modules around the origin."""
@@ -42,8 +60,24 @@ def render_report(diag: dict, *, rows: int = 8) -> str:
         for k in ("first_nonfinite_gradient", "tensor", "samples"):
             if o.get(k) not in (None, []):
                 lines.append(f"  {k.replace('_', ' ')+':':<15}{o[k]}")
+        lines.extend(_origin_details(o))
+    cls = diag.get("classification")
+    if cls:
+        lines.append(f"  verdict:       {cls['cause']} ({cls['detail']})")
+        for e in cls.get("evidence", []):
+            lines.append(f"                 - {e}")
     if diag.get("cause"):
         lines.append(f"  cause:         {diag['cause']}")
+    chain = diag.get("chain") or []
+    if len(chain) > 1:
+        lines.append("  causal chain (execution order):")
+        for i, c in enumerate(chain, 1):
+            src = c.get("source")
+            lines.append(
+                f"    {i}. {c['kinds']} in {c['phase']} op {c['op']}" + (f" ({c['node']})" if c.get("node") else "")
+                + (f" in module {c['module'] or '(root)'}" if c.get("module") is not None else "")
+                + (f" at {src['file']}:{src['line']}" if src else "")
+            )
     r = diag.get("reproduction") or {}
     lines.append(f"  reproduction:  {r.get('verdict')} (max abs difference of finite gradient values: {_num(r.get('max_abs_diff'))})")
     if r.get("detail"):

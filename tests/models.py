@@ -92,3 +92,65 @@ def mse_loss(model: nn.Module, batch) -> torch.Tensor:
 
 def mean_loss(model: nn.Module, batch) -> torch.Tensor:
     return model(batch["x"]).mean()
+
+
+class DeepMLP(nn.Module):
+    """``depth`` Linear+ReLU layers then a Linear head; with ``depth=31`` it has 32 layers."""
+
+    def __init__(self, d: int = 8, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(depth)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def make_deep() -> nn.Module:
+    return DeepMLP()
+
+
+def make_deep32() -> nn.Module:
+    return DeepMLP(depth=31)
+
+
+def mse_loss_fp32(model: nn.Module, batch) -> torch.Tensor:
+    """MSE computed in float32 whatever the model's dtype (for half-precision models)."""
+    x, y = batch
+    return F.mse_loss(model(x).float(), y.float())
+
+
+class NaiveSoftmaxGate(nn.Module):
+    """A gating layer with a hand-written softmax: ``exp(logits)`` overflows float16 once a logit
+    exceeds about 11, and inf / inf is NaN."""
+
+    def __init__(self, d: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) * scale / d**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x @ self.weight)
+        return x * (e / e.sum(-1, keepdim=True))
+
+
+class HalfNet(nn.Module):
+    """fc1 -> gate1 -> fc2 -> gate2 -> head, for float16: gate2's weights are large enough that
+    its logits overflow ``exp`` in float16 (finite in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.gate1 = NaiveSoftmaxGate(16)
+        self.fc2 = nn.Linear(16, 16)
+        self.gate2 = NaiveSoftmaxGate(16, scale=40.0)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate2(self.fc2(self.gate1(self.fc1(x)))))
+
+
+def make_half() -> nn.Module:
+    torch.manual_seed(0)
+    return HalfNet().half()

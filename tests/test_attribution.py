@@ -1,0 +1,287 @@
+"""Exact attribution: one small model per failure family; each test asserts the phase, op,
+module FQN, samples and cause that replay reports, from the bundle (a fresh model) and, where
+cheap, from the in-process diagnosis too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.module_tracker import ModuleTracker
+
+import failure_models as fm
+import models
+from nanreplay import NonFiniteGradientError, Recorder, replay
+from nanreplay.attribution import AllowRule, Allowlist
+from nanreplay.replay import OpMonitor
+
+
+def _fail_once(model, opt, batch, loss_fn, out_dir, **opts) -> NonFiniteGradientError:
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, **opts) as rec:
+        rec.record(batch)
+        loss = loss_fn(model, batch)
+        rec.log_loss(loss)
+        loss.backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    return info.value
+
+
+def _strict_json(diag: dict) -> dict:
+    return json.loads(json.dumps(diag, allow_nan=False, default=str))
+
+
+def test_forward_division_by_zero_in_a_submodule(out_dir):
+    model = models.make_nested()
+    with torch.no_grad():
+        model.encoder["block"].proj.weight.copy_(torch.eye(8))
+        model.encoder["block"].proj.bias.fill_(-1.0)
+    x = 2.0 + torch.rand(6, 8)
+    x[2] = 0.0  # only row 2: relu(0 - 1) = 0 everywhere, then 0 / 0
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
+    diag = _strict_json(replay(err.bundle_path))
+    o = diag["origin"]
+    assert (diag["phase"], o["op"], o["module"], o["samples"]) == ("forward", "div", "encoder.block.norm", [2])
+    assert o["aten"] == "aten.div.Tensor" and o["nonfinite"] == "NaN" and o["dtype"] == "float32" and o["shape"] == [6, 8]
+    assert o["source"]["file"].endswith("models.py") and "x.abs().sum(-1, keepdim=True)" in o["source"]["code"]
+    assert o["inputs"]["nan"] == 0 and o["output"]["nan"] == 8
+    assert diag["classification"]["cause"] == "numerics"
+    assert "division by zero" in diag["classification"]["detail"]
+    assert diag["samples"]["method"] == "non-finite rows of the producer op's output"
+    assert diag["summary"].startswith("NaN born in the forward pass in op div at models.py:")
+    assert "in module encoder.block.norm (SafeDiv), step 0, samples [2]" in diag["summary"]
+    assert err.diagnosis["summary"] == diag["summary"]  # the in-process diagnosis says the same
+
+
+def test_log_of_zero_inside_where_reports_the_causal_chain(out_dir):
+    model = fm.make_logwhere()
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    x = torch.randn(6, 4)
+    x[3] = 0.0  # c = 0 for row 3: log(0) = -Inf masked by where, then 0/0 in LogBackward
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.randn(6, 1)), fm.mse_loss, out_dir, model_factory=fm.make_logwhere)
+    diag = _strict_json(replay(err.bundle_path))
+    o = diag["origin"]
+    assert (diag["phase"], o["op"], o["node"], o["forward_op"], o["module"], o["samples"]) == ("backward", "div", "LogBackward0", "log", "", [3])
+    assert "torch.log(c)" in o["source"]["code"]
+    chain = diag["chain"]
+    assert [(c["phase"], c["op"], c["kinds"]) for c in chain] == [("forward", "log", "-Inf"), ("backward", "div", "NaN")]
+    assert diag["classification"]["cause"] == "numerics" and "log derivative at 0" in diag["classification"]["detail"]
+    assert "forward had -Inf born in log at failure_models.py:" in diag["summary"]
+    assert diag["samples"]["method"] == "per-sample replay"
+
+
+def test_sqrt_at_zero_in_backward(out_dir):
+    model = models.make_sqrt()
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    x = torch.randn(5, 4)
+    x[1] = 0.0
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    diag = replay(err.bundle_path)
+    o = diag["origin"]
+    assert (diag["phase"], o["node"], o["module"], o["samples"]) == ("backward", "SqrtBackward0", "root", [1])
+    assert diag["classification"] == {**diag["classification"], "cause": "numerics", "detail": "sqrt derivative at 0"}
+    # sqrt'(0) = 1/(2*0) = +Inf is born first; the NaN comes later (Inf * 0)
+    assert o["nonfinite"] == "+Inf"
+    assert diag["summary"].startswith("+Inf born in backward of sqrt (SqrtBackward0) at models.py:")
+    assert "in module root (SqrtLayer), step 0, samples [1]; forward was finite; cause: numerics (sqrt derivative at 0)" in diag["summary"]
+
+
+def _attn_batch(n: int = 6, L: int = 5):
+    x = torch.randn(n, L, 6)
+    pad = torch.zeros(n, L, dtype=torch.bool)
+    pad[:, L - 1] = True          # the usual padding: some keys masked
+    pad[0, 2:] = True
+    y = torch.randint(0, 2, (n,))
+    return x, pad, y
+
+
+def test_masked_attention_trains_without_false_alarms(out_dir):
+    model = fm.make_attn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Recorder(model, opt, loss_fn=fm.attn_loss, out_dir=out_dir, model_factory=fm.make_attn) as rec:
+        for _ in range(8):
+            batch = _attn_batch()
+            rec.record(batch)
+            loss = fm.attn_loss(model, batch)
+            rec.log_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert rec.nonfinite_steps == [] and rec.bundles == []
+    # the op monitor sees the -Inf masks, and the allowlist keeps them from being births
+    tracker = ModuleTracker()
+    mon = OpMonitor(tracker, "AttnNet")
+    with tracker, mon:
+        fm.attn_loss(model, _attn_batch()).backward()
+    assert mon.births == []
+    assert {a["op"] for a in mon.allowed} >= {"masked_fill"} and all(a["output"].neginf and not a["output"].nan for a in mon.allowed)
+    # without the default rules the same masks would be called births: the allowlist is what stops them
+    strict = OpMonitor(tracker, "AttnNet", allow=Allowlist(defaults=False))
+    with tracker, strict:
+        fm.attn_loss(model, _attn_batch()).backward()
+    assert strict.births and all(b["output"].neginf and not b["output"].nan for b in strict.births)
+
+
+def test_fully_masked_attention_row_is_caught(out_dir):
+    model = fm.make_attn()
+    x, pad, y = _attn_batch()
+    pad[4] = True  # sample 4 masks every key: its softmax row is all -Inf -> NaN
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, pad, y), fm.attn_loss, out_dir, model_factory=fm.make_attn)
+    diag = replay(err.bundle_path)
+    o = diag["origin"]
+    assert (diag["phase"], o["op"], o["module"], o["samples"]) == ("forward", "_softmax", "attn", [4])
+    assert diag["classification"]["cause"] == "numerics" and "entirely -Inf" in diag["classification"]["detail"]
+    assert diag["allowed_births"] >= 1  # the -Inf masks were seen and allowed, not blamed
+
+
+def test_custom_allow_rule_hides_a_birth(out_dir):
+    model = fm.make_attn()
+    x, pad, y = _attn_batch()
+    pad[4] = True
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, pad, y), fm.attn_loss, out_dir,
+                     model_factory=fm.make_attn, allow_nonfinite=("attn:_softmax",))
+    diag = replay(err.bundle_path)
+    assert "attn:_softmax" in diag["allowlist"]
+    assert all(c["op"] != "_softmax" for c in diag["chain"])
+    with pytest.raises(ValueError, match="an allowlist rule is 'MODULE:OP'"):
+        AllowRule.parse("softmax")
+
+
+def test_fp16_overflow_in_a_linear_layer_under_cpu_autocast(out_dir):
+    model = fm.make_wide()
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.zeros(1, 8))
+    except RuntimeError as e:  # pragma: no cover - older torch without CPU float16 autocast
+        pytest.skip(f"CPU autocast to float16 unsupported here: {e}")
+    with torch.no_grad():
+        model.fc2.weight.fill_(300.0)
+    x = torch.rand(4, 8)
+    x[2] = 400.0  # fc2 of sample 2 exceeds 65504 in float16
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.zeros(4, 1)), fm.fp16_autocast_loss, out_dir, model_factory=fm.make_wide)
+    diag = replay(err.bundle_path)
+    o = diag["origin"]
+    assert (diag["phase"], o["module"], o["samples"], o["dtype"]) == ("forward", "fc2", [2], "float16")
+    assert o["op"] == "addmm"
+    c = diag["classification"]
+    assert c["cause"] == "overflow" and any("finite in float32" in e for e in c["evidence"])
+
+
+def test_one_bad_sample_in_the_input(out_dir):
+    model = models.make_mlp()
+    x = torch.randn(8, 8)
+    x[5, 3] = float("nan")
+    batch = {"image": x, "label": torch.randn(8, 4)}
+    loss_fn = models.mean_loss.__globals__["F"].mse_loss
+
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, input_mse, out_dir, model_factory=models.make_mlp)
+    diag = replay(err.bundle_path)
+    assert (diag["phase"], diag["origin"]["leaf"], diag["origin"]["samples"]) == ("input", "batch['image']", [5])
+    assert diag["classification"]["cause"] == "bad input data"
+    assert diag["summary"].startswith("non-finite value in the input data at batch['image'], step 0, samples [5]")
+    assert callable(loss_fn)
+
+
+def input_mse(model, batch):
+    return torch.nn.functional.mse_loss(model(batch["image"]), batch["label"])
+
+
+def _train(model, opt, rec, steps, batch, loss_fn, lr_at=None):
+    for s in range(steps):
+        if lr_at is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s)
+        rec.record(batch)
+        loss = loss_fn(model, batch)
+        rec.log_loss(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_nan_learning_rate_is_an_optimizer_update(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = (torch.randn(8, 8), torch.randn(8, 4))
+    before = None
+    with Recorder(model, opt, loss_fn=models.mse_loss, out_dir=out_dir, model_factory=models.make_mlp, check_update=True) as rec:
+        _train(model, opt, rec, 2, batch, models.mse_loss)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.param_groups[0]["lr"] = float("nan")
+        with pytest.raises(NonFiniteGradientError, match="after the update of step 2") as info:
+            _train(model, opt, rec, 1, batch, models.mse_loss)
+    # raise restored the pre-step weights
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    for diag in (info.value.diagnosis, replay(info.value.bundle_path)):
+        o = diag["origin"]
+        assert (diag["phase"], o["param"], o["module"], diag["classification"]["cause"]) == ("optimizer", "fc1.weight", "fc1", "optimizer update")
+        assert diag["optimizer"]["detail"].startswith("lr=nan in param group 0")
+        assert diag.get("samples") is None
+
+
+def test_adam_eps_zero_names_the_second_moment(out_dir):
+    """Resuming with eps=0: a weight whose gradient has always been 0 has a zero second moment,
+    and its update is 0 / (sqrt(0) + 0) = NaN."""
+    model = models.make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 8)
+    x[:, 0] = 0.0  # fc1.weight[:, 0] always gets a zero gradient: zero first and second moments
+    batch = (x, torch.randn(8, 4))
+    with Recorder(model, opt, loss_fn=models.mse_loss, out_dir=out_dir, model_factory=models.make_mlp, check_update=True) as rec:
+        _train(model, opt, rec, 2, batch, models.mse_loss)
+        opt.param_groups[0]["eps"] = 0.0
+        with pytest.raises(NonFiniteGradientError) as info:
+            _train(model, opt, rec, 1, batch, models.mse_loss)
+    diag = replay(info.value.bundle_path)
+    o = diag["origin"]
+    assert (diag["phase"], o["param"], o["module"], o["state_key"]) == ("optimizer", "fc1.weight", "fc1", "exp_avg_sq")
+    assert diag["classification"]["cause"] == "optimizer update"
+    assert any("eps=0" in e for e in diag["classification"]["evidence"])
+    assert "state exp_avg_sq" in diag["summary"]
+
+
+def test_exploding_gradients_from_a_learning_rate_spike(out_dir):
+    torch.manual_seed(1)
+    model = fm.make_wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = (torch.randn(16, 8), torch.randn(16, 1))
+    with Recorder(model, opt, loss_fn=fm.mse_loss, out_dir=out_dir, model_factory=fm.make_wide, capacity=6) as rec:
+        with pytest.raises(NonFiniteGradientError) as info:
+            _train(model, opt, rec, 200, batch, fm.mse_loss, lr_at=lambda s: 0.01 if s < 5 else 5.0)
+    diag = _strict_json(replay(info.value.bundle_path))
+    c = diag["classification"]
+    assert c["cause"] == "explosion", c
+    assert diag["history"]["lr_spike"] == {"step": 5, "lr": 5.0, "min_lr": 0.01}
+    assert diag["history"]["exploding"] and any("grad norm rose to" in e for e in c["evidence"])
+    # every gradient is finite, their norm is not: the largest gradient is named, no sample is blamed
+    o = diag["origin"]
+    assert (diag["phase"], o["kind"], o["module"], diag["samples"]) == ("backward", "explosion", o["param"].rpartition(".")[0], None)
+    assert o["param"] in {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert diag["summary"].startswith("gradients exploded in backward")
+
+
+def test_cli_json_and_allow_option(out_dir):
+    from click.testing import CliRunner
+
+    from nanreplay.cli import main
+
+    model = models.make_sqrt()
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    x = torch.randn(4, 4)
+    x[2] = 0.0
+    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    r = CliRunner().invoke(main, ["replay", err.bundle_path, "--json", "--allow", "root:mul"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["origin"]["node"] == "SqrtBackward0" and d["classification"]["cause"] == "numerics" and "root:mul:-inf" not in d["allowlist"]
+    assert "root:mul" in d["allowlist"]
+    r = CliRunner().invoke(main, ["replay", err.bundle_path])
+    assert r.exit_code == 0 and r.output.startswith("+Inf born in backward of sqrt (SqrtBackward0)")
+    assert "autograd node: SqrtBackward0" in r.output
+    r = CliRunner().invoke(main, ["replay", err.bundle_path, "--allow", "nocolon"])
+    assert r.exit_code == 2 and "an allowlist rule is 'MODULE:OP'" in r.output
