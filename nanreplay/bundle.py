@@ -176,9 +176,10 @@ def environment() -> dict:
     }
 
 
-def write_bundle(path: str | Path, content: BundleContent) -> Path:
+def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True) -> Path:
     """Write ``content`` to one bundle file; the format follows the extension (``.h5``/``.hdf5``
-    or ``.safetensors``). The write is atomic (temporary name, then rename).
+    or ``.safetensors``). The write is atomic (temporary name, then rename) and, with ``fsync``
+    (default), durable; see :func:`nanreplay.storage.write_flat`.
 
     Raises:
         ValueError: unknown extension. OSError: the file could not be written.
@@ -245,7 +246,7 @@ def write_bundle(path: str | Path, content: BundleContent) -> Path:
         "diagnosis": content.diagnosis,
         **content.extra_meta,
     }
-    return write_flat(path, tensors, meta)
+    return write_flat(path, tensors, meta, fsync=fsync)
 
 
 class Bundle:

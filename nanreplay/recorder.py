@@ -12,7 +12,14 @@ Hot-path design (per step, default options):
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step weights and optimizer state are still in place when the step pre-hook
-fires, so they are written from where they are.
+fires, so they are written from where they are. Weight snapshots are copied with one
+``torch._foreach_copy_`` into slots recycled from evicted snapshots, so steady-state snapshotting
+allocates nothing.
+
+With ``check_every=N > 1`` (the sync-free mode, :meth:`Recorder._check_lagged`) the check keeps
+its verdict on the device, like GradScaler's ``found_inf``, and the host reads it once every N
+steps; a device-side latch keeps the first non-finite step's pre-step state and gradients until
+then.
 """
 
 from __future__ import annotations
@@ -87,6 +94,22 @@ class RecorderConfig:
         min_scale: with a GradScaler, dump when a skipped step leaves the loss scale below this.
         max_scaler_skips: with a GradScaler, dump when more than this many consecutive steps were
             skipped for non-finite gradients (a healthy fp16 run skips a few in a row at most).
+        check_every: read the check's verdict on the host every N steps (1 = every step, one host
+            sync per step). With N > 1 the check is sync-free in between: each step's grad norm
+            (and loss) stays a device scalar, and a device-side latch copies the step's pre-step
+            weights, optimizer state tensors and gradients into one preallocated slot, with
+            ``torch.where`` under the latch, until a non-finite step sets it; from then on the slot
+            is frozen. When the host reads the verdicts (one ``tolist()`` every N steps, and at
+            :meth:`Recorder.close`) and finds the first non-finite step k, the bundle holds step
+            k's batch, RNG states, learning rates, step-start buffers (from the ring buffer, whose
+            unchecked steps are never evicted), pre-step weights, optimizer state and gradients
+            (from the slot): the same content as with N = 1. What differs: steps k+1.. ran on the
+            corrupted weights until the host learned of it; ``"raise"`` and ``"skip"`` put the
+            weights and optimizer state back to step k's pre-step values (``"skip"`` then goes
+            on from there, so the updates of steps k..k+N-1 are dropped), ``"warn"`` leaves them.
+            Cost per step: one masked copy of params + optimizer state + gradients (read 2x,
+            write 1x; about 4x the parameter bytes for Adam, held once). Worth it where a host
+            sync costs more than that copy (GPUs); on CPU a sync is free and N = 1 is cheaper.
         check_update: also check the optimizer update (off by default). Every step, the
             pre-step weights and optimizer state are copied in the step pre-hook (one copy of
             params + optimizer state: about 3x the parameter bytes for Adam, in memory and in
@@ -118,6 +141,7 @@ class RecorderConfig:
     origin_hook: bool = True
     min_scale: float = 1.0
     max_scaler_skips: int = 10
+    check_every: int = 1
     check_update: bool = False
     allow_nonfinite: tuple = ()
 
@@ -144,6 +168,8 @@ class RecorderConfig:
             raise ValueError(f"max_scaler_skips must be >= 1, got {self.max_scaler_skips}")
         if not self.min_scale >= 0:
             raise ValueError(f"min_scale must be a loss scale >= 0, got {self.min_scale}")
+        if self.check_every < 1:
+            raise ValueError(f"check_every must be >= 1 step (1 = check on the host every step), got {self.check_every}")
 
 
 def callable_path(fn: Any) -> Optional[str]:
@@ -277,6 +303,14 @@ class Recorder:
         self.extra_meta: dict[str, Any] = {}   # JSON merged into every bundle's metadata
         self._handles: list[Any] = []
         self._closed = False
+        if self.config.check_every > 1:
+            pg = torch.distributed.is_available() and torch.distributed.is_initialized()
+            clash = [n for n, on in (("torch.distributed", pg), ("a GradScaler", scaler is not None), ("check_update=True", self.config.check_update)) if on]
+            if clash:
+                raise ValueError(
+                    f"check_every={self.config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
+                    "use check_every=1 there (one host read per step)"
+                )
         self.dist = RankContext.detect(self)    # None outside torch.distributed
         self._amp = None
         if scaler is not None:
@@ -284,6 +318,9 @@ class Recorder:
 
             self._amp = ScalerWatch(self, scaler)
             self._handles.append(self._amp)
+        self._free_slots: list[_Slot] = []       # snapshot slots recycled from evicted snapshots
+        self._pending: list[StepRecord] = []    # steps whose verdict is still on the device (check_every > 1)
+        self._latch: Optional[_Latch] = None     # the sync-free mode's device-side evidence slot
         self._handles.append(model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
         if self.config.check_in_optimizer_step:
@@ -299,7 +336,14 @@ class Recorder:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove every hook this Recorder registered. Idempotent."""
+        """Remove every hook this Recorder registered. Idempotent. With ``check_every > 1``, first
+        reads the verdicts still on the device (one host sync) and dumps a bundle for a
+        non-finite step among them; it logs instead of raising."""
+        if self._pending and not self._closed:
+            try:
+                self._check_pending(final=True)
+            except Exception:  # close() runs from __exit__, often while another error propagates
+                logger.exception("nanreplay: the final check on close() failed")
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -336,7 +380,9 @@ class Recorder:
         rec.buffers = self._capture_buffers()
         se = self.config.snapshot_every
         if se and self.step % se == 0:
-            rec.snapshot = self.snapshot_state(clone=True)
+            while len(self.ring) >= self._capacity():  # evict first, so its slot can be reused
+                self._drop_oldest()
+            rec.snapshot = self._take_snapshot()
         self._current = rec
         self._refs = []
         self.ring.append(rec)
@@ -430,6 +476,8 @@ class Recorder:
         ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
         rec = self._begin_step()
         rec.lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        if self.config.check_every > 1:
+            return self._check_lagged(rec)
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
         loss = self._pending_loss if self.config.check_loss else None
@@ -535,6 +583,134 @@ class Recorder:
         if snap.optimizer is not None:
             self.optimizer.load_state_dict(snap.optimizer)
 
+    # -- weight snapshots in recycled slots -------------------------------------------------------
+    def _take_snapshot(self) -> Snapshot:
+        """A step-start copy of the weights, buffers and optimizer state, copied with one
+        ``torch._foreach_copy_`` into a slot recycled from an evicted snapshot when one of the
+        same layout is free (else freshly cloned). Costs one read and one write of the state's
+        bytes, no allocation in steady state, no sync."""
+        live = self.snapshot_state(clone=False)
+        leaves, spec = pytree.tree_flatten((live.params, live.buffers, live.optimizer))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        key = _layout(spec, tensors)
+        slot = next((s for s in self._free_slots if s.key == key), None)
+        if slot is not None:
+            self._free_slots.remove(slot)
+            _copy_all(slot.tensors, tensors)
+        else:
+            slot = _Slot(key, [t.clone() for t in tensors])
+        it = iter(slot.tensors)
+        params, buffers, opt = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        extra = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, live.extra)
+        return _SlotSnapshot(params=params, buffers=buffers, optimizer=opt, extra=extra, slot=slot)
+
+    def _release(self, snap: Optional[Snapshot], *, reuse: bool = True) -> None:
+        """Give an evicted snapshot's tensors back for reuse (one free slot is kept); with
+        ``reuse=False`` (dropped to honour ``memory_budget``) they are freed instead."""
+        if isinstance(snap, _SlotSnapshot) and snap.slot is not None:
+            if reuse:
+                self._free_slots[:] = [snap.slot]
+            snap.slot = None
+
+    def _capacity(self) -> int:
+        # unchecked steps (check_every > 1) come on top of the steps asked for
+        return self.config.capacity + self.config.check_every - 1
+
+    def _drop_oldest(self, *, reuse: bool = True) -> StepRecord:
+        r = self.ring.popleft()
+        self._release(r.snapshot, reuse=reuse)
+        return r
+
+    # -- the sync-free check (check_every > 1) ------------------------------------------------------
+    def _check_lagged(self, rec: StepRecord) -> None:
+        """Step pre-hook with ``check_every > 1``: keep this step's grad norm and loss on the
+        device, move the latch (copy this step's pre-step state and gradients into the slot unless
+        an earlier unchecked step was non-finite), and read every pending verdict on the host
+        once every ``check_every`` steps."""
+        grads = self._grads()
+        rec._norm_t = fused_norm([g for _, g in grads])  # type: ignore[attr-defined]
+        loss = self._pending_loss if self.config.check_loss else None
+        self._pending_loss = None
+        rec._loss_t = loss  # type: ignore[attr-defined]
+        bad = _nonfinite_flag(rec._norm_t, loss)  # type: ignore[attr-defined]
+        if bad is not None:
+            if self._latch is None:
+                self._latch = _Latch()
+            self._latch.update(self, rec, grads, bad)
+        self._pending.append(rec)
+        self._seal(rec)
+        if len(self._pending) >= self.config.check_every:
+            self._check_pending(final=False)
+
+    def _check_pending(self, *, final: bool) -> None:
+        """Read the pending verdicts (one host sync) and handle the first non-finite step."""
+        pending, self._pending = self._pending, []
+        vals = []
+        for r in pending:
+            for t in (getattr(r, "_norm_t", None), getattr(r, "_loss_t", None)):
+                if t is not None:
+                    vals.append(t.detach().reshape(()).to(torch.float32))
+        host = iter(torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else [])  # the one sync
+        first: Optional[StepRecord] = None
+        for r in pending:
+            r.grad_norm = next(host) if getattr(r, "_norm_t", None) is not None else None
+            r.loss = next(host) if getattr(r, "_loss_t", None) is not None else None
+            r._norm_t = r._loss_t = None  # type: ignore[attr-defined]
+            bad = any(v is not None and not math.isfinite(v) for v in (r.grad_norm, r.loss))
+            r.finite = not bad
+            if bad and first is None:
+                first = r
+        latch = self._latch
+        if first is None:
+            self.skipped = 0
+            if latch is not None:
+                latch.reset()
+            return
+        after = False
+        for r in pending:
+            if after:
+                r.finite = None  # ran on corrupted weights: its verdict says nothing
+            after = after or r is first
+        assert latch is not None, "a non-finite step has gone through the latch"
+        live_sd = self.optimizer.state_dict()
+        state = latch.snapshot(self, live_sd, first)
+        restore = self.config.action in ("raise", "skip")
+        if restore or self.config.diagnose:
+            saved = None if restore else self.snapshot_state(clone=True)
+            self._load_state(state)
+        bad_grad = first.grad_norm is not None and not math.isfinite(first.grad_norm)
+        bad_loss = first.loss is not None and not math.isfinite(first.loss)
+        try:
+            if final:
+                self.nonfinite_steps.append(first.step)
+                if len(self.bundles) < self.config.max_dumps:
+                    self._dump(first, latch.grad_list(), bad_grad, bad_loss, state=state)
+                return
+            self._handle_nonfinite(first, latch.grad_list(), bad_grad, bad_loss, state=state)
+        finally:
+            if not restore and self.config.diagnose:
+                self._load_state(saved)
+            latch.reset()
+
+    def _load_state(self, snap: Snapshot) -> None:
+        """Copy a snapshot's weights, buffers and optimizer state tensors into the live ones, in place
+        (the live tensors never alias the snapshot's, which may be a reused slot)."""
+        live = dict(self.model.named_parameters())
+        dst = [live[n].detach() for n in snap.params]
+        src = list(snap.params.values())
+        bufs = dict(self.model.named_buffers())
+        for n, b in snap.buffers.items():
+            if n in bufs and bufs[n] is not b:
+                dst.append(bufs[n])
+                src.append(b)
+        if snap.optimizer is not None:
+            dst += [t for t in pytree.tree_leaves(self.optimizer.state_dict()["state"]) if isinstance(t, torch.Tensor)]
+            src += [t for t in pytree.tree_leaves(snap.optimizer["state"]) if isinstance(t, torch.Tensor)]
+        if len(dst) != len(src):
+            raise RuntimeError(f"nanreplay: cannot put back the saved state: {len(src)} tensors saved, {len(dst)} live")
+        with torch.no_grad():
+            _copy_all(dst, src)
+
     # -- the non-finite path -------------------------------------------------------------------
     def snapshot_state(self, *, clone: bool) -> Snapshot:
         """The model's weights and buffers and the optimizer's state now (references, or copies
@@ -555,9 +731,19 @@ class Recorder:
             extra=extra,
         )
 
-    def _handle_nonfinite(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, *, cause: Optional[dict] = None) -> None:
+    def _handle_nonfinite(
+        self,
+        rec: StepRecord,
+        grads: list,
+        bad_grad: bool,
+        bad_loss: bool,
+        *,
+        cause: Optional[dict] = None,
+        state: Optional[Snapshot] = None,
+    ) -> None:
         """``cause``: JSON merged into the bundle's ``reason``; its ``"message"`` replaces the
-        opening words of the error message (used for GradScaler and cross-rank decisions)."""
+        opening words of the error message (used for GradScaler and cross-rank decisions).
+        ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
         action = self.config.action
         first = len(self.bundles) < self.config.max_dumps and (action == "raise" or self.skipped == 0)
@@ -568,7 +754,7 @@ class Recorder:
             cause = {**self._amp.reason(bad_grad), **cause}
         path: Optional[Path] = None
         if first:
-            path = self._dump(rec, grads, bad_grad, bad_loss, cause)
+            path = self._dump(rec, grads, bad_grad, bad_loss, cause, state=state)
         what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
         summary = (self.last_diagnosis or {}).get("summary") if first else None
         head = cause.get("message") or f"non-finite {what}"
@@ -595,14 +781,16 @@ class Recorder:
             )
         logger.warning("nanreplay: %s; skipping this optimizer step (%d in a row)", msg, self.skipped)
         self._skip_versions = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
+        # with check_every > 1, _check_pending already put back step rec's pre-step state
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
-        ``state``: the pre-step state when it is no longer the live one (``check_update``)."""
-        state = state if state is not None else self.snapshot_state(clone=False)
+        ``state``: the pre-step state when it is no longer the live one (``check_update``,
+        ``check_every > 1``); it is copied shallowly, never modified."""
+        state = self.snapshot_state(clone=False) if state is None else dataclasses.replace(state)
         if rec.buffers is not None:
             state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
         grad_tensors = {n: g.detach() for n, g in grads}
@@ -668,18 +856,27 @@ class Recorder:
     def _name_suffix(self) -> str:
         return self.dist.name_suffix() if self.dist is not None else ""
 
+    def held_bytes(self) -> int:
+        """Bytes the ring buffer holds beyond what training holds anyway, as counted against
+        ``memory_budget``: copied batches, kept cotangents, weight snapshots and copied
+        step-start buffers, summed over the steps held. Host cost: a walk over the ring's
+        tensors, no device sync."""
+        n = sum(self._held(r) for r in self.ring)
+        n += sum(_tensor_bytes(s.tensors) for s in self._free_slots)
+        return n + (self._latch.nbytes() if self._latch is not None else 0)
+
+    def _held(self, r: StepRecord) -> int:
+        n = 0 if not self._copy else sum(_nbytes(fw.inputs) for fw in r.forwards) + _nbytes(r.batches)
+        n += sum(_nbytes(fw.cotangent) for fw in r.forwards if fw.cotangent is not None)
+        n += r.snapshot.nbytes() if r.snapshot is not None else 0
+        n += _nbytes(r.buffers) if r.buffers else 0
+        return n
+
     def _evict(self) -> None:
         """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes."""
-        while len(self.ring) > self.config.capacity:
-            self.ring.popleft()
-
-        def held(r: StepRecord) -> int:
-            n = 0 if not self._copy else sum(_nbytes(fw.inputs) for fw in r.forwards) + _nbytes(r.batches)
-            n += sum(_nbytes(fw.cotangent) for fw in r.forwards if fw.cotangent is not None)
-            n += r.snapshot.nbytes() if r.snapshot is not None else 0
-            n += _nbytes(r.buffers) if r.buffers else 0
-            return n
-
+        while len(self.ring) > self._capacity():
+            self._drop_oldest()
+        held = self._held
         budget = self.config.memory_budget
         total = sum(held(r) for r in self.ring)
         for r in list(self.ring)[:-1]:  # oldest snapshots first
@@ -687,12 +884,15 @@ class Recorder:
                 return
             if r.snapshot is not None:
                 total -= r.snapshot.nbytes()
+                self._release(r.snapshot, reuse=False)
                 r.snapshot = None
-        while total > budget and len(self.ring) > 1:
-            total -= held(self.ring.popleft())
+        pending = {id(r) for r in self._pending}  # unchecked steps are never evicted
+        while total > budget and len(self.ring) > 1 and id(self.ring[0]) not in pending:
+            total -= held(self._drop_oldest(reuse=False))
         if total > budget and self.ring:
             r = self.ring[-1]
             if r.snapshot is not None:
+                self._release(r.snapshot, reuse=False)
                 r.snapshot = None
                 logger.warning("nanreplay: one weight snapshot exceeds memory_budget=%d bytes; snapshots are off", budget)
 
@@ -737,3 +937,120 @@ def _resolve(path: str) -> Callable:
     from .replay import import_callable
 
     return import_callable(path)
+
+
+def _tensor_bytes(ts: list) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _layout(spec: Any, tensors: list) -> tuple:
+    return (str(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+
+
+def _copy_all(dst: list, src: list) -> None:
+    """``dst[i].copy_(src[i])`` for all i, with one multi-tensor ``_foreach_copy_``."""
+    if not dst:
+        return
+    try:
+        torch._foreach_copy_(dst, src)
+    except (AttributeError, RuntimeError):  # older torch without _foreach_copy_
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def _nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 0-dim bool device tensor: True when the grad norm or the loss is non-finite. No sync."""
+    flags = [torch.logical_not(torch.isfinite(t.detach().reshape(()))) for t in (norm, loss) if t is not None]
+    if not flags:
+        return None
+    out = flags[0]
+    for f in flags[1:]:
+        out = out | f.to(out.device)
+    return out
+
+
+@dataclass
+class _Slot:
+    """Preallocated tensors of one snapshot layout (``key``), recycled between snapshots."""
+
+    key: tuple
+    tensors: list
+
+
+@dataclass
+class _SlotSnapshot(Snapshot):
+    slot: Optional[_Slot] = None
+
+
+class _Latch:
+    """The sync-free mode's device-side evidence: the pre-step params, optimizer state tensors
+    and gradients of the first non-finite step since the last host check.
+
+    Every step, before its update: ``slot = where(latched, slot, live)`` for each tensor, then
+    ``latched |= bad``. So the slot follows the live state until a non-finite step, holds that
+    step's values from then on, and the host never has to look in between. The layout of the
+    live state (params with and without gradients, optimizer state tensors created lazily on the
+    first step) may change while the latch is open; the slot is then reallocated, which is only
+    right while nothing has latched, so a layout change also reads the latch (the one case that
+    syncs between checks: the first step of a fresh optimizer, and the first after a param starts
+    receiving gradients).
+    """
+
+    def __init__(self) -> None:
+        self.latched: Optional[torch.Tensor] = None  # 0-dim bool, device
+        self.key: Optional[tuple] = None
+        self.names: list[str] = []
+        self.live_spec: Any = None
+        self.params: list[torch.Tensor] = []
+        self.opt: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+
+    def update(self, recorder: "Recorder", rec: StepRecord, grads: list, bad: torch.Tensor) -> None:
+        params = [(n, p.detach()) for n, p in recorder.model.named_parameters()]
+        opt_leaves, opt_spec = pytree.tree_flatten(recorder.optimizer.state_dict()["state"])
+        opt_t = [t for t in opt_leaves if isinstance(t, torch.Tensor)]
+        g = [t for _, t in grads]
+        key = (tuple(n for n, _ in params), _layout(opt_spec, opt_t), tuple(n for n, _ in grads), _layout(None, g))
+        dev = bad.device
+        if key != self.key:
+            if self.latched is not None and bool(self.latched):  # layout change after a latch: keep it frozen
+                self.latched = self.latched | bad
+                return
+            self.key, self.names, self.live_spec = key, [n for n, _ in grads], opt_spec
+            self.params = [p.clone() for _, p in params]
+            self.opt = [t.clone() for t in opt_t]
+            self.grads = [t.detach().clone() for t in g]
+            self.latched = torch.zeros((), dtype=torch.bool, device=dev)
+        else:
+            keep = self.latched
+            for dst, src in zip(self.params + self.opt + self.grads, [p for _, p in params] + opt_t + g):
+                torch.where(keep.to(dst.device), dst, src.detach(), out=dst)
+        self.latched = self.latched | bad
+
+    def reset(self) -> None:
+        """Open the latch again after a host check; the slot's tensors are kept for reuse."""
+        if self.latched is not None:
+            self.latched = torch.zeros_like(self.latched)
+
+    def snapshot(self, recorder: "Recorder", live_sd: dict, rec: StepRecord) -> Snapshot:
+        """The latched step's pre-step state as a Snapshot (params, buffers from the ring record,
+        optimizer state with the slot's tensors and the live non-tensor entries, lrs of ``rec``)."""
+        names = self.key[0] if self.key else ()
+        leaves, spec = pytree.tree_flatten(live_sd["state"])
+        it = iter(self.opt)
+        state = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        groups = [dict(gr) for gr in live_sd["param_groups"]]
+        for gr, lr in zip(groups, rec.lrs):
+            gr["lr"] = lr
+        return Snapshot(
+            params=dict(zip(names, self.params)),
+            buffers=dict(rec.buffers or {}),
+            optimizer={"state": state, "param_groups": groups},
+            extra={},
+        )
+
+    def grad_list(self) -> list:
+        return list(zip(self.names, self.grads))
+
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.params + self.opt + self.grads)

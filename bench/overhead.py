@@ -1,0 +1,530 @@
+"""Overhead of nanreplay's Recorder beside the common alternatives, measured side by side.
+
+Usage::
+
+    python bench/overhead.py                      # all models, defaults (a few minutes on 2 cores)
+    python bench/overhead.py --model gpt --steps 60 --threads 2 --out bench/results.json
+
+Method. Every variant trains its own copy of the same model (same initial weights, AdamW) on
+the same batches. The variants run *interleaved step by step*: each round runs one training step
+of every variant, in an order that rotates every round, so machine drift (other processes, CPU
+frequency, allocator state) hits all variants alike. The figure quoted per variant is the median
+over rounds of ``step time(variant) / step time(plain)`` within the same round, after warm-up
+rounds. A step is forward, loss, backward, ``optimizer.step()``, ``zero_grad()``; on CUDA the
+timer synchronises at the end of each step (outside the counted host reads).
+
+Host syncs are counted by wrapping the Python entry points that read a device value on the host
+(``Tensor.item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``, ``cpu`` and
+``numpy``); on CPU these are the calls that would synchronise on CUDA. The figure is per step, net
+of the plain loop's own count. On CUDA, ``torch.cuda.set_sync_debug_mode`` can confirm it.
+
+Memory added is the recorder's own accounting (:meth:`nanreplay.Recorder.held_bytes`: copied
+batches, kept cotangents, weight snapshots, step-start buffers, preallocated snapshot slots),
+reported in bytes and as a fraction of the model's parameter bytes; on CUDA the script also
+reports ``torch.cuda.max_memory_allocated`` per variant run alone.
+
+The results go to ``--out`` (JSON) and, with ``--readme``, to the table in ``bench/README.md``
+between the ``<!-- results -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import models  # noqa: E402  (bench/models.py)
+
+import nanreplay  # noqa: E402
+from nanreplay import NonFiniteGradientError, Recorder  # noqa: E402
+
+# --------------------------------------------------------------------------------- sync counting
+
+_SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+class SyncCounter:
+    """Counts calls of the Tensor methods that read device data on the host (a CUDA sync).
+
+    ``cpu``/``numpy`` are counted only for non-CPU tensors (on CPU they are free and a CPU
+    tensor's ``.cpu()`` is a no-op); the other methods are counted on every device, because on
+    CUDA each of them would block the host until the device catches up.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+        self._orig: dict[str, Any] = {}
+
+    def __enter__(self) -> "SyncCounter":
+        for name in _SYNC_METHODS:
+            orig = getattr(torch.Tensor, name)
+            self._orig[name] = orig
+            setattr(torch.Tensor, name, self._wrap(name, orig))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, orig in self._orig.items():
+            setattr(torch.Tensor, name, orig)
+        self._orig.clear()
+
+    def _wrap(self, name: str, orig: Callable) -> Callable:
+        device_only = name in ("cpu", "numpy")
+
+        def wrapper(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if self.active and not (device_only and t.device.type == "cpu"):
+                self.count += 1
+            return orig(t, *a, **k)
+
+        wrapper.__name__ = name
+        return wrapper
+
+
+# ------------------------------------------------------------------------------------- variants
+
+
+class Variant:
+    """One way of running the training loop. ``step`` runs one full training step."""
+
+    name = "plain"
+    label = "plain loop"
+
+    def __init__(self, base: torch.nn.Module, loss: Callable, out_dir: Path) -> None:
+        self.model = copy.deepcopy(base)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.loss = loss
+        self.out_dir = out_dir
+        self.times: list[float] = []
+        self.syncs: list[int] = []
+        self.setup()
+
+    def setup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def context(self) -> Any:
+        return nullcontext()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with self.context():
+            out = self.model(x)
+            loss = self.loss(out, y)
+            self.after_forward(loss)
+            loss.backward()
+            self.before_step(x, y)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def after_forward(self, loss: torch.Tensor) -> None:
+        pass
+
+    def before_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
+
+    def held_bytes(self) -> Optional[int]:
+        return None
+
+
+class RecorderVariant(Variant):
+    name = "recorder"
+    label = "Recorder, default options"
+    options: dict = {}
+
+    def setup(self) -> None:
+        self.rec = Recorder(self.model, self.opt, out_dir=self.out_dir, **self.options)
+
+    def close(self) -> None:
+        self.rec.close()
+
+    def held_bytes(self) -> Optional[int]:
+        return self.rec.held_bytes()
+
+
+class SnapshotVariant(RecorderVariant):
+    name = "recorder_snapshot"
+    label = "Recorder, weights + optimizer state snapshotted every step"
+    options = {"snapshot_every": 1}
+
+
+class LaggedVariant(RecorderVariant):
+    name = "recorder_lagged"
+    label = "Recorder, sync-free: device flag read every 8 steps (check_every=8)"
+    options = {"check_every": 8}
+
+
+class AnomalyVariant(Variant):
+    name = "anomaly"
+    label = "torch.autograd.set_detect_anomaly(True)"
+
+    def context(self) -> Any:
+        return torch.autograd.set_detect_anomaly(True)
+
+
+class HookDetectorVariant(Variant):
+    name = "hook_detector"
+    label = "forward hook per module, torch.isnan(out).any()"
+
+    def setup(self) -> None:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and torch.isnan(out).any():
+                raise RuntimeError(f"NaN in the output of {type(module).__name__}")
+
+        self.handles = [m.register_forward_hook(hook) for m in self.model.modules()]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class CallbackVariant(Variant):
+    name = "capture_callback"
+    label = "capture callback: deepcopy(batch), torch.cat(grads), isnan().any()"
+
+    def before_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.last_batch = copy.deepcopy((x, y))
+        flat = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
+        if torch.isnan(flat).any() or torch.isinf(flat).any():
+            raise RuntimeError("non-finite gradient")
+
+    def held_bytes(self) -> Optional[int]:
+        b = getattr(self, "last_batch", None)
+        return sum(t.numel() * t.element_size() for t in b) if b else 0
+
+
+VARIANTS: dict[str, type[Variant]] = {
+    v.name: v
+    for v in (Variant, RecorderVariant, SnapshotVariant, LaggedVariant, AnomalyVariant, HookDetectorVariant, CallbackVariant)
+}
+
+
+# ---------------------------------------------------------------------------------- measurement
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, counter: SyncCounter) -> dict:
+    factory, make_batch, loss = models.spec(name, args.scale)
+    torch.manual_seed(0)
+    base = factory().to(device)
+    n_params = models.param_count(base)
+    param_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    names = [n for n in args.variants if n in VARIANTS]
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = [VARIANTS[n](base, loss, Path(tmp) / n) for n in names]
+        gen = torch.Generator().manual_seed(1)
+        rounds = args.warmup + args.steps
+        for r in range(rounds):
+            x, y = make_batch(gen, device)
+            k = r % len(variants)
+            order = variants[k:] + variants[:k]
+            for v in order:
+                _sync(device)
+                counter.count = 0
+                counter.active = True
+                t0 = time.perf_counter()
+                v.step(x, y)
+                counter.active = False
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if r >= args.warmup:
+                    v.times.append(dt)
+                    v.syncs.append(counter.count)
+        plain = variants[names.index("plain")]
+        out = {
+            "params": n_params,
+            "param_bytes": param_bytes,
+            "plain_step_ms": 1e3 * statistics.median(plain.times),
+            "variants": {},
+        }
+        for v in variants:
+            ratios = [a / b for a, b in zip(v.times, plain.times)]
+            held = v.held_bytes()
+            out["variants"][v.name] = {
+                "label": v.label,
+                "ratio_median": statistics.median(ratios),
+                "ratio_q25": statistics.quantiles(ratios, n=4)[0] if len(ratios) >= 2 else ratios[0],
+                "ratio_q75": statistics.quantiles(ratios, n=4)[2] if len(ratios) >= 2 else ratios[0],
+                "step_ms_median": 1e3 * statistics.median(v.times),
+                "host_syncs_per_step": (sum(v.syncs) - sum(plain.syncs)) / len(v.syncs),
+                "held_bytes": held,
+                "held_fraction_of_params": (held / param_bytes) if held is not None else None,
+            }
+            v.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------ bundles
+
+
+def bench_bundle(args: argparse.Namespace) -> dict:
+    """Bundle write time and size for a model of about ``--bundle-mb`` MB of float32 weights
+    (SGD without momentum, so the bundle holds weights + gradients + batch), in both formats,
+    against ``safetensors.torch.save_file`` of the same tensors, with and without fsync."""
+    import safetensors.torch
+
+    from nanreplay.bundle import write_bundle
+    from nanreplay.storage import _fsync, _fsync_dir
+
+    width = int((args.bundle_mb * 2**20 / 4 / 6) ** 0.5)
+    torch.manual_seed(0)
+    model = models.MLP(d_in=width, width=width, depth=6, n_out=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    res: dict[str, Any] = {"model_bytes": sum(p.numel() * 4 for p in model.parameters())}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        tmpd = Path(tmp)
+        rec = Recorder(model, opt, out_dir=tmpd, diagnose=False, action="warn")
+        x = torch.randn(8, width)
+        torch.nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+        grads = rec._grads()
+        rec._begin_step()
+        content = rec.bundle_content(rec._current, grads, {"benchmark": True})
+        rec.close()
+        timings: dict[str, list[float]] = {}
+        sizes: dict[str, int] = {}
+        same: dict[str, torch.Tensor] = {}
+        for rep in range(args.bundle_repeats):
+            for fmt in ("h5", "safetensors"):
+                for fsync in (True, False):
+                    p = tmpd / f"b{rep}.{fmt}"
+                    t0 = time.perf_counter()
+                    write_bundle(p, content, fsync=fsync)
+                    timings.setdefault(f"{fmt}{'' if fsync else '_nofsync'}", []).append(time.perf_counter() - t0)
+                    sizes[fmt] = p.stat().st_size
+                    if not same and fmt == "safetensors":
+                        with nanreplay.open_bundle(p) as b:
+                            same = {k: b.tensor(k).clone() for k in b.keys()}
+                    p.unlink()
+            for fsync in (True, False):
+                p = tmpd / f"plain{rep}.safetensors"
+                t0 = time.perf_counter()
+                safetensors.torch.save_file(same, p)
+                if fsync:
+                    _fsync(p)
+                    _fsync_dir(p.parent)
+                timings.setdefault(f"save_file{'' if fsync else '_nofsync'}", []).append(time.perf_counter() - t0)
+                sizes["save_file"] = p.stat().st_size
+                p.unlink()
+    res["seconds_median"] = {k: statistics.median(v) for k, v in timings.items()}
+    res["bytes"] = sizes
+    s = res["seconds_median"]
+    res["ratio_to_save_file"] = {
+        "h5": s["h5"] / s["save_file"],
+        "safetensors": s["safetensors"] / s["save_file"],
+        "h5_nofsync": s["h5_nofsync"] / s["save_file_nofsync"],
+        "safetensors_nofsync": s["safetensors_nofsync"] / s["save_file_nofsync"],
+    }
+    return res
+
+
+# ------------------------------------------------------------------------------------- replay
+
+
+def bench_replay(args: argparse.Namespace, device: torch.device) -> dict:
+    """Time from a bundle on disk to a diagnosis (``nanreplay.replay``), as a multiple of one
+    plain training step of the GPT-style model; and the in-process diagnosis the Recorder runs."""
+    factory, make_batch, loss = models.spec("gpt", args.scale)
+    torch.manual_seed(0)
+    model = factory().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    step_times = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        with Recorder(model, opt, out_dir=tmp, diagnose=True) as rec:
+            for i in range(6):
+                x, y = make_batch(gen, device)
+                if i == 5:  # an Inf weight: the first MLP layer of block 1 produces non-finite values
+                    with torch.no_grad():
+                        model.blocks[1].mlp[0].weight[0, 0] = float("inf")
+                _sync(device)
+                t0 = time.perf_counter()
+                try:
+                    loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                except NonFiniteGradientError as e:
+                    detect_s = time.perf_counter() - t0
+                    path, live = e.bundle_path, e.diagnosis
+                    break
+                _sync(device)
+                step_times.append(time.perf_counter() - t0)
+        step = statistics.median(step_times[2:])
+        runs = {}
+        for ops in (False, True):
+            ts = []
+            for _ in range(args.replay_repeats):
+                fresh = factory()
+                t0 = time.perf_counter()
+                diag = nanreplay.replay(path, model=fresh, device=device, ops=ops)
+                ts.append(time.perf_counter() - t0)
+            runs["replay_ops" if ops else "replay_modules"] = statistics.median(ts)
+        origin = (diag.get("origin") or {}) if isinstance(diag, dict) else {}
+    return {
+        "plain_step_s": step,
+        "detect_dump_diagnose_s": detect_s,
+        "replay_modules_s": runs["replay_modules"],
+        "replay_ops_s": runs["replay_ops"],
+        "replay_modules_x_step": runs["replay_modules"] / step,
+        "replay_ops_x_step": runs["replay_ops"] / step,
+        "detect_dump_diagnose_x_step": detect_s / step,
+        "origin": origin.get("module") if isinstance(origin, dict) else None,
+        "live_summary": (live or {}).get("summary"),
+    }
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "nanreplay": nanreplay.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+def table(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"torch {m['torch']}, {m['device']} ({m['cpu']}, {m['threads']} threads), python {m['python']}; "
+        f"command: `{result['command']}`",
+        "",
+    ]
+    models_ = result["models"]
+    names = list(models_)
+    lines.append("| variant | " + " | ".join(f"{n} ({models_[n]['params'] / 1e6:.2f} M params, plain step {models_[n]['plain_step_ms']:.1f} ms)" for n in names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    first = models_[names[0]]["variants"]
+    for v in first:
+        cells = []
+        for n in names:
+            d = models_[n]["variants"].get(v)
+            if d is None:
+                cells.append("n/a")
+                continue
+            cell = f"{d['ratio_median']:.3f}x [{d['ratio_q25']:.2f}-{d['ratio_q75']:.2f}], {d['host_syncs_per_step']:.2f} syncs/step"
+            if d["held_bytes"] is not None:
+                cell += f", holds {d['held_bytes'] / 2**20:.1f} MiB ({d['held_fraction_of_params']:.2f}x params)"
+            cells.append(cell)
+        lines.append(f"| {first[v]['label']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Ratios: median over interleaved rounds of step time / plain step time in the same round, "
+                 "[interquartile range]. Syncs: host reads of device values per step beyond the plain loop's.")
+    b = result.get("bundle")
+    if b:
+        s = b["seconds_median"]
+        lines += [
+            "",
+            f"Bundle write, model of {b['model_bytes'] / 2**20:.0f} MiB (float32, SGD): "
+            f"bundle {b['bytes']['h5'] / 2**20:.0f} MiB (h5) / {b['bytes']['safetensors'] / 2**20:.0f} MiB (safetensors), "
+            f"`save_file` of the same tensors {b['bytes']['save_file'] / 2**20:.0f} MiB.",
+            "",
+            "| writer | with fsync (s) | ratio to save_file + fsync | without fsync (s) | ratio to save_file |",
+            "|---|---|---|---|---|",
+        ]
+        for k in ("h5", "safetensors"):
+            lines.append(f"| write_bundle .{k} | {s[k]:.3f} | {b['ratio_to_save_file'][k]:.2f}x | {s[k + '_nofsync']:.3f} | {b['ratio_to_save_file'][k + '_nofsync']:.2f}x |")
+        lines.append(f"| safetensors.torch.save_file | {s['save_file']:.3f} | 1.00x | {s['save_file_nofsync']:.3f} | 1.00x |")
+    r = result.get("replay")
+    if r:
+        lines += [
+            "",
+            f"Replay to diagnosis (GPT-style model, plain step {r['plain_step_s'] * 1e3:.0f} ms): "
+            f"module-level {r['replay_modules_s']:.2f} s = {r['replay_modules_x_step']:.1f} steps; "
+            f"with the op-level monitor {r['replay_ops_s']:.2f} s = {r['replay_ops_x_step']:.1f} steps; "
+            f"in-process detect + dump + diagnose {r['detect_dump_diagnose_s']:.2f} s = {r['detect_dump_diagnose_x_step']:.1f} steps. "
+            f"Origin found: `{r['origin']}`.",
+        ]
+    return "\n".join(lines)
+
+
+def write_readme(text: str, readme: Path) -> None:
+    start, end = "<!-- results -->", "<!-- /results -->"
+    body = readme.read_text() if readme.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
+    if start not in body:
+        body += f"\n{start}\n{end}\n"
+    head, rest = body.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="all", choices=["mlp", "cnn", "gpt", "all"])
+    p.add_argument("--steps", type=int, default=40, help="timed rounds per model (each round: one step of every variant)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--scale", type=float, default=1.0, help="width multiplier of the models")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bundle-mb", type=float, default=100.0, help="model size for the bundle write test (0 = skip)")
+    p.add_argument("--bundle-repeats", type=int, default=3)
+    p.add_argument("--replay-repeats", type=int, default=3, help="0 = skip the replay test")
+    p.add_argument("--tmp", default=None, help="directory for bundle files (default: the system temp dir)")
+    p.add_argument("--out", default=str(HERE / "results.json"))
+    p.add_argument("--readme", action="store_true", help="also rewrite the table in bench/README.md")
+    args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    if "plain" not in args.variants:
+        args.variants.insert(0, "plain")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    result: dict[str, Any] = {
+        "command": "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(),
+        "settings": {k: v for k, v in vars(args).items()},
+        "models": {},
+    }
+    names = ["mlp", "cnn", "gpt"] if args.model == "all" else [args.model]
+    with SyncCounter() as counter:
+        for n in names:
+            t0 = time.perf_counter()
+            result["models"][n] = bench_model(n, args, device, counter)
+            print(f"[{n}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.bundle_mb > 0:
+        result["bundle"] = bench_bundle(args)
+    if args.replay_repeats > 0:
+        result["replay"] = bench_replay(args, device)
+    text = table(result)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(text)
+    if args.readme:
+        write_readme(text, HERE / "README.md")
+    return result
+
+
+if __name__ == "__main__":
+    main()

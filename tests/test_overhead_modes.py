@@ -1,0 +1,190 @@
+"""The recorder's cheap modes are still correct: host reads per step in the default mode, the
+sync-free mode (``check_every``) still bundles the failing step's own evidence, and recycled
+snapshot slots hold the right values. Timing lives in bench/overhead.py, never here."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from nanreplay import NonFiniteGradientError, Recorder, open_bundle
+
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextmanager
+def count_host_reads():
+    """Count calls, made by nanreplay's own code, of the Tensor methods that would block the host
+    on a CUDA device (a host sync). The optimizer's own reads (Adam reads its CPU step counters
+    with ``.item()``) are not the recorder's and are not counted."""
+    counter = {"n": 0}
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def wrap(orig):
+        def wrapper(t, *a, **k):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("nanreplay"):
+                counter["n"] += 1
+            return orig(t, *a, **k)
+
+        return wrapper
+
+    for name, orig in saved.items():
+        setattr(torch.Tensor, name, wrap(orig))
+    try:
+        yield counter
+    finally:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def _train_step(model, opt, x, rec=None):
+    out = model(x)
+    loss = out.pow(2).mean()
+    if rec is not None:
+        rec.log_loss(loss)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_default_mode_reads_the_device_at_most_once_per_step(out_dir):
+    model = models.make_dropout_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    xs = [torch.randn(4, 8) for _ in range(6)]
+    with Recorder(model, opt, out_dir=out_dir) as rec:
+        _train_step(model, opt, xs[0], rec)  # the optimizer creates its state: not counted
+        with count_host_reads() as reads:
+            for x in xs[1:]:
+                _train_step(model, opt, x, rec)
+    assert reads["n"] <= len(xs) - 1
+
+
+def test_sync_free_mode_reads_the_device_once_per_check(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Recorder(model, opt, out_dir=out_dir, check_every=4) as rec:
+        for _ in range(2):  # step 0 creates the optimizer state, step 1 sees its layout change once
+            _train_step(model, opt, torch.randn(4, 8), rec)
+        with count_host_reads() as reads:
+            for _ in range(12):
+                _train_step(model, opt, torch.randn(4, 8), rec)
+        assert rec.nonfinite_steps == []
+    assert reads["n"] <= 3
+    assert all(r.finite for r in rec.ring if r.grad_norm is not None)
+
+
+def _poisoned_run(out_dir, *, action, k=5, n=4, steps=12):
+    """Train an MLP with dropout and AdamW; the batch of step k holds an Inf. Returns the
+    recorder, the raised error, and what the loop knew at the start of step k."""
+    torch.manual_seed(0)
+    model = models.make_dropout_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    seen = {}
+    err = None
+    rec = Recorder(model, opt, out_dir=out_dir, check_every=n, action=action, capacity=2)
+    with rec:
+        for i in range(steps):
+            x = torch.randn(4, 8)
+            if i == k:
+                x[1, 3] = float("inf")
+                seen = {
+                    "x": x.clone(),
+                    "rng": torch.get_rng_state(),
+                    "params": {nm: p.detach().clone() for nm, p in model.named_parameters()},
+                    "opt": copy.deepcopy(opt.state_dict()),
+                }
+            try:
+                _train_step(model, opt, x, rec)
+            except NonFiniteGradientError as e:
+                err = e
+                seen["raised_at"] = i
+                break
+    return rec, err, seen, model, opt
+
+
+def test_sync_free_mode_bundles_the_failing_steps_own_state(out_dir):
+    rec, err, seen, model, opt = _poisoned_run(out_dir, action="raise", k=5, n=4)
+    # the host learns at the check that covers steps 4..7, and blames step 5, not step 7
+    assert err is not None and seen["raised_at"] == 7
+    assert err.step == 5 and rec.nonfinite_steps == [5]
+    with open_bundle(err.bundle_path) as b:
+        assert b.failing_step == 5
+        assert 5 in b.steps
+        step5 = b.step(5)
+        (args, kwargs) = step5.forwards[0].inputs
+        assert torch.equal(args[0], seen["x"])
+        assert torch.equal(step5.rng.torch_cpu, seen["rng"])
+        state = b.state()
+        for nm, w in seen["params"].items():
+            assert torch.equal(state.params[nm], w), nm
+        for pid, entries in seen["opt"]["state"].items():
+            for key, v in entries.items():
+                assert torch.equal(state.optimizer["state"][pid][key], v), (pid, key)
+        grads = b.grads()
+        assert grads and any(not torch.isfinite(g).all() for g in grads.values())
+    # the replay of step 5 from that evidence reproduces the recorded gradients
+    assert err.diagnosis is not None
+    assert err.diagnosis["reproduction"]["verdict"].startswith("reproduced")
+    # "raise" leaves the live model at step 5's pre-step weights and optimizer state
+    for nm, p in model.named_parameters():
+        assert torch.equal(p, seen["params"][nm]), nm
+    live = opt.state_dict()["state"]
+    for pid, entries in seen["opt"]["state"].items():
+        for key, v in entries.items():
+            assert torch.equal(live[pid][key], v), (pid, key)
+
+
+def test_sync_free_skip_goes_on_from_the_failing_steps_weights(out_dir):
+    rec, err, seen, model, opt = _poisoned_run(out_dir, action="skip", k=5, n=4, steps=8)
+    assert err is None and rec.nonfinite_steps == [5] and len(rec.bundles) == 1
+    for nm, p in model.named_parameters():  # step 7 was the check: it was skipped too
+        assert torch.equal(p, seen["params"][nm]), nm
+    _train_step(model, opt, torch.randn(4, 8), rec)  # recorder closed; training goes on finite
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_close_checks_the_steps_still_on_the_device(out_dir):
+    rec, err, seen, model, opt = _poisoned_run(out_dir, action="raise", k=5, n=8, steps=7)
+    assert err is None  # the check was not due yet when the loop ended
+    assert rec.nonfinite_steps == [5] and len(rec.bundles) == 1
+    with open_bundle(rec.bundles[0]) as b:
+        assert b.failing_step == 5
+        for nm, w in seen["params"].items():
+            assert torch.equal(b.state().params[nm], w), nm
+
+
+def test_recycled_snapshot_slots_hold_each_steps_own_weights(out_dir):
+    model = models.make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    starts = {}
+    with Recorder(model, opt, out_dir=out_dir, snapshot_every=1, capacity=3) as rec:
+        for i in range(7):
+            starts[i] = {nm: p.detach().clone() for nm, p in model.named_parameters()}
+            _train_step(model, opt, torch.randn(4, 8), rec)
+        held = [r for r in rec.ring if r.snapshot is not None]
+        assert [r.step for r in held] == [4, 5, 6]
+        for r in held:
+            for nm, w in r.snapshot.params.items():
+                assert torch.equal(w, starts[r.step][nm]), (r.step, nm)
+        ptrs = {r.snapshot.params["fc1.weight"].data_ptr() for r in held}
+        assert len(ptrs) == 3  # three distinct slots, none aliasing the live weights
+        assert model.fc1.weight.data_ptr() not in ptrs
+
+
+def test_check_every_is_validated():
+    with pytest.raises(ValueError, match="check_every must be >= 1 step"):
+        Recorder(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1), check_every=0)
+
+
+def test_sync_free_mode_refuses_what_it_does_not_support():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"check_every=4 \(the sync-free check\) does not yet combine with check_update=True"):
+        Recorder(model, opt, check_every=4, check_update=True)
+    assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks  # nothing left registered
