@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from . import __version__
 from .errors import BundleFormatError
@@ -69,12 +70,15 @@ class Snapshot:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        from .tree import flatten_batch
-
-        leaves = list(self.params.values()) + list(self.buffers.values())
-        if self.optimizer is not None:
-            leaves += flatten_batch(self.optimizer)[0]
-        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        """Bytes of every tensor held (params, buffers, optimizer and extra states). Computed
+        once and cached: the ring buffer asks every step, and a snapshot's tensors keep their
+        shapes once taken (slots recycled by the recorder are copied into, not resized)."""
+        cached = self.__dict__.get("_nbytes")
+        if cached is None:
+            leaves = [*self.params.values(), *self.buffers.values(), *pytree.tree_leaves(self.optimizer), *pytree.tree_leaves(self.extra)]
+            cached = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            self.__dict__["_nbytes"] = cached
+        return cached
 
 
 @dataclass

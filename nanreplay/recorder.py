@@ -492,7 +492,7 @@ class Recorder:
         if rec.finite:
             self.skipped = 0
             if self.config.check_update:
-                self._pre_update = self.snapshot_state(clone=True)
+                self._pre_update = self._take_snapshot()  # recycled slot: no allocation in steady state
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
@@ -538,18 +538,18 @@ class Recorder:
         self._current = None
         self._pending_loss = None
         self._evict()
-        if pre is not None and rec is not None:
-            self._check_update(rec, pre)
+        if pre is not None and rec is not None and self._check_update(rec, pre):
+            self._release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
 
-    def _check_update(self, rec: StepRecord, pre: Snapshot) -> None:
+    def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
         """``check_update``: one fused norm over the updated parameters and floating optimizer
         state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
-        and diagnose, then act."""
+        and diagnose, then act. Returns ``True`` when the update was finite."""
         state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
         params = [p.detach() for g in self.optimizer.param_groups for p in g["params"]]
         norm = fused_norm(params + state)
         if norm is None or math.isfinite(norm.item()):
-            return
+            return True
         post = self.snapshot_state(clone=True) if self.config.action == "warn" else None
         self._restore(pre)
         grads = self._grads()
@@ -569,8 +569,9 @@ class Recorder:
         if self.config.action == "warn":
             self._restore(post)
             logger.warning("nanreplay: %s; the update is kept (action='warn')", msg)
-            return
+            return False
         logger.warning("nanreplay: %s; the update was undone (action='skip')", msg)
+        return False
 
     def _restore(self, snap: Optional[Snapshot]) -> None:
         """Copy a cloned snapshot back into the live model and optimizer."""
