@@ -295,6 +295,8 @@ class Recorder:
         self._copy = self.config.copy_batch is True
         self._storages: dict[int, int] = {}   # storage ptr -> step, to detect recycled input buffers
         self._refs: list[_Ref] = []            # current step's batch references
+        self._held_cache: dict[int, int] = {}  # step -> bytes it holds, once the step is over
+        self._module_names = [(n, m) for n, m in model.named_modules()]  # walked once, not per step
         self._mutable_buffers: Optional[set[str]] = None
         self._buffer_versions: dict[str, int] = {}
         self._pending_loss: Optional[torch.Tensor] = None
@@ -376,7 +378,7 @@ class Recorder:
         if self._current is not None:
             return self._current
         rec = StepRecord(step=self.step, rng=RNGState.capture())
-        rec.training = [n for n, m in self.model.named_modules() if m.training]
+        rec.training = [n for n, m in self._module_names if m.training]
         rec.buffers = self._capture_buffers()
         se = self.config.snapshot_every
         if se and self.step % se == 0:
@@ -620,6 +622,7 @@ class Recorder:
     def _drop_oldest(self, *, reuse: bool = True) -> StepRecord:
         r = self.ring.popleft()
         self._release(r.snapshot, reuse=reuse)
+        self._held_cache.pop(r.step, None)
         return r
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
@@ -867,11 +870,20 @@ class Recorder:
         return n + (self._latch.nbytes() if self._latch is not None else 0)
 
     def _held(self, r: StepRecord) -> int:
-        n = 0 if not self._copy else sum(_nbytes(fw.inputs) for fw in r.forwards) + _nbytes(r.batches)
-        n += sum(_nbytes(fw.cotangent) for fw in r.forwards if fw.cotangent is not None)
-        n += r.snapshot.nbytes() if r.snapshot is not None else 0
-        n += _nbytes(r.buffers) if r.buffers else 0
-        return n
+        """Bytes step ``r`` keeps alive beyond what training holds anyway: its batches and forward
+        inputs (referenced or copied: a reference keeps the loader's tensor alive too), its
+        cotangents, its copied buffers and its snapshot. Cached once the step is over (its
+        content no longer changes); the snapshot is counted apart, since eviction drops it first."""
+        n = self._held_cache.get(r.step) if r is not self._current else None
+        if n is None:
+            n = sum(_nbytes(fw.inputs) for fw in r.forwards) + _nbytes(r.batches)
+            n += sum(_nbytes(fw.cotangent) for fw in r.forwards if fw.cotangent is not None)
+            if r.buffers:
+                live = {n_: b for n_, b in self.model.named_buffers()}
+                n += sum(t.numel() * t.element_size() for k, t in r.buffers.items() if live.get(k) is not t)
+            if r is not self._current:
+                self._held_cache[r.step] = n
+        return n + (r.snapshot.nbytes() if r.snapshot is not None else 0)
 
     def _evict(self) -> None:
         """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes."""
