@@ -69,9 +69,11 @@ class RecorderConfig:
             snapshot (about 3x the parameter bytes for Adam) in time and memory; ``nanreplay
             bisect`` needs it to compare the failing step with an earlier, finite one. The failing
             step's own pre-step state is always saved, at no per-step cost.
-        memory_budget: bytes the ring buffer may hold beyond what training holds anyway (copied
-            batches, kept cotangents, snapshots). Oldest snapshots, then oldest steps, are
-            evicted to stay within it; the current step is kept whole when it fits on its own.
+        memory_budget: bytes the ring buffer may keep alive beyond what training holds anyway:
+            past steps' batches and forward inputs (a kept reference holds the loader's tensor
+            too), cotangents, copied buffers, weight snapshots, recycled snapshot slots.
+            Oldest snapshots, then oldest steps, are evicted to stay within it; the step in
+            progress is kept whole (``held_bytes()`` says what is held now).
         out_dir: directory for bundles (created on first dump).
         bundle_format: ``"h5"`` (HDF5) or ``"safetensors"``.
         max_consecutive: with ``action="skip"``, raise after this many consecutive skipped steps.
