@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .bundle import Bundle, ForwardRecord, Snapshot, StepRecord, fnum, open_bundle
 from .errors import ReplayError
 from .health import fused_norm, is_float
+from .tree import flatten_typed
 from .replay import StepInputs, _recorded_device, build_model, build_optimizer, import_callable, load_state, run_step
 
 logger = logging.getLogger(__name__)
@@ -435,7 +436,7 @@ def _bisect_precision(ctx: _Ctx) -> dict:
     out_dtypes: list[Optional[torch.dtype]] = []
 
     def grab(mod: torch.nn.Module, args: tuple, out: Any) -> None:
-        out_dtypes[:] = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(out)]
+        out_dtypes[:] = [t.dtype if isinstance(t, torch.Tensor) else None for t in flatten_typed(out)[0]]
 
     h = model.register_forward_hook(grab)
     try:

@@ -44,6 +44,7 @@ from .bundle import BundleContent, ForwardRecord, Snapshot, StepRecord, fnum, wr
 from .errors import NonFiniteGradientError
 from .health import fused_norm, is_float
 from .rng import RNGState
+from .tree import flatten_typed
 
 logger = logging.getLogger(__name__)
 
@@ -443,8 +444,8 @@ class Recorder:
         if rec is None or not rec.forwards or not self.config.capture_cotangent:
             return None
         fw = rec.forwards[-1]
-        leaves, spec = pytree.tree_flatten(output)
-        cot: list[Any] = [None] * len(leaves)
+        leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
+        cot: list[Any] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
         fw.cotangent = pytree.tree_unflatten(cot, spec)
         holder = {"leaves": cot, "spec": spec}
 

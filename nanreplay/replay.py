@@ -40,6 +40,7 @@ from .bundle import Bundle, BundleContent, Snapshot, StepRecord, fnum, open_bund
 from .errors import ModelMismatchError, ReplayError
 from .health import Health, is_float, tensor_health
 from .rng import RNGState
+from .tree import to_typed, flatten_typed, tensor_leaves
 from . import attribution
 from .attribution import Allowlist
 
@@ -102,7 +103,7 @@ def import_callable(path: str) -> Callable:
 # monitors
 # ---------------------------------------------------------------------------------------------
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return tensor_leaves(tree)
 
 
 def _born(inputs: Optional[Health], output: Optional[Health]) -> bool:
@@ -450,12 +451,20 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     mon.phase = "backward"
                     if opmon:
                         opmon.phase = "backward"
-                    o_leaves = pytree.tree_leaves(out)
-                    c_leaves = pytree.tree_leaves(cot, is_leaf=lambda x: x is None)
+                    o_leaves = flatten_typed(out)[0]
+                    c_leaves = pytree.tree_leaves(to_typed(cot), is_leaf=lambda x: x is None)
                     pairs = [(o, c) for o, c in zip(o_leaves, c_leaves) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) and o.requires_grad]
                     cots.append(tensor_health([c for _, c in pairs]))
                     if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+                        # The recorded cotangent of an output is the *total* gradient there. When one
+                        # output also feeds another inside the model, autograd would add that internal
+                        # path on top of the seed: pin each output's gradient to its recorded value.
+                        pins = [o.register_hook(lambda g, c=c: c) for o, c in pairs] if len(pairs) > 1 else []
+                        try:
+                            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+                        finally:
+                            for h in pins:
+                                h.remove()
                 if mode == "forward-only":
                     warnings.append("no cotangent and no loss function: only the forward pass was replayed")
             if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only":

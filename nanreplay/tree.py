@@ -16,31 +16,49 @@ import importlib
 import json
 import logging
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TypedNode", "flatten_batch", "unflatten_batch", "encode_value", "decode_value"]
+__all__ = ["TypedNode", "to_typed", "flatten_typed", "tensor_leaves", "flatten_batch", "unflatten_batch", "encode_value", "decode_value"]
 
 
-class TypedNode(NamedTuple):
+class TypedNode:
     """A namedtuple or dataclass instance, as pytree sees it: its type's import path
-    (``module:QualName``), its kind (``"namedtuple"`` or ``"dataclass"``) and its fields."""
+    (``module:QualName``), its kind (``"namedtuple"`` or ``"dataclass"``) and its fields.
 
-    type_path: str
-    kind: str
-    fields: dict
+    A plain class, not a namedtuple: pytree flattens every namedtuple generically (its fields
+    as children) before it looks at its registry, so only a plain class keeps the type path
+    in the spec's context instead of among the leaves."""
+
+    __slots__ = ("type_path", "kind", "fields")
+
+    def __init__(self, type_path: str, kind: str, fields: dict) -> None:
+        self.type_path, self.kind, self.fields = type_path, kind, fields
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TypedNode) and (self.type_path, self.kind, self.fields) == (other.type_path, other.kind, other.fields)
+
+    def __repr__(self) -> str:
+        return f"TypedNode({self.type_path!r}, {self.kind!r}, {self.fields!r})"
 
 
 def _flatten_typed(node: TypedNode):
-    return [node.fields], (node.type_path, node.kind)
+    names = list(node.fields)
+    return [node.fields[n] for n in names], (node.type_path, node.kind, names)
+
+
+def _flatten_typed_with_keys(node: TypedNode):
+    children, ctx = _flatten_typed(node)
+    return [(pytree.GetAttrKey(n), c) for n, c in zip(ctx[2], children)], ctx
 
 
 def _unflatten_typed(children, context) -> TypedNode:
-    return TypedNode(context[0], context[1], children[0])
+    type_path, kind, names = context
+    return TypedNode(type_path, kind, dict(zip(names, children)))
 
 
 pytree.register_pytree_node(
@@ -48,8 +66,9 @@ pytree.register_pytree_node(
     _flatten_typed,
     _unflatten_typed,
     serialized_type_name="nanreplay.tree.TypedNode",
-    to_dumpable_context=lambda ctx: list(ctx),
-    from_dumpable_context=lambda ctx: tuple(ctx),
+    to_dumpable_context=lambda ctx: [ctx[0], ctx[1], list(ctx[2])],
+    from_dumpable_context=lambda ctx: (str(ctx[0]), str(ctx[1]), [str(n) for n in ctx[2]]),
+    flatten_with_keys_fn=_flatten_typed_with_keys,
 )
 
 
@@ -58,23 +77,25 @@ def _type_path(obj: Any) -> str:
     return f"{t.__module__}:{t.__qualname__}"
 
 
-def _to_typed(obj: Any) -> Any:
+def to_typed(obj: Any) -> Any:
     """Replace namedtuples and dataclass instances, at any depth, by TypedNode."""
     if isinstance(obj, torch.Tensor):
         return obj
+    if isinstance(obj, TypedNode):  # already converted (a cotangent tree built from an output)
+        return TypedNode(obj.type_path, obj.kind, {k: to_typed(v) for k, v in obj.fields.items()})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _to_typed(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        fields = {f.name: to_typed(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
         return TypedNode(_type_path(obj), "dataclass", fields)
     if pytree.is_namedtuple_instance(obj):
-        return TypedNode(_type_path(obj), "namedtuple", {k: _to_typed(v) for k, v in obj._asdict().items()})
+        return TypedNode(_type_path(obj), "namedtuple", {k: to_typed(v) for k, v in obj._asdict().items()})
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_typed(v) for v in obj)
+        return type(obj)(to_typed(v) for v in obj)
     if isinstance(obj, dict):
         out = type(obj)() if type(obj) is not dict else {}
         if hasattr(obj, "default_factory"):
             out = type(obj)(obj.default_factory)
         for k, v in obj.items():
-            out[k] = _to_typed(v)
+            out[k] = to_typed(v)
         return out
     return obj
 
@@ -126,8 +147,20 @@ def flatten_batch(batch: Any) -> tuple[list[Any], str]:
     >>> [type(l).__name__ for l in leaves]
     ['Tensor', 'int', 'int']
     """
-    leaves, spec = pytree.tree_flatten(_to_typed(batch))
+    leaves, spec = pytree.tree_flatten(to_typed(batch))
     return leaves, pytree.treespec_dumps(spec)
+
+
+def flatten_typed(tree: Any) -> tuple[list[Any], Any]:
+    """``torch.utils._pytree.tree_flatten`` after turning namedtuples and dataclasses (model
+    outputs such as Hugging Face's ``ModelOutput``, which pytree sees as one opaque leaf) into
+    :class:`TypedNode`, so their tensors are leaves. Returns (leaves, TreeSpec)."""
+    return pytree.tree_flatten(to_typed(tree))
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree``, namedtuple and dataclass fields included, in flattening order."""
+    return [t for t in flatten_typed(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def unflatten_batch(leaves: list[Any], spec_json: str, *, import_types: bool = True) -> Any:
@@ -187,7 +220,7 @@ def tree_to_flat(obj: Any, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
     maps the index of every non-tensor leaf to :func:`encode_value` of it. Tensors are
     referenced, not copied (the storage layer copies to the CPU when writing)."""
     leaves, spec = flatten_batch(obj)
-    paths = [p for p, _ in pytree.tree_flatten_with_path(_to_typed(obj))[0]]
+    paths = [p for p, _ in pytree.tree_flatten_with_path(to_typed(obj))[0]]
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, dict] = {}
     keys: dict[str, str] = {}

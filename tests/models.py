@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -173,3 +176,30 @@ class HalfNet(nn.Module):
 def make_half() -> nn.Module:
     torch.manual_seed(0)
     return HalfNet().half()
+
+
+@dataclasses.dataclass
+class Output:
+    """A model output the way Hugging Face returns one: a dataclass of tensors."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux: Optional[torch.Tensor] = None
+
+
+class DataclassOut(nn.Module):
+    """Returns :class:`Output`; ``scale`` divides the hidden state by its row sum (0/0 on a zero row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 6)
+        self.scale = SafeDiv()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        h = self.scale(torch.relu(self.enc(x)))
+        return Output(logits=self.head(h), hidden=h)
+
+
+def make_dataclass_out() -> nn.Module:
+    return DataclassOut()

@@ -216,3 +216,27 @@ def test_weights_and_grads_of_every_float_dtype_round_trip_bit_exactly(out_dir, 
             assert b.state().params[n].dtype == dtype
             assert torch.equal(b.state().params[n].view(ints), p.detach().view(ints))
             assert torch.equal(b.grads()[n].view(ints), p.grad.view(ints))
+
+
+def test_dataclass_model_output_keeps_its_cotangent(out_dir):
+    """Model outputs that are dataclasses (Hugging Face's ModelOutput) are opaque to pytree;
+    their tensors must still get a cotangent, so a model-only replay drives the backward pass."""
+    model = models.make_dataclass_out()
+    with torch.no_grad():
+        model.enc.bias.fill_(-1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4) * 3
+    x[1] = 0.0  # relu(enc(0)) = 0 on row 1, then 0 / 0 in `scale`
+    with Recorder(model, opt, model_factory=models.make_dataclass_out, out_dir=out_dir) as rec:
+        out = model(x)
+        (out.logits.sum() + out.hidden.mean()).backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    with open_bundle(info.value.bundle_path) as b:
+        cot = b.step(0).forwards[0].cotangent
+    assert isinstance(cot, models.Output) and cot.logits.shape == (5, 3) and cot.hidden.shape == (5, 6)
+    assert cot.aux is None
+    diag = replay(info.value.bundle_path)
+    assert diag["mode"] == "cotangent"
+    assert diag["origin"]["module"] == "scale"
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
