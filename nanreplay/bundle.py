@@ -100,6 +100,9 @@ class StepRecord:
         autocast: ``{"device_type": "cuda", "dtype": "float16"}`` when the model's forward ran
             under ``torch.autocast``, else ``None``; replay runs the step under the same autocast.
         scaler_skipped: ``True`` when a GradScaler skipped this step's optimizer step.
+        stale_inputs: ``True`` when a batch or input tensor kept by reference was modified in
+            place after capture (a recycled input buffer; their version counters changed): the
+            stored values are not what the step saw.
     """
 
     step: int
@@ -115,6 +118,7 @@ class StepRecord:
     snapshot: Optional[Snapshot] = None
     autocast: Optional[dict] = None
     scaler_skipped: Optional[bool] = None
+    stale_inputs: bool = False
 
 
 @dataclass
@@ -229,6 +233,7 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
                 "snapshot": snapm,
                 "autocast": rec.autocast,
                 "scaler_skipped": rec.scaler_skipped,
+                "stale_inputs": rec.stale_inputs,
             }
         )
     state_meta = _snapshot_to_flat(content.state, "state/", tensors)
@@ -355,6 +360,7 @@ class Bundle:
                 snapshot=_snapshot_from_flat(get, m["snapshot"], f"{p}snapshot/") if m.get("snapshot") else None,
                 autocast=_autocast_meta(m.get("autocast")),
                 scaler_skipped=m.get("scaler_skipped"),
+                stale_inputs=bool(m.get("stale_inputs", False)),
             )
 
         return self._guard(f"step {k}", build)

@@ -298,6 +298,7 @@ class Recorder:
         self._copy = self.config.copy_batch is True
         self._storages: dict[int, int] = {}   # storage ptr -> step, to detect recycled input buffers
         self._refs: list[_Ref] = []            # current step's batch references
+        self._step_refs: dict[int, list[_Ref]] = {}  # step -> its references, to flag stale ones at dump time
         self._held_cache: dict[int, int] = {}  # step -> bytes it holds, once the step is over
         self._module_names = [(n, m) for n, m in model.named_modules()]  # walked once, not per step
         self._mutable_buffers: Optional[set[str]] = None
@@ -390,6 +391,7 @@ class Recorder:
             rec.snapshot = self._take_snapshot()
         self._current = rec
         self._refs = []
+        self._step_refs[rec.step] = self._refs
         self.ring.append(rec)
         self._evict()
         return rec
@@ -626,6 +628,7 @@ class Recorder:
         r = self.ring.popleft()
         self._release(r.snapshot, reuse=reuse)
         self._held_cache.pop(r.step, None)
+        self._step_refs.pop(r.step, None)
         return r
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
@@ -804,6 +807,10 @@ class Recorder:
         if self.dist is not None:
             grad_tensors = self.dist.local_grads(grads, grad_tensors)
         steps = [r for r in self.ring if r.step <= rec.step]
+        for r in steps:  # a reference whose version counter moved no longer holds what the step saw
+            r.stale_inputs = any(not ref.fresh() for ref in self._step_refs.get(r.step, ()))
+            if r.stale_inputs:
+                logger.warning("nanreplay: step %d's inputs were modified in place after capture; the bundle marks them stale", r.step)
         group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
         return BundleContent(
             failing_step=rec.step,

@@ -414,6 +414,11 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     cots: list[Optional[Health]] = []
     outs: list[Optional[Health]] = []
     warnings: list[str] = []
+    if rec.stale_inputs:
+        warnings.append(
+            f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "
+            "the replay feeds values the step did not see; record with copy_batch=True"
+        )
     try:
         with _deterministic(), _anomaly(ops), tracker, (opmon if opmon is not None else contextlib.nullcontext()):
             rec.rng.restore()

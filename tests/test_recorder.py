@@ -215,3 +215,26 @@ def test_config_validation_names_the_bad_value():
         RecorderConfig(capacity=0)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         Recorder(object(), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1))
+
+
+def test_inputs_overwritten_before_the_switch_to_copies_are_marked_stale(out_dir):
+    """Step 0 is kept by reference; step 1 refills the same buffer, so step 0's stored input is
+    no longer what it saw. The recorder cannot recover it, but must say so."""
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    buf = torch.randn(4, 8)
+    with Recorder(model, opt, out_dir=out_dir, capacity=4) as rec:
+        for i in range(2):
+            buf.copy_(torch.full((4, 8), float(i)))
+            model(buf).sum().backward()
+            if i == 1:
+                model.fc1.weight.grad[0, 0] = float("nan")
+                with pytest.raises(NonFiniteGradientError) as info:
+                    opt.step()
+            else:
+                opt.step()
+                opt.zero_grad()
+    with open_bundle(info.value.bundle_path) as b:
+        assert b.step(0).stale_inputs is True
+        assert b.step(1).stale_inputs is False  # copied: the reuse was seen when it was captured
+        assert torch.equal(b.step(1).forwards[0].inputs[0][0], torch.full((4, 8), 1.0))
