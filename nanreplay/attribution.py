@@ -368,7 +368,13 @@ def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], 
     if origin_birth is None:
         if explode:
             return {"cause": "explosion", "detail": "gradients grew across steps", "evidence": ev}
-        return {"cause": "unknown", "detail": "no op-level birth was recorded (replay with the op monitor on)", "evidence": ev}
+        why = (
+            "the loss was not replayed (no loss function): the recorded gradient w.r.t. the model output is already "
+            "non-finite, so the op is in code nanreplay did not run; pass --loss-fn to name it"
+            if phase == "loss"
+            else "no op-level birth was recorded (the op monitor was off, or the value was born in code the replay did not run)"
+        )
+        return {"cause": "unknown", "detail": why, "evidence": ev}
     b = origin_birth
     out_h = b.get("output")
     out_h = out_h.to_json() if isinstance(out_h, Health) else out_h
@@ -394,7 +400,7 @@ def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], 
         ev.append(f"{b['op']} is non-finite in {wide['dtype']} too: a domain error, not a range problem")
     zeros = b.get("input_zeros")
     if zeros and any(zeros):
-        ev.append(f"exact zeros in its inputs: {zeros}")
+        ev.append("exact zeros in its inputs: " + ", ".join(f"{z} in input {i}" for i, z in enumerate(zeros) if z))
     if dom:
         ev.append(f"{'backward of ' + (node_forward_op(b.get('node')) or b['op']) if backward else b['op']}: {dom}")
     if explode and not dom:
@@ -562,7 +568,7 @@ def summary_sentence(diag: dict) -> str:
         else:
             tail.append("forward was finite")
     elif phase == "loss":
-        tail.append("the model's forward pass is finite; the non-finite value is born outside the model, in the loss")
+        tail.append("the model's forward pass was finite")
     if cls:
         tail.append(f"cause: {cls['cause']} ({cls['detail']})")
     return "; ".join([head] + tail) + f"; {v}."

@@ -568,7 +568,7 @@ class Recorder:
         msg = (
             f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
             + (f"; bundle: {path}" if path else "")
-            + (f"; diagnosis: {summary}" if summary else "")
+            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
         )
         if self.config.action == "raise":
             raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
@@ -771,8 +771,8 @@ class Recorder:
         msg = (
             f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})"
             + (f"; bundle: {path}" if path else "; no bundle written" if first else "")
-            + (f"; diagnosis: {summary}" if summary else "")
-            + (f"; inspect with: nanreplay replay {path}" if path else "")
+            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
+            + (f"; replay it with: nanreplay replay {path}" if path else "")
         )
         if action == "raise":
             raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)

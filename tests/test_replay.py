@@ -130,7 +130,8 @@ def test_nonfinite_cotangent_is_born_in_the_loss(out_dir):
     diag = replay(info.value.bundle_path)
     assert diag["mode"] == "cotangent"
     assert diag["phase"] == "loss"
-    assert "outside the model, in the loss" in diag["summary"]
+    assert "born in the loss, outside the model" in diag["summary"]
+    assert "pass --loss-fn to name it" in diag["classification"]["detail"]
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
 
 
