@@ -528,7 +528,14 @@ class Recorder:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
         modified a batch tensor in place (then switch to copying)."""
         if self._mutable_buffers is None:
-            self._mutable_buffers = {n for n, b in self.model.named_buffers() if b._version != self._buffer_versions.get(n)}
+            # the version counter alone misses BatchNorm's running stats: native_batch_norm writes
+            # them inside the kernel without bumping it. The first step copied every buffer, so
+            # compare values too (once; NaN compares unequal, which errs on the side of copying).
+            start = rec.buffers or {}
+            self._mutable_buffers = {
+                n for n, b in self.model.named_buffers()
+                if b._version != self._buffer_versions.get(n) or not _same_tensor(b, start.get(n))
+            }
         if self.config.copy_batch is None and not self._copy and any(not r.fresh() for r in self._refs):
             self._copy = True
             logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
@@ -960,6 +967,11 @@ def _resolve(path: str) -> Callable:
     from .replay import import_callable
 
     return import_callable(path)
+
+
+def _same_tensor(live: torch.Tensor, saved: Optional[torch.Tensor]) -> bool:
+    """Whether ``saved`` (a step-start copy) still equals ``live``: same shape, dtype and values."""
+    return saved is not None and saved is not live and saved.shape == live.shape and saved.dtype == live.dtype and torch.equal(saved, live.detach())
 
 
 def _tensor_bytes(ts: list) -> int:
