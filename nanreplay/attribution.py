@@ -521,15 +521,26 @@ def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, devi
     return diag
 
 
+def verdict_phrase(repro: dict) -> str:
+    """The reproduction verdict as the summary says it: ``reproduced exactly``, ``reproduced (max
+    abs difference X)``, ``reproduced up to one gradient factor C that the loop applied after
+    backward`` (see :func:`nanreplay.replay.common_factor`), ``not reproduced``."""
+    v = repro.get("verdict", "")
+    if v == "reproduced" and repro.get("grad_factor") == "nan":
+        return "reproduced (the loop then made every gradient NaN, as clip_grad_norm_ does with a non-finite total norm)"
+    if v == "reproduced" and repro.get("grad_factor") is not None:
+        return f"reproduced up to one gradient factor {repro['grad_factor']} that the loop applied after backward"
+    if v == "reproduced" and repro.get("max_abs_diff") is not None:
+        return f"reproduced (max abs difference {repro['max_abs_diff']})"
+    return v
+
+
 def summary_sentence(diag: dict) -> str:
     """The one actionable sentence, e.g. ``NaN born in backward of sqrt (SqrtBackward0) at
     model.py:41 in module encoder.norm, step 4711, samples [17]; forward was finite; cause:
     numerics (sqrt derivative at 0); reproduced exactly.``"""
     phase, step, o = diag["phase"], diag["step"], diag.get("origin") or {}
-    repro = diag.get("reproduction") or {}
-    v = repro.get("verdict", "")
-    if v == "reproduced" and repro.get("max_abs_diff") is not None:
-        v = f"reproduced (max abs difference {repro['max_abs_diff']})"
+    v = verdict_phrase(diag.get("reproduction") or {})
     if phase == "none":
         return f"step {step}: the replay produced no non-finite value; {v}."
     cls = diag.get("classification") or {}

@@ -532,13 +532,63 @@ def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
         verdict = "reproduced exactly"
     else:
         verdict = "reproduced"
-    return {
+    factor = None if exact or missing else common_factor(recorded, replayed)
+    if factor is not None:
+        # the loop rescaled every gradient between backward and optimizer.step()
+        verdict = "reproduced"
+        detail = [
+            f"the recorded gradients are the replayed ones times one factor {_g(factor)}: the training loop rescaled "
+            "them after backward (clip_grad_norm_, whose NaN or Inf total norm turns every gradient NaN; or a loss "
+            "divided outside the loss function, e.g. for gradient accumulation)"
+        ]
+    out = {
         "verdict": verdict,
         "max_abs_diff": fnum(max_diff),
         "nonfinite_recorded": len(rec_bad),
         "nonfinite_replayed": len(rep_bad),
         "detail": "; ".join(detail),
     }
+    if factor is not None:
+        out["grad_factor"] = fnum(factor)
+    return out
+
+
+def _g(x: float) -> str:
+    return f"{x:.6g}" if math.isfinite(x) else repr(x)
+
+
+def common_factor(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> Optional[float]:
+    """The one scalar ``c`` (not 1) with ``recorded == c * replayed`` for every gradient, within
+    float32 rounding and with the same NaN/Inf pattern, or ``None``. ``c`` is NaN when every
+    recorded value is NaN and the replay holds a non-finite value (``clip_grad_norm_`` with a
+    NaN total norm), 0 for an Inf total norm. Needs two finite non-zero values to infer a finite
+    ``c``; one tensor at a time, no copy of all gradients."""
+    names = [n for n, r in recorded.items() if is_float(r)]
+    if not names or any(n not in replayed for n in names):
+        return None
+    pairs = [(recorded[n].detach().to(replayed[n].device).double(), replayed[n].detach().double()) for n in names]
+    c, best, usable = None, 0.0, 0
+    for r, g in pairs:
+        ok = torch.isfinite(r) & torch.isfinite(g) & (g != 0)
+        usable += int(ok.sum())
+        if ok.any():
+            i = int(torch.where(ok, g.abs(), torch.zeros_like(g)).argmax())
+            if abs(float(g.reshape(-1)[i])) > best:
+                best, c = abs(float(g.reshape(-1)[i])), float(r.reshape(-1)[i] / g.reshape(-1)[i])
+    if c is None:
+        all_nan = all(bool(torch.isnan(r).all()) for r, _ in pairs)
+        some_bad = any(not bool(torch.isfinite(g).all()) for _, g in pairs)
+        return math.nan if all_nan and some_bad else None
+    if usable < 2 or c == 1.0:
+        return None
+    for r, g in pairs:
+        e = g * c
+        if not (torch.equal(torch.isnan(r), torch.isnan(e)) and torch.equal(torch.isposinf(r), torch.isposinf(e)) and torch.equal(torch.isneginf(r), torch.isneginf(e))):
+            return None
+        fin = torch.isfinite(r)
+        if fin.any() and float((r[fin] - e[fin]).abs().max()) > 4e-6 * float(r[fin].abs().max()) + 1e-30:
+            return None
+    return c
 
 
 def _h(h: Optional[Health]) -> Optional[dict]:
@@ -682,9 +732,7 @@ def _where(origin: Optional[dict]) -> str:
 
 
 def _summary(step: int, phase: str, origin: Optional[dict], cause: str, repro: dict) -> str:
-    v = repro["verdict"]
-    if v == "reproduced" and repro.get("max_abs_diff") is not None:
-        v = f"reproduced (max abs difference {repro['max_abs_diff']})"
+    v = attribution.verdict_phrase(repro)
     if phase == "none":
         return f"step {step}: the replay produced no non-finite value; {v}."
     where = _where(origin)

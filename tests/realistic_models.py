@@ -62,20 +62,24 @@ def ce_loss(model: nn.Module, batch) -> torch.Tensor:
 
 # -- 2. Transformer encoder classifier ------------------------------------------------------------
 class TransformerClassifier(nn.Module):
-    """Token embedding, a 2-layer batch_first TransformerEncoder with dropout, a masked mean pool
-    over the real tokens, a linear head."""
+    """Token embedding, a 2-layer batch_first TransformerEncoder with dropout, attention pooling
+    with a learned query (``nn.MultiheadAttention`` called with its default ``need_weights=True``,
+    the math path: a sequence whose key padding mask is all True softmaxes a row of -Inf, NaN;
+    the encoder's own attention returns zeros there), a linear head."""
 
     def __init__(self, vocab: int = 50, d: int = 16, classes: int = 3) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         layer = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.query = nn.Parameter(torch.randn(1, 1, d) * 0.1)
+        self.pool = nn.MultiheadAttention(d, num_heads=2, dropout=0.1, batch_first=True)
         self.head = nn.Linear(d, classes)
 
     def forward(self, tokens: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         h = self.encoder(self.embed(tokens), src_key_padding_mask=pad_mask)
-        keep = (~pad_mask).unsqueeze(-1).to(h.dtype)
-        return self.head((h * keep).sum(1) / keep.sum(1).clamp(min=1.0))
+        pooled, _ = self.pool(self.query.expand(h.shape[0], -1, -1), h, h, key_padding_mask=pad_mask)
+        return self.head(pooled.squeeze(1))
 
 
 def make_transformer() -> nn.Module:
@@ -176,3 +180,9 @@ def multi_loss(model: nn.Module, batch) -> torch.Tensor:
     out = model(x)
     recon, score = out["aux"]
     return F.cross_entropy(out["logits"], y) + F.mse_loss(recon, x) - torch.log(torch.sigmoid(score)).mean()
+
+
+def lm_loss_bias_penalty(model: nn.Module, batch) -> torch.Tensor:
+    """The LM loss plus an L2 penalty on the output bias written as a hand-made norm: sqrt'(0) is
+    Inf, so a zero-initialised bias gets a NaN gradient while every other gradient is finite."""
+    return lm_loss(model, batch) + 1e-3 * torch.sqrt((model.decoder.bias**2).sum())

@@ -100,3 +100,145 @@ def test_resnet_log_of_dead_channel_is_born_in_the_custom_block(out_dir):
         assert (o["module"], o["class"], o["op"], o["nonfinite"]) == ("pool", "LogEnergyPool", "log", "-Inf")
         assert o["source"]["code"] == "return torch.log(x.pow(2).mean(dim=(2, 3)))"
         assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+# -- 2. TransformerEncoder classifier: dropout, src_key_padding_mask, attention pooling ----------------
+def _token_batch(step: int, *, fully_padded: int = -1) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(1, 50, (6, 7), generator=g)
+    lengths = torch.randint(2, 8, (6,), generator=g)
+    pad = torch.arange(7)[None, :] >= lengths[:, None]  # every batch has padded positions
+    if fully_padded >= 0:
+        pad[fully_padded] = True  # an empty sequence: nothing to attend to
+    return {"tokens": tokens.masked_fill(pad, 0), "pad_mask": pad, "label": torch.randint(0, 3, (6,), generator=g)}
+
+
+def _train_transformer(out_dir, *, bad_step=-1, recorder=True, steps=6):
+    model = rm.make_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)  # dropout masks
+    rec = Recorder(model, opt, loss_fn=rm.transformer_loss, model_factory=rm.make_transformer, out_dir=out_dir) if recorder else None
+    try:
+        for step in range(steps):
+            batch = _token_batch(step, fully_padded=4 if step == bad_step else -1)
+            if rec is not None:
+                rec.record(batch)
+            loss = rm.transformer_loss(model, batch)
+            if rec is not None:
+                rec.log_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        if rec is not None:
+            rec.close()
+    return model
+
+
+def test_transformer_padded_batches_no_false_alarm_and_same_training(out_dir):
+    with_rec = _train_transformer(out_dir)
+    without = _train_transformer(out_dir, recorder=False)
+    _assert_same_state(_state(with_rec), _state(without))  # dropout draws untouched by the recorder
+    assert not out_dir.exists()
+
+
+def test_transformer_fully_padded_sequence_nan_in_attention_pooling(out_dir):
+    with pytest.raises(NonFiniteGradientError) as info:
+        _train_transformer(out_dir, bad_step=4)
+    err = info.value
+    assert err.step == 4
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert diag["phase"] == "forward"
+        o = diag["origin"]
+        assert (o["module"], o["class"], o["op"], o["nonfinite"]) == ("pool", "MultiheadAttention", "_softmax", "NaN")
+        assert o["samples"] == [4]
+        assert "every position masked" in diag["classification"]["detail"]
+        assert diag["allowed_births"] > 0  # the -Inf of the padding masks are legitimate, not the origin
+        assert diag["reproduction"]["verdict"] == "reproduced exactly"  # dropout > 0, same masks in replay
+
+
+# -- 3. tied-weight LSTM/GRU language model with clip_grad_norm_ --------------------------------------
+def _lm_batch(step: int, *, empty: bool = False) -> dict:
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(1, 40, (4, 9), generator=g)
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[:, 7:] = False  # padded tail
+    if empty:
+        mask[:, 1:] = False  # every target is padding: the loss is 0 / 0
+    return {"tokens": tokens, "mask": mask}
+
+
+def _train_lm(out_dir, factory, *, loss_fn=rm.lm_loss, bad_step=-1, recorder=True, steps=5, zero_bias=False):
+    model = factory()
+    if zero_bias:
+        torch.nn.init.zeros_(model.decoder.bias)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec = Recorder(model, opt, loss_fn=loss_fn, model_factory=factory, out_dir=out_dir) if recorder else None
+    try:
+        for step in range(steps):
+            batch = _lm_batch(step, empty=step == bad_step)
+            if rec is not None:
+                rec.record(batch)
+            loss = loss_fn(model, batch)
+            if rec is not None:
+                rec.log_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+    finally:
+        if rec is not None:
+            rec.close()
+    return model
+
+
+@pytest.mark.parametrize("factory", [rm.make_lstm_lm, rm.make_gru_lm], ids=["lstm", "gru"])
+def test_tied_lm_empty_target_batch_is_born_in_the_loss(out_dir, factory):
+    _assert_same_state(_state(_train_lm(out_dir, factory, steps=3)), _state(_train_lm(out_dir, factory, steps=3, recorder=False)))
+    assert not out_dir.exists()
+    with pytest.raises(NonFiniteGradientError) as info:
+        _train_lm(out_dir, factory, bad_step=3)
+    err = info.value
+    assert err.step == 3
+    with open_bundle(err.bundle_path) as b:
+        # the tied weight is one parameter, stored once under its first name
+        assert "embed.weight" in b.state().params and "decoder.weight" not in b.state().params
+        assert "decoder.weight" not in b.grads()
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert diag["phase"] == "loss" and diag["origin"]["op"] == "div"
+        assert diag["origin"]["source"]["code"] == "return (nll * m).sum() / m.sum()"
+        assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def test_clip_grad_norm_spreading_one_nan_gradient_is_still_reproduced(out_dir):
+    """Only decoder.bias gets a NaN gradient; clip_grad_norm_'s NaN total norm then makes every
+    gradient NaN before optimizer.step(), so the recorded gradients are all NaN. The replay (which
+    runs backward, not the loop's clipping) must not call that 'not reproduced'."""
+    with pytest.raises(NonFiniteGradientError) as info:
+        _train_lm(out_dir, rm.make_lstm_lm, loss_fn=rm.lm_loss_bias_penalty, zero_bias=True)
+    err = info.value
+    assert err.step == 0
+    with open_bundle(err.bundle_path) as b:
+        assert all(torch.isnan(g).all() for g in b.grads().values())
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert diag["phase"] == "backward"
+        assert diag["origin"]["node"] == "SqrtBackward0"
+        assert diag["origin"]["first_nonfinite_gradient"] == "decoder.bias"
+        r = diag["reproduction"]
+        assert (r["verdict"], r["grad_factor"], r["nonfinite_replayed"]) == ("reproduced", "nan", 1)
+        assert "clip_grad_norm_" in r["detail"]
+        assert diag["summary"].endswith("reproduced (the loop then made every gradient NaN, as clip_grad_norm_ does with a non-finite total norm).")
+
+
+def test_common_factor_recognises_a_global_rescale_and_nothing_else():
+    from nanreplay.replay import common_factor
+
+    g = {"a": torch.tensor([1.0, -2.0, float("inf")]), "b": torch.tensor([0.5, 0.0])}
+    clipped_inf = {k: v * 0.0 for k, v in g.items()}  # clip_grad_norm_ with an Inf total norm: coefficient 0
+    assert common_factor(clipped_inf, g) == 0.0
+    finite = {"a": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5, 0.25])}
+    assert common_factor({k: v / 3 for k, v in finite.items()}, finite) == pytest.approx(1 / 3)
+    other = {"a": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5, 0.26])}
+    assert common_factor({k: v / 3 for k, v in other.items()}, finite) is None  # not one factor
+    assert common_factor(finite, finite) is None  # no rescale at all
+    assert common_factor({"a": torch.full((3,), float("nan")), "b": torch.full((2,), float("nan"))}, finite) is None  # NaN from nowhere
