@@ -505,6 +505,11 @@ def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, devi
             smp = {"indices": rows["indices"], "batch_size": size, "method": "non-finite rows of the producer op's output", "warnings": []}
         elif samples:
             smp = samples_to_blame(model, inp, phase=phase, device=device)
+    several = len(inp.record.batches if use_loss else inp.record.forwards) > 1  # micro-batches (gradient accumulation)
+    if several and ob is not None and ob.get("micro_batch") is not None:
+        origin["micro_batch"] = ob["micro_batch"]
+        if smp is not None and smp["method"] == "non-finite rows of the producer op's output":
+            smp["micro_batch"] = ob["micro_batch"]
     diag["samples"] = smp
     if origin is not None and smp is not None and phase != "input":
         origin["samples"] = smp["indices"]
@@ -568,7 +573,8 @@ def summary_sentence(diag: dict) -> str:
         parts.append(f"{kinds} born in the loss, outside the model" + (f", in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else ""))
     else:
         parts.append(f"{kinds} born in the {phase} pass" + (f" in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else "") + in_mod)
-    head = parts[0] + f", step {step}" + (f", samples {smp}" if smp else "")
+    mb = o.get("micro_batch")
+    head = parts[0] + f", step {step}" + (f", micro-batch {mb}" if mb is not None else "") + (f", samples {smp}" if smp else "")
     tail = []
     if phase == "backward" and o.get("kind") != "explosion":
         fwd = [c for c in diag.get("chain", []) if c["phase"] in ("forward", "loss")]

@@ -196,6 +196,7 @@ class OpMonitor(TorchDispatchMode):
         self.allow = allow if allow is not None else Allowlist()
         self.phase = "forward"
         self.index = 0
+        self.micro_batch: Optional[int] = None  # which recorded batch / forward call is replaying
 
     def module(self) -> Optional[str]:
         """FQN of the innermost module running now; ``""`` for the root, ``None`` outside the model."""
@@ -250,7 +251,8 @@ class OpMonitor(TorchDispatchMode):
             return
         if len(self.births) >= self.max_births:
             return
-        b: dict = {"phase": phase, "op": name, "aten": str(func), "module": module, "op_index": self.index, "inputs": h_in, "output": h_out}
+        b: dict = {"phase": phase, "op": name, "aten": str(func), "module": module, "op_index": self.index, "inputs": h_in, "output": h_out,
+                   "micro_batch": self.micro_batch}
         if phase == "backward":
             node, fwd_src = attribution.current_node()
             b["node"] = node
@@ -423,10 +425,10 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
         with _deterministic(), _anomaly(ops), tracker, (opmon if opmon is not None else contextlib.nullcontext()):
             rec.rng.restore()
             if use_loss:
-                for b in rec.batches:
+                for i, b in enumerate(rec.batches):
                     mon.phase = "forward"
                     if opmon:
-                        opmon.phase = "loss_fn"
+                        opmon.phase, opmon.micro_batch = "loss_fn", i
                     n0 = len(mon.events)
                     with autocast:
                         loss = inp.loss_fn(model, _to_device(b, device))
@@ -441,10 +443,10 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     (scaler.scale(loss) if scaler is not None else loss).backward()
             else:
                 pending = []
-                for fw in rec.forwards:
+                for i, fw in enumerate(rec.forwards):
                     mon.phase = "forward"
                     if opmon:
-                        opmon.phase = "forward"
+                        opmon.phase, opmon.micro_batch = "forward", i
                     args, kwargs = _to_device(fw.inputs, device)
                     with autocast:
                         out = model(*args, **kwargs)
@@ -452,10 +454,10 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     if mode == "cotangent":
                         pending.append((out, _to_device(fw.cotangent, device)))
                 # backward after all forwards: each micro-batch's graph is independent
-                for out, cot in pending:
+                for i, (out, cot) in enumerate(pending):
                     mon.phase = "backward"
                     if opmon:
-                        opmon.phase = "backward"
+                        opmon.phase, opmon.micro_batch = "backward", i
                     o_leaves = flatten_typed(out)[0]
                     c_leaves = pytree.tree_leaves(to_typed(cot), is_leaf=lambda x: x is None)
                     pairs = [(o, c) for o, c in zip(o_leaves, c_leaves) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) and o.requires_grad]

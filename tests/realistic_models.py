@@ -127,6 +127,8 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
 
 # -- 4. frozen backbone, two param groups ---------------------------------------------------------
 class FrozenBackbone(nn.Module):
+    """log1p of count features, a frozen backbone (requires_grad=False), a trainable adapter and head."""
+
     def __init__(self) -> None:
         super().__init__()
         self.backbone = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12))
@@ -136,9 +138,9 @@ class FrozenBackbone(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.backbone(x)
+        h = self.backbone(torch.log1p(x))  # count features; a -9 "missing" sentinel makes log1p NaN
         h = torch.relu(self.adapter(h))
-        return self.head(h / h.norm(dim=-1, keepdim=True))  # 0/0 on a row the ReLU zeroes entirely
+        return self.head(h)
 
 
 def make_frozen() -> nn.Module:

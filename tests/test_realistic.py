@@ -242,3 +242,62 @@ def test_common_factor_recognises_a_global_rescale_and_nothing_else():
     assert common_factor({k: v / 3 for k, v in other.items()}, finite) is None  # not one factor
     assert common_factor(finite, finite) is None  # no rescale at all
     assert common_factor({"a": torch.full((3,), float("nan")), "b": torch.full((2,), float("nan"))}, finite) is None  # NaN from nowhere
+
+
+# -- 4. frozen backbone, two param groups, a scheduler stepping each step, gradient accumulation x3 ----
+def _micro_batch(step: int, i: int, *, missing: bool = False):
+    g = torch.Generator().manual_seed(300 + 3 * step + i)
+    x = torch.randint(0, 20, (5, 6), generator=g).float()
+    if missing:
+        x[3, 2] = -9.0  # a "missing value" sentinel in sample 3: log1p(-9) is NaN
+    return x, torch.randint(0, 2, (5,), generator=g)
+
+
+def _train_accumulating(out_dir, *, bad_step=-1, recorder=True, loss_fn=rm.frozen_loss, lrs=None, steps=6):
+    model = rm.make_frozen()
+    opt = torch.optim.AdamW([{"params": model.adapter.parameters(), "lr": 1e-3}, {"params": model.head.parameters(), "lr": 1e-2}])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-2, 1e-1], total_steps=20)
+    rec = Recorder(model, opt, loss_fn=loss_fn, model_factory=rm.make_frozen, out_dir=out_dir) if recorder else None
+    lrs = [] if lrs is None else lrs
+    try:
+        for step in range(steps):
+            lrs.append([g["lr"] for g in opt.param_groups])
+            opt.zero_grad()
+            for i in range(3):
+                batch = _micro_batch(step, i, missing=step == bad_step and i == 1)
+                if rec is not None:
+                    rec.record(batch)
+                rm.frozen_loss(model, batch).backward()  # the loss is already divided by 3
+            opt.step()
+            sched.step()
+    finally:
+        if rec is not None:
+            rec.close()
+    return model
+
+
+def test_accumulation_with_frozen_params_groups_and_scheduler_trains_identically(out_dir):
+    _assert_same_state(_state(_train_accumulating(out_dir)), _state(_train_accumulating(out_dir, recorder=False)))
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("loss_fn", [rm.frozen_loss, None], ids=["loss_fn", "cotangent"])
+def test_accumulation_nan_in_second_micro_batch(out_dir, loss_fn):
+    lrs = []
+    with pytest.raises(NonFiniteGradientError) as info:
+        _train_accumulating(out_dir, bad_step=4, loss_fn=loss_fn, lrs=lrs)
+    err = info.value
+    assert err.step == 4  # optimizer steps, not micro-batches
+    with open_bundle(err.bundle_path) as b:
+        rec = b.step(4)
+        assert len(rec.batches if loss_fn else rec.forwards) == 3
+        assert rec.lrs == lrs[4] and rec.lrs[0] != rec.lrs[1]  # both groups' scheduled lrs
+        assert sorted(b.grads()) == ["adapter.bias", "adapter.weight", "head.bias", "head.weight"]  # frozen: no gradient
+        assert "backbone.0.weight" in b.state().params
+        assert b.meta["optimizer"]["param_groups_fqns"] == [["adapter.weight", "adapter.bias"], ["head.weight", "head.bias"]]
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert diag["mode"] == ("loss_fn" if loss_fn else "cotangent")
+        o = diag["origin"]
+        assert (diag["phase"], o["module"], o["op"], o["micro_batch"], o["samples"]) == ("forward", "", "log1p", 1, [3])
+        assert ", micro-batch 1, samples [3];" in diag["summary"]
+        assert diag["reproduction"]["verdict"] == "reproduced exactly"
