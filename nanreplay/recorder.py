@@ -295,6 +295,7 @@ class Recorder:
         self.skipped = 0                  # consecutive skipped steps
         self.nonfinite_steps: list[int] = []
         self._current: Optional[StepRecord] = None
+        self._provisional = False         # the step in progress was begun in eval mode (see _begin_step)
         self._copy = self.config.copy_batch is True
         self._storages: dict[int, int] = {}   # storage ptr -> step, to detect recycled input buffers
         self._refs: list[_Ref] = []            # current step's batch references
@@ -378,9 +379,17 @@ class Recorder:
             self._pending_loss = loss.detach().reshape(())
 
     # -- hooks ---------------------------------------------------------------------------------
-    def _begin_step(self) -> StepRecord:
+    def _begin_step(self, *, capture: bool = True) -> StepRecord:
+        """The step in progress, begun now if none is. ``capture``: called for a batch or a
+        forward (not for the check), which ends a provisional step's validation forwards."""
         if self._current is not None:
+            if capture and self._provisional and self.model.training:
+                self._restart_step(self._current)
             return self._current
+        # a step begun in eval mode is provisional: a grad-enabled validation forward (one that
+        # forgot torch.no_grad) between two steps looks like the start of the next step until
+        # the model is put back in training mode
+        self._provisional = not self.model.training
         rec = StepRecord(step=self.step, rng=RNGState.capture())
         rec.training = [n for n, m in self._module_names if m.training]
         rec.buffers = self._capture_buffers()
@@ -395,6 +404,22 @@ class Recorder:
         self.ring.append(rec)
         self._evict()
         return rec
+
+    def _restart_step(self, rec: StepRecord) -> None:
+        """The model went back to training mode after the step in progress was begun in eval mode:
+        the forwards seen so far were validation, not part of the step. Drop them and take the
+        step's RNG states and module modes again, from here (the batches and buffers stay: an
+        eval-mode forward leaves BatchNorm's running stats alone)."""
+        self._provisional = False
+        if rec.forwards:
+            logger.info("nanreplay: step %d: %d grad-enabled forward(s) in eval mode before the model went back to training "
+                        "mode are treated as validation, not as part of the step", rec.step, len(rec.forwards))
+        rec.forwards = []
+        rec.rng = RNGState.capture()
+        rec.training = [n for n, m in self._module_names if m.training]
+        rec.autocast = None
+        kept = {id(t) for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)}
+        self._refs[:] = [r for r in self._refs if id(r.t) in kept]
 
     def _capture_buffers(self) -> dict[str, torch.Tensor]:
         """Step-start buffers. Buffers seen to change during a step (BatchNorm running stats) are
@@ -481,7 +506,7 @@ class Recorder:
 
         The optimizer step pre-hook calls it; call it yourself with
         ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
-        rec = self._begin_step()
+        rec = self._begin_step(capture=False)
         rec.lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if self.config.check_every > 1:
             return self._check_lagged(rec)

@@ -176,12 +176,13 @@ def make_multi() -> nn.Module:
 
 
 def multi_loss(model: nn.Module, batch) -> torch.Tensor:
-    """Cross-entropy on the logits, a reconstruction term and a hand-written log-sigmoid of the
-    score: sigmoid underflows to 0 for a score below about -104, and log(0) = -Inf."""
+    """Cross-entropy on the logits, a reconstruction term and a hand-written binary cross-entropy
+    of the score against the negative class: 1 - sigmoid(score) rounds to 0 for a score above
+    about 17, and log(0) = -Inf."""
     x, y = batch
     out = model(x)
     recon, score = out["aux"]
-    return F.cross_entropy(out["logits"], y) + F.mse_loss(recon, x) - torch.log(torch.sigmoid(score)).mean()
+    return F.cross_entropy(out["logits"], y) + F.mse_loss(recon, x) - torch.log(1 - torch.sigmoid(score)).mean()
 
 
 def lm_loss_bias_penalty(model: nn.Module, batch) -> torch.Tensor:

@@ -301,3 +301,83 @@ def test_accumulation_nan_in_second_micro_batch(out_dir, loss_fn):
         assert (diag["phase"], o["module"], o["op"], o["micro_batch"], o["samples"]) == ("forward", "", "log1p", 1, [3])
         assert ", micro-batch 1, samples [3];" in diag["summary"]
         assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+# -- 6. validation forwards between training steps ----------------------------------------------------
+def test_fine_tuning_in_eval_mode_keeps_its_forwards(out_dir):
+    """A loop that trains with the model in eval mode throughout (frozen BatchNorm statistics) is
+    not mistaken for validation: its forwards are the step."""
+    model = rm.make_resnet()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteGradientError) as info:
+        with Recorder(model, opt, model_factory=rm.make_resnet, out_dir=out_dir):  # no loss_fn: cotangent replay
+            for step in range(4):
+                x, y = _images(step)
+                if step == 2:
+                    with torch.no_grad():
+                        model.head_bn.bias[4] = -1e3  # channel 4 dies under the frozen statistics
+                loss = rm.ce_loss(model, (x, y))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    with open_bundle(err.bundle_path) as b:
+        assert len(b.step(2).forwards) == 1 and b.step(2).training == []
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert (diag["phase"], diag["origin"]["module"], diag["origin"]["op"]) == ("forward", "pool", "log")
+        assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def _validate(model, how: str) -> None:
+    model.eval()
+    batch = _token_batch(50)
+    if how == "no_grad":
+        with torch.no_grad():
+            rm.transformer_loss(model, batch)
+    elif how == "inference_mode":
+        with torch.inference_mode():
+            rm.transformer_loss(model, batch)
+    else:  # "forgot no_grad": a grad-enabled eval-mode forward whose output never gets a gradient
+        torch.randperm(10)  # e.g. a shuffling validation sampler drawing from the global RNG
+        rm.transformer_loss(model, batch).item()
+    model.train()
+
+
+def _train_with_validation(out_dir, how, *, use_loss_fn=True, bad_step=-1, recorder=True, steps=6):
+    model = rm.make_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    rec = Recorder(model, opt, loss_fn=rm.transformer_loss if use_loss_fn else None, model_factory=rm.make_transformer, out_dir=out_dir) if recorder else None
+    try:
+        for step in range(steps):
+            batch = _token_batch(step, fully_padded=4 if step == bad_step else -1)
+            if rec is not None and use_loss_fn:
+                rec.record(batch)
+            loss = rm.transformer_loss(model, batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            _validate(model, how)
+    finally:
+        if rec is not None:
+            rec.close()
+    return model
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "forgot no_grad"])
+def test_validation_between_steps_is_not_part_of_a_step(out_dir, how):
+    _assert_same_state(_state(_train_with_validation(out_dir, how, steps=3)), _state(_train_with_validation(out_dir, how, steps=3, recorder=False)))
+    assert not out_dir.exists()  # a fully padded validation batch would be NaN: validation uses a normal one
+    for use_loss_fn in (True, False):
+        with pytest.raises(NonFiniteGradientError) as info:
+            _train_with_validation(out_dir / str(use_loss_fn), how, use_loss_fn=use_loss_fn, bad_step=4)
+        err = info.value
+        with open_bundle(err.bundle_path) as b:
+            rec = b.step(4)
+            assert len(rec.forwards) == 1  # the training forward only
+            assert "encoder.layers.0.dropout" in rec.training  # the step ran in training mode
+        for diag in (err.diagnosis, replay(err.bundle_path)):
+            assert (diag["phase"], diag["origin"]["module"], diag["origin"]["op"]) == ("forward", "pool", "_softmax")
+            assert diag["mode"] == ("loss_fn" if use_loss_fn else "cotangent")
+            assert diag["reproduction"]["verdict"] == "reproduced exactly"  # same dropout masks as in training
