@@ -446,7 +446,7 @@ def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, devi
       learning rates of the ring buffer; ``allowed_births`` and ``allowlist``;
     * ``summary``: the one actionable sentence.
     """
-    from .blame import batch_size, replay_optimizer_update, samples_to_blame
+    from .blame import batch_size, cotangent_rows, replay_optimizer_update, samples_to_blame
 
     births = result.ops.births if result.ops is not None else []
     origin = diag.get("origin")
@@ -503,6 +503,8 @@ def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, devi
         rows = ob.get("rows") if ob is not None and phase != "backward" else None
         if rows and rows["size"] == size and rows["indices"]:
             smp = {"indices": rows["indices"], "batch_size": size, "method": "non-finite rows of the producer op's output", "warnings": []}
+        elif phase == "loss" and not use_loss and cotangent_rows(inp.record, size) is not None:
+            smp = cotangent_rows(inp.record, size)  # the loss was not replayed: its gradient says where it went bad
         elif samples:
             smp = samples_to_blame(model, inp, phase=phase, device=device)
     several = len(inp.record.batches if use_loss else inp.record.forwards) > 1  # micro-batches (gradient accumulation)

@@ -29,7 +29,7 @@ from .health import is_float
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["batch_size", "samples_to_blame", "replay_optimizer_update"]
+__all__ = ["batch_size", "cotangent_rows", "samples_to_blame", "replay_optimizer_update"]
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
@@ -45,6 +45,20 @@ def batch_size(rec: StepRecord, use_loss: bool) -> Optional[int]:
             if t.dim() >= 1:
                 return int(t.shape[0])
     return None
+
+
+def cotangent_rows(rec: StepRecord, size: int) -> Optional[dict]:
+    """The samples whose recorded output gradient (cotangent) is non-finite: rows along dim 0 of
+    every cotangent tensor with ``size`` rows. For a loss that was not replayed (no loss
+    function), these rows are where the loss sent its non-finite gradient."""
+    bad: set[int] = set()
+    for fw in rec.forwards:
+        for t in _leaves(fw.cotangent):
+            if is_float(t) and t.dim() >= 1 and t.shape[0] == size:
+                bad.update(int(i) for i in (~torch.isfinite(t.detach().reshape(size, -1))).any(dim=1).nonzero().flatten().tolist())
+    if not bad:
+        return None
+    return {"indices": sorted(bad)[:64], "batch_size": size, "method": "non-finite rows of the recorded output gradient", "warnings": []}
 
 
 def _take(tree: Any, idx: torch.Tensor, size: int) -> Any:

@@ -303,6 +303,46 @@ def test_accumulation_nan_in_second_micro_batch(out_dir, loss_fn):
         assert diag["reproduction"]["verdict"] == "reproduced exactly"
 
 
+# -- 5. a model returning a dict holding a tuple; the loss combines all outputs ------------------------
+def _multi_batch(step: int, *, outlier: bool = False):
+    g = torch.Generator().manual_seed(400 + step)
+    x = torch.randn(6, 6, generator=g)
+    if outlier:
+        x[1] *= 1e4  # an unnormalised sample: its score saturates the sigmoid
+    return x, torch.randint(0, 3, (6,), generator=g)
+
+
+@pytest.mark.parametrize("use_loss_fn", [True, False], ids=["loss_fn", "cotangent"])
+def test_multi_output_dict_and_tuple(out_dir, use_loss_fn):
+    model = rm.make_multi()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteGradientError) as info:
+        with Recorder(model, opt, loss_fn=rm.multi_loss if use_loss_fn else None, model_factory=rm.make_multi, out_dir=out_dir) as rec:
+            for step in range(5):
+                batch = _multi_batch(step, outlier=step == 3)
+                if use_loss_fn:
+                    rec.record(batch)
+                loss = rm.multi_loss(model, batch)
+                rec.log_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert err.step == 3
+    with open_bundle(err.bundle_path) as b:
+        cot = b.step(3).forwards[0].cotangent  # same structure as the output: a dict holding a tuple
+        assert set(cot) == {"logits", "aux"} and isinstance(cot["aux"], tuple) and len(cot["aux"]) == 2
+        assert not torch.isfinite(cot["aux"][1]).all() and torch.isfinite(cot["logits"]).all()
+    for diag in (err.diagnosis, replay(err.bundle_path)):
+        assert diag["phase"] == "loss" and diag["origin"]["module"] is None
+        assert diag["origin"]["samples"] == [1]
+        assert diag["reproduction"]["verdict"] == "reproduced exactly"
+        if use_loss_fn:
+            assert diag["origin"]["op"] == "log" and diag["origin"]["nonfinite"] == "-Inf"
+        else:  # the loss was not replayed: its gradient w.r.t. the outputs names the sample
+            assert diag["samples"]["method"] == "non-finite rows of the recorded output gradient"
+
+
 # -- 6. validation forwards between training steps ----------------------------------------------------
 def test_fine_tuning_in_eval_mode_keeps_its_forwards(out_dir):
     """A loop that trains with the model in eval mode throughout (frozen BatchNorm statistics) is
