@@ -62,7 +62,8 @@ class RecorderConfig:
             :class:`~nanreplay.errors.NonFiniteGradientError` from ``optimizer.step()`` before any
             weight changes. ``"skip"``: dump on the first occurrence, drop this step's gradients so
             the optimizer leaves weights and state untouched, raise after ``max_consecutive``
-            consecutive skips. ``"warn"``: dump, log a warning, let the step proceed.
+            consecutive skips. Both put back the step-start buffers (BatchNorm running stats the
+            failing forward already wrote). ``"warn"``: dump, log a warning, let the step proceed.
         capacity: steps kept in the ring buffer (>= 1). Each step costs references to its batch
             and cotangents (their bytes count against ``memory_budget``) and ~5 KiB of RNG state.
         snapshot_every: every N steps, copy the step-start weights, buffers and optimizer state
@@ -806,11 +807,13 @@ class Recorder:
             + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
             + (f"; replay it with: nanreplay replay {path}" if path else "")
         )
-        if action == "raise":
-            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
         if action == "warn":
             logger.warning("nanreplay: %s; the step proceeds (action='warn')", msg)
             return
+        if state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
+            self._restore_buffers(rec)
+        if action == "raise":
+            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
         # skip: drop the gradients so the optimizer leaves weights and state untouched
         self.skipped += 1
         if self.skipped > self.config.max_consecutive:
@@ -827,6 +830,16 @@ class Recorder:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+
+    def _restore_buffers(self, rec: StepRecord) -> None:
+        """Put back the step-start buffers of a step that is skipped or raised on: its forward
+        already wrote them (BatchNorm's running stats, from a NaN batch, stay NaN for good)."""
+        live = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for n, t in (rec.buffers or {}).items():
+                b = live.get(n)
+                if b is not None and b.shape == t.shape and b.data_ptr() != t.data_ptr():
+                    b.copy_(t)
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).

@@ -421,3 +421,75 @@ def test_validation_between_steps_is_not_part_of_a_step(out_dir, how):
             assert (diag["phase"], diag["origin"]["module"], diag["origin"]["op"]) == ("forward", "pool", "_softmax")
             assert diag["mode"] == ("loss_fn" if use_loss_fn else "cotangent")
             assert diag["reproduction"]["verdict"] == "reproduced exactly"  # same dropout masks as in training
+
+
+# -- 7. action="skip" trains on; close() leaves no hooks behind ------------------------------------------
+def _hooks(model, opt) -> int:
+    n = len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+    for m in model.modules():
+        n += len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+    return n
+
+
+def _train_skipping(out_dir, *, recorder: bool, bad_steps=(3, 6), steps=9):
+    """With the recorder: action="skip" on NaN batches. Without: the reference loop, which never
+    runs the bad steps at all (only the scheduler moves on)."""
+    model = rm.make_resnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rec = Recorder(model, opt, loss_fn=rm.ce_loss, model_factory=rm.make_resnet, out_dir=out_dir, action="skip") if recorder else None
+    try:
+        for step in range(steps):
+            x, y = _images(step)
+            if step in bad_steps:
+                if rec is None:
+                    sched.step()
+                    continue
+                x[2, 1, 4, 4] = float("nan")
+            if rec is not None:
+                rec.record((x, y))
+            loss = rm.ce_loss(model, (x, y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        return model, opt, rec
+    finally:
+        if rec is not None:
+            rec.close()
+
+
+def test_skip_leaves_no_trace_of_the_skipped_steps(out_dir):
+    model, opt, rec = _train_skipping(out_dir, recorder=True)
+    reference, _, _ = _train_skipping(out_dir, recorder=False)
+    # weights, momentum-free skipped updates, and BatchNorm running stats (which the NaN forward wrote)
+    _assert_same_state(_state(model), _state(reference))
+    assert rec.nonfinite_steps == [3, 6] and len(rec.bundles) == 1  # max_dumps=1: the first one
+    model.eval()
+    assert torch.isfinite(model(_images(20)[0])).all()  # evaluation after training is not poisoned
+    diag = replay(rec.bundles[0])
+    assert diag["phase"] == "input" and diag["origin"]["samples"] == [2]
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def test_close_then_train_on_without_hooks(out_dir):
+    model = rm.make_resnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    before = _hooks(model, opt)
+    rec = Recorder(model, opt, loss_fn=rm.ce_loss, out_dir=out_dir)
+    assert _hooks(model, opt) > before
+    for step in range(2):
+        x, y = _images(step)
+        rec.record((x, y))
+        rm.ce_loss(model, (x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    rec.close()
+    rec.close()
+    assert _hooks(model, opt) == before
+    x, y = _images(2)
+    x[0] = float("nan")
+    rm.ce_loss(model, (x, y)).backward()
+    opt.step()  # no recorder any more: the NaN step goes through, nothing raised, nothing written
+    assert not torch.isfinite(model.fc.weight).all()
+    assert not out_dir.exists() and rec.nonfinite_steps == []
