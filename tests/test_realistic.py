@@ -9,11 +9,12 @@ phase, module and op and say the failure was reproduced exactly."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from click.testing import CliRunner
 
 import realistic_models as rm
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle, replay
@@ -113,11 +114,11 @@ def _token_batch(step: int, *, fully_padded: int = -1) -> dict:
     return {"tokens": tokens.masked_fill(pad, 0), "pad_mask": pad, "label": torch.randint(0, 3, (6,), generator=g)}
 
 
-def _train_transformer(out_dir, *, bad_step=-1, recorder=True, steps=6):
+def _train_transformer(out_dir, *, bad_step=-1, recorder=True, steps=6, **opts):
     model = rm.make_transformer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)  # dropout masks
-    rec = Recorder(model, opt, loss_fn=rm.transformer_loss, model_factory=rm.make_transformer, out_dir=out_dir) if recorder else None
+    rec = Recorder(model, opt, loss_fn=rm.transformer_loss, model_factory=rm.make_transformer, out_dir=out_dir, **opts) if recorder else None
     try:
         for step in range(steps):
             batch = _token_batch(step, fully_padded=4 if step == bad_step else -1)
@@ -493,3 +494,68 @@ def test_close_then_train_on_without_hooks(out_dir):
     opt.step()  # no recorder any more: the NaN step goes through, nothing raised, nothing written
     assert not torch.isfinite(model.fc.weight).all()
     assert not out_dir.exists() and rec.nonfinite_steps == []
+
+
+# -- 8. the command line on a real bundle, intact and damaged ---------------------------------------------
+@pytest.fixture(scope="module", params=["h5", "safetensors"])
+def transformer_bundle(request, tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp(f"cli-{request.param}")
+    with pytest.raises(NonFiniteGradientError) as info:
+        _train_transformer(out, bad_step=4, bundle_format=request.param)
+    return Path(info.value.bundle_path)
+
+
+def _cli(*args):
+    from nanreplay.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_cli_round_trip(transformer_bundle):
+    r = _cli("inspect", transformer_bundle)
+    assert r.exit_code == 0, r.output
+    assert "failing step: 4" in r.output and "factory: realistic_models:make_transformer" in r.output
+    assert "stored diagnosis: NaN born in the forward pass in op _softmax" in r.output
+    r = _cli("replay", "--json", transformer_bundle)
+    assert r.exit_code == 0, r.output
+    diag = json.loads(r.output)
+    assert (diag["phase"], diag["origin"]["module"], diag["origin"]["samples"]) == ("forward", "pool", [4])
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+    r = _cli("bisect", "--over", "samples", "--json", transformer_bundle)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["status"] == "found" and [c["sample"] for c in res["culprits"]] == [4]
+
+
+def _tensor_span(bundle: Path, key: str) -> tuple[int, int]:
+    """(file offset, length) of one tensor's raw bytes, read from the container's own index."""
+    if bundle.suffix == ".h5":
+        import h5py
+
+        with h5py.File(bundle, "r") as f:
+            ds = f["tensors/" + key.replace("/", "%2F")]
+            return ds.id.get_offset(), ds.id.get_storage_size()
+    data = bundle.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    lo, hi = json.loads(data[8 : 8 + n])[key]["data_offsets"]
+    return 8 + n + lo, hi - lo
+
+
+@pytest.mark.parametrize("damage", ["one tensor byte", "truncated"])
+@pytest.mark.parametrize("command", ["inspect", "replay"])
+def test_cli_damaged_bundle_is_exit_4_without_traceback(transformer_bundle, tmp_path, damage, command):
+    data = bytearray(transformer_bundle.read_bytes())
+    if damage == "one tensor byte":
+        off, size = _tensor_span(transformer_bundle, "state/params/head.weight")
+        assert size > 0
+        data[off + size // 2] ^= 0x01  # one bit of one weight: the file still parses
+    else:
+        data = data[: len(data) * 2 // 3]
+    bad = tmp_path / ("bad" + transformer_bundle.suffix)
+    bad.write_bytes(bytes(data))
+    r = _cli(command, bad)
+    assert r.exit_code == 4, r.output
+    assert r.output.startswith("Error: ") and "Traceback" not in r.output
+    if damage == "one tensor byte":
+        assert "checksum mismatch for tensor 'state/params/head.weight'" in r.output
