@@ -559,3 +559,13 @@ def test_cli_damaged_bundle_is_exit_4_without_traceback(transformer_bundle, tmp_
     assert r.output.startswith("Error: ") and "Traceback" not in r.output
     if damage == "one tensor byte":
         assert "checksum mismatch for tensor 'state/params/head.weight'" in r.output
+
+
+def test_a_recorded_nan_gradient_the_replay_never_produced_is_not_reproduced():
+    from nanreplay.replay import compare_grads
+
+    nan = float("nan")
+    r = compare_grads({"a": torch.tensor([nan, 1.0]), "b": torch.tensor([nan])}, {"a": torch.tensor([nan, 1.0])})
+    assert r["verdict"] == "not reproduced" and "['b'] are finite or absent in the replay" in r["detail"]
+    r = compare_grads({"a": torch.tensor([nan, 1.0]), "b": torch.tensor([2.0])}, {"a": torch.tensor([nan, 1.0])})
+    assert r["verdict"] == "reproduced" and "1 recorded gradient(s) absent in the replay" in r["detail"]
