@@ -31,7 +31,7 @@ import math
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -176,15 +176,6 @@ def _replay(ctx: _Ctx, record: StepRecord, state: Snapshot) -> _Outcome:
     loss = losses[0].mean if len(losses) == 1 and losses[0].finite else None
     bad = (gn is not None and not math.isfinite(gn)) or not loss_finite or out_bad or cot_bad
     return _Outcome(nonfinite=bad, loss=loss, loss_finite=loss_finite, grad_norm=gn, grads=res.grads)
-
-
-@contextlib.contextmanager
-def _hooks(handles: list) -> Iterator[list]:
-    try:
-        yield handles
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _execution_order(model: torch.nn.Module) -> tuple[list[str], Callable[[], None]]:

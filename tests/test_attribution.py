@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.utils.module_tracker import ModuleTracker
 
 import failure_models as fm

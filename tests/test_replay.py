@@ -7,8 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import models
 from helpers import fail_once
