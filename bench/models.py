@@ -4,7 +4,6 @@ roughly 20-150 ms on 2 CPU threads."""
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch

@@ -121,7 +121,9 @@ class ScalerWatch:
         self.last_scale = scale
         rec.scaler_skipped = True
         rec.finite = False
-        rec.lrs = [float(g["lr"]) for g in r.optimizer.param_groups]
+        from .recorder import _lr_value
+
+        rec.lrs = [_lr_value(g["lr"]) for g in r.optimizer.param_groups]
         loss = r._pending_loss
         rec.loss = float(loss) if loss is not None else None
         r._seal(rec)

@@ -31,7 +31,7 @@ import math
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -176,15 +176,6 @@ def _replay(ctx: _Ctx, record: StepRecord, state: Snapshot) -> _Outcome:
     loss = losses[0].mean if len(losses) == 1 and losses[0].finite else None
     bad = (gn is not None and not math.isfinite(gn)) or not loss_finite or out_bad or cot_bad
     return _Outcome(nonfinite=bad, loss=loss, loss_finite=loss_finite, grad_norm=gn, grads=res.grads)
-
-
-@contextlib.contextmanager
-def _hooks(handles: list) -> Iterator[list]:
-    try:
-        yield handles
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _execution_order(model: torch.nn.Module) -> tuple[list[str], Callable[[], None]]:
@@ -426,10 +417,13 @@ def _bisect_precision(ctx: _Ctx) -> dict:
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in state.params.values() if t.is_floating_point()})
     reduced = [getattr(torch, d) for d in dtypes if getattr(torch, d) in _REDUCED]
     low = reduced[0] if reduced else None
-    if low is None:
+    ac = ctx.failing.autocast  # recorded per step: {"device_type", "dtype"} or None
+    if low is None and ac and getattr(torch, ac.get("dtype", ""), None) in _REDUCED:
+        low = getattr(torch, ac["dtype"])  # float32 weights under a recorded float16/bfloat16 autocast
+    elif low is None:
         ctx.warnings.append(
-            f"the recorded parameters are {', '.join(dtypes)}, not float16/bfloat16: the search assumes the step ran under "
-            "autocast (in the loss function) and runs each upcast layer with autocast disabled"
+            f"the recorded parameters are {', '.join(dtypes)} and the bundle records no float16/bfloat16 autocast for step "
+            f"{F}: the search assumes autocast runs inside the loss function, and runs each upcast layer with autocast disabled"
         )
     # baseline: the step as recorded, also giving the execution order and the output dtypes
     order, remove = _execution_order(model)

@@ -17,7 +17,7 @@ import copy
 import logging
 import math
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree

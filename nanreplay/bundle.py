@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import math
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch

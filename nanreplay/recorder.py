@@ -508,7 +508,7 @@ class Recorder:
         The optimizer step pre-hook calls it; call it yourself with
         ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
         rec = self._begin_step(capture=False)
-        rec.lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
         if self.config.check_every > 1:
             return self._check_lagged(rec)
         grads = self._grads()
@@ -852,7 +852,9 @@ class Recorder:
         if self.dist is not None:
             grad_tensors = self.dist.local_grads(grads, grad_tensors)
         steps = [r for r in self.ring if r.step <= rec.step]
-        for r in steps:  # a reference whose version counter moved no longer holds what the step saw
+        for r in steps:
+            r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step
+            # a reference whose version counter moved no longer holds what the step saw
             r.stale_inputs = any(not ref.fresh() for ref in self._step_refs.get(r.step, ()))
             if r.stale_inputs:
                 logger.warning("nanreplay: step %d's inputs were modified in place after capture; the bundle marks them stale", r.step)
@@ -963,6 +965,13 @@ class Recorder:
                 self._release(r.snapshot, reuse=False)
                 r.snapshot = None
                 logger.warning("nanreplay: one weight snapshot exceeds memory_budget=%d bytes; snapshots are off", budget)
+
+
+def _lr_value(lr: Any) -> Any:
+    """A param group's learning rate as kept in the ring buffer: a float as is; a tensor (fused
+    or capturable optimizers, some schedulers) as a detached copy on its device, because
+    ``float()`` of a CUDA tensor would be a host sync every step. Converted at dump time."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
 
 
 def model_info(model: torch.nn.Module) -> dict:

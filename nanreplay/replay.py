@@ -701,14 +701,13 @@ def diagnose(
     classes = {e["module"]: e["class"] for e in fwd}
     if origin is not None and origin.get("module") is not None and origin.get("class") is None:
         origin["class"] = classes.get(origin["module"])
-    summary = _summary(step, phase, origin, cause, repro)
     table = _table(fwd, origin, table_rows)
-    return {
+    diag = {
         "step": step,
         "phase": phase,
         "origin": origin,
         "cause": cause,
-        "summary": summary,
+        "summary": "",
         "mode": result.mode,
         "reproduction": repro,
         "health": table,
@@ -719,35 +718,8 @@ def diagnose(
         "loss": [_h(h) for h in result.losses],
         "warnings": result.warnings,
     }
-
-
-def _where(origin: Optional[dict]) -> str:
-    if not origin:
-        return ""
-    parts = []
-    if origin.get("op"):
-        parts.append(f"op {origin['op']}")
-    if origin.get("module") is not None:
-        m = origin["module"] or "(root module)"
-        parts.append(f"in module {m}" + (f" ({origin['class']})" if origin.get("class") else ""))
-    if origin.get("leaf"):
-        parts.append(f"at {origin['leaf']}" + (f", samples {origin['samples']}" if origin.get("samples") else ""))
-    return " ".join(parts)
-
-
-def _summary(step: int, phase: str, origin: Optional[dict], cause: str, repro: dict) -> str:
-    v = attribution.verdict_phrase(repro)
-    if phase == "none":
-        return f"step {step}: the replay produced no non-finite value; {v}."
-    where = _where(origin)
-    head = {
-        "weights": "non-finite weights before the step",
-        "input": "non-finite value in the input data",
-        "forward": "non-finite value born in the forward pass",
-        "loss": "non-finite value born in the loss, outside the model",
-        "backward": "non-finite value born in the backward pass",
-    }[phase]
-    return f"step {step}: {head}" + (f", {where}" if where and phase != "loss" else (f" ({where})" if where else "")) + f"; {cause}; {v}."
+    diag["summary"] = attribution.summary_sentence(diag)
+    return diag
 
 
 def _table(fwd: list[dict], origin: Optional[dict], rows: int) -> list[dict]:

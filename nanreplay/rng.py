@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -130,18 +130,3 @@ class RNGState:
         )
         cuda = [get(f"{prefix}cuda/{i}") for i in range(int(meta.get("cuda_devices", 0)))]
         return cls(python=python, numpy=numpy_state, torch_cpu=cpu, torch_cuda=cuda)
-
-
-def fork_all(enabled: bool = True) -> "Optional[_Fork]":
-    """Context manager: save every generator, restore it on exit (used around replays that
-    run inside a live training process, so training draws the same numbers afterwards)."""
-    return _Fork() if enabled else None
-
-
-class _Fork:
-    def __enter__(self) -> RNGState:
-        self._saved = RNGState.capture()
-        return self._saved
-
-    def __exit__(self, *exc: object) -> None:
-        self._saved.restore()

@@ -203,3 +203,16 @@ class DataclassOut(nn.Module):
 
 def make_dataclass_out() -> nn.Module:
     return DataclassOut()
+
+
+def make_half_fp32() -> nn.Module:
+    """:class:`HalfNet` with float32 weights, for training under float16 autocast."""
+    torch.manual_seed(0)
+    return HalfNet()
+
+
+def autocast_fp16_mse(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    return F.mse_loss(out.float(), y)

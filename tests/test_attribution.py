@@ -8,25 +8,14 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.utils.module_tracker import ModuleTracker
 
 import failure_models as fm
 import models
+from helpers import fail_once
 from nanreplay import NonFiniteGradientError, Recorder, replay
 from nanreplay.attribution import AllowRule, Allowlist
 from nanreplay.replay import OpMonitor
-
-
-def _fail_once(model, opt, batch, loss_fn, out_dir, **opts) -> NonFiniteGradientError:
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, **opts) as rec:
-        rec.record(batch)
-        loss = loss_fn(model, batch)
-        rec.log_loss(loss)
-        loss.backward()
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    return info.value
 
 
 def _strict_json(diag: dict) -> dict:
@@ -40,7 +29,7 @@ def test_forward_division_by_zero_in_a_submodule(out_dir):
         model.encoder["block"].proj.bias.fill_(-1.0)
     x = 2.0 + torch.rand(6, 8)
     x[2] = 0.0  # only row 2: relu(0 - 1) = 0 everywhere, then 0 / 0
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
     diag = _strict_json(replay(err.bundle_path))
     o = diag["origin"]
     assert (diag["phase"], o["op"], o["module"], o["samples"]) == ("forward", "div", "encoder.block.norm", [2])
@@ -61,7 +50,7 @@ def test_log_of_zero_inside_where_reports_the_causal_chain(out_dir):
         model.fc.bias.zero_()
     x = torch.randn(6, 4)
     x[3] = 0.0  # c = 0 for row 3: log(0) = -Inf masked by where, then 0/0 in LogBackward
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.randn(6, 1)), fm.mse_loss, out_dir, model_factory=fm.make_logwhere)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.randn(6, 1)), fm.mse_loss, out_dir, model_factory=fm.make_logwhere)
     diag = _strict_json(replay(err.bundle_path))
     o = diag["origin"]
     assert (diag["phase"], o["op"], o["node"], o["forward_op"], o["module"], o["samples"]) == ("backward", "div", "LogBackward0", "log", "", [3])
@@ -79,7 +68,7 @@ def test_sqrt_at_zero_in_backward(out_dir):
         model.fc.bias.zero_()
     x = torch.randn(5, 4)
     x[1] = 0.0
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
     diag = replay(err.bundle_path)
     o = diag["origin"]
     assert (diag["phase"], o["node"], o["module"], o["samples"]) == ("backward", "SqrtBackward0", "root", [1])
@@ -130,7 +119,7 @@ def test_fully_masked_attention_row_is_caught(out_dir):
     model = fm.make_attn()
     x, pad, y = _attn_batch()
     pad[4] = True  # sample 4 masks every key: its softmax row is all -Inf -> NaN
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, pad, y), fm.attn_loss, out_dir, model_factory=fm.make_attn)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, pad, y), fm.attn_loss, out_dir, model_factory=fm.make_attn)
     diag = replay(err.bundle_path)
     o = diag["origin"]
     assert (diag["phase"], o["op"], o["module"], o["samples"]) == ("forward", "_softmax", "attn", [4])
@@ -142,7 +131,7 @@ def test_custom_allow_rule_hides_a_birth(out_dir):
     model = fm.make_attn()
     x, pad, y = _attn_batch()
     pad[4] = True
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, pad, y), fm.attn_loss, out_dir,
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, pad, y), fm.attn_loss, out_dir,
                      model_factory=fm.make_attn, allow_nonfinite=("attn:_softmax",))
     diag = replay(err.bundle_path)
     assert "attn:_softmax" in diag["allowlist"]
@@ -162,7 +151,7 @@ def test_fp16_overflow_in_a_linear_layer_under_cpu_autocast(out_dir):
         model.fc2.weight.fill_(300.0)
     x = torch.rand(4, 8)
     x[2] = 400.0  # fc2 of sample 2 exceeds 65504 in float16
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.zeros(4, 1)), fm.fp16_autocast_loss, out_dir, model_factory=fm.make_wide)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, torch.zeros(4, 1)), fm.fp16_autocast_loss, out_dir, model_factory=fm.make_wide)
     diag = replay(err.bundle_path)
     o = diag["origin"]
     assert (diag["phase"], o["module"], o["samples"], o["dtype"]) == ("forward", "fc2", [2], "float16")
@@ -178,7 +167,7 @@ def test_one_bad_sample_in_the_input(out_dir):
     batch = {"image": x, "label": torch.randn(8, 4)}
     loss_fn = models.mean_loss.__globals__["F"].mse_loss
 
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, input_mse, out_dir, model_factory=models.make_mlp)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, input_mse, out_dir, model_factory=models.make_mlp)
     diag = replay(err.bundle_path)
     assert (diag["phase"], diag["origin"]["leaf"], diag["origin"]["samples"]) == ("input", "batch['image']", [5])
     assert diag["classification"]["cause"] == "bad input data"
@@ -274,7 +263,7 @@ def test_cli_json_and_allow_option(out_dir):
         model.fc.bias.zero_()
     x = torch.randn(4, 4)
     x[2] = 0.0
-    err = _fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
     r = CliRunner().invoke(main, ["replay", err.bundle_path, "--json", "--allow", "root:mul"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)

@@ -301,3 +301,21 @@ def test_samples_search_does_not_blame_one_sample_for_a_batch_level_failure(out_
     assert res["status"] == "not in search space"
     assert res["culprits"] == []
     assert "any single sample" in res["answer"]
+
+
+def test_precision_uses_the_recorded_autocast(tmp_path):
+    """float32 weights, float16 autocast: the bundle records the autocast of the step, so the
+    search knows the reduced dtype instead of assuming it."""
+    model = models.make_half_fp32()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with Recorder(model, opt, loss_fn=models.autocast_fp16_mse, model_factory=models.make_half_fp32, out_dir=tmp_path, diagnose=False) as rec:
+        rec.record((x, y))
+        models.autocast_fp16_mse(model, (x, y)).backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    res = bisect(info.value.bundle_path, over="precision")
+    assert res["status"] == "found"
+    c = res["culprits"][0]
+    assert c["layer"] == "gate2" and c["dtype"] == "float16" and c["first_op_over_range"] == "exp"
+    assert not any("assumes" in w for w in res["warnings"])

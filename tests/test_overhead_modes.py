@@ -188,3 +188,23 @@ def test_sync_free_mode_refuses_what_it_does_not_support():
     with pytest.raises(ValueError, match=r"check_every=4 \(the sync-free check\) does not yet combine with check_update=True"):
         Recorder(model, opt, check_every=4, check_update=True)
     assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks  # nothing left registered
+
+
+def test_tensor_learning_rates_are_not_read_on_the_host_per_step(out_dir):
+    """A tensor lr (fused/capturable optimizers, some schedulers) stays a device value in the ring
+    buffer: float() of a CUDA tensor would be a host sync every step. The bundle gets floats."""
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        for i in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            if i == 1:
+                model.fc1.weight.grad[0, 0] = float("nan")
+                with pytest.raises(NonFiniteGradientError) as info:
+                    opt.step()
+            else:
+                opt.step()
+                assert isinstance(rec.ring[-1].lrs[0], torch.Tensor)  # kept as a device value
+                opt.zero_grad()
+    with open_bundle(info.value.bundle_path) as b:
+        assert b.step(0).lrs == [pytest.approx(0.1)] and b.step(1).lrs == [pytest.approx(0.1)]

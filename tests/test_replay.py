@@ -7,23 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import models
+from helpers import fail_once
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle, replay
 from nanreplay.errors import ModelMismatchError, ReplayError
-
-
-def _fail_once(model, opt, batch, loss_fn, out_dir, **opts) -> NonFiniteGradientError:
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, **opts) as rec:
-        rec.record(batch)
-        loss = loss_fn(model, batch)
-        rec.log_loss(loss)
-        loss.backward()
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    return info.value
 
 
 def test_dropout_model_replays_exact_gradients(out_dir):
@@ -62,7 +50,7 @@ def test_dropout_nan_step_reproduced_exactly(out_dir):
     x = torch.randn(16, 8)
     y = torch.randn(16, 4)
     y[3, 1] = float("inf")
-    err = _fail_once(model, opt, (x, y), models.mse_loss, out_dir, model_factory=models.make_dropout_mlp)
+    err = fail_once(model, opt, (x, y), models.mse_loss, out_dir, model_factory=models.make_dropout_mlp)
     assert err.diagnosis["reproduction"]["verdict"] == "reproduced exactly"
     diag = replay(err.bundle_path)
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
@@ -78,7 +66,7 @@ def _nested_failure(out_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 8) * 3
     x[2] = 0.0  # row 2: relu(proj(0)) = relu(-1) = 0 everywhere, then 0 / 0 in encoder.block.norm
-    return _fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
+    return fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
 
 
 def test_forward_nan_in_nested_submodule_is_attributed_to_it(out_dir):
@@ -102,7 +90,7 @@ def test_nan_born_only_in_backward_is_reported_as_backward(out_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(5, 4)
     x[0] = 0.0  # row 0: fc(0) = 0, its norm sqrt(0) = 0 is finite, its derivative is not
-    err = _fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
+    err = fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
     diag = replay(err.bundle_path)
     assert diag["phase"] == "backward"
     assert diag["origin"]["module"] == "root"
