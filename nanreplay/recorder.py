@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Recorder", "RecorderConfig", "callable_path"]
 
 _ACTIONS = ("raise", "skip", "warn")
+_SMALL_BUFFER = 1 << 20  # bytes: buffers up to this size are copied at every step start
 
 
 @dataclass(kw_only=True)
@@ -557,10 +558,15 @@ class Recorder:
             # the version counter alone misses BatchNorm's running stats: native_batch_norm writes
             # them inside the kernel without bumping it. The first step copied every buffer, so
             # compare values too (once; NaN compares unequal, which errs on the side of copying).
+            # Buffers of at most _SMALL_BUFFER bytes are copied every step whatever step 0 showed:
+            # running stats in a branch step 0 did not take change later, invisibly to the version
+            # counter, and copying them costs little. Larger ones (masks, rotary caches) are
+            # referenced unless step 0 changed them.
             start = rec.buffers or {}
             self._mutable_buffers = {
                 n for n, b in self.model.named_buffers()
-                if b._version != self._buffer_versions.get(n) or not _same_tensor(b, start.get(n))
+                if b.numel() * b.element_size() <= _SMALL_BUFFER
+                or b._version != self._buffer_versions.get(n) or not _same_tensor(b, start.get(n))
             }
         if self.config.copy_batch is None and not self._copy and any(not r.fresh() for r in self._refs):
             self._copy = True

@@ -216,3 +216,18 @@ def autocast_fp16_mse(model: nn.Module, batch) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.float16):
         out = model(x)
     return F.mse_loss(out.float(), y)
+
+
+class Branchy(nn.Module):
+    """A BatchNorm inside a branch taken only when ``use_aux`` is set: its running stats first
+    change at a later step, not at step 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.aux = nn.BatchNorm1d(4)
+        self.use_aux = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.aux(h) if self.use_aux else h

@@ -238,3 +238,24 @@ def test_inputs_overwritten_before_the_switch_to_copies_are_marked_stale(out_dir
         assert b.step(0).stale_inputs is True
         assert b.step(1).stale_inputs is False  # copied: the reuse was seen when it was captured
         assert torch.equal(b.step(1).forwards[0].inputs[0][0], torch.full((4, 8), 1.0))
+
+
+def test_buffers_first_changed_after_step_0_are_saved_at_step_start(out_dir):
+    """BatchNorm writes its running stats without bumping the version counter; a BatchNorm in a
+    branch step 0 did not take must still be saved as it was at the start of the failing step."""
+    model = models.Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        model(torch.randn(8, 4)).sum().backward()  # step 0: the branch is not taken
+        opt.step()
+        opt.zero_grad()
+        model.use_aux = True
+        before = model.aux.running_mean.clone()
+        x = torch.randn(8, 4) * 5
+        x[0, 0] = float("nan")
+        model(x).sum().backward()  # step 1: NaN enters the running stats
+        assert not torch.isfinite(model.aux.running_mean).all()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    with open_bundle(info.value.bundle_path) as b:
+        assert torch.equal(b.state().buffers["aux.running_mean"], before)
