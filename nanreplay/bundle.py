@@ -45,12 +45,15 @@ def unfnum(x: Any) -> Optional[float]:
 
 @dataclass
 class ForwardRecord:
-    """One top-level forward call of the model: its inputs as ``(args, kwargs)`` and, after the
-    backward pass, the gradient w.r.t. its outputs (the cotangent), same structure as the output
-    with ``None`` where an output leaf received no gradient."""
+    """One top-level forward call of the model: its inputs as ``(args, kwargs)``, after the
+    backward pass the gradient w.r.t. its outputs (the cotangent, same structure as the output
+    with ``None`` where an output leaf received no gradient), and for every forward after the
+    step's first the RNG states just before it (the loop may draw between micro-batches, e.g.
+    for augmentation; the first forward's are the step's ``rng``)."""
 
     inputs: Any
     cotangent: Any = None
+    rng: Optional[RNGState] = None
 
 
 @dataclass
@@ -205,7 +208,11 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
             if fw.cotangent is not None:
                 t, cm = tree_to_flat(fw.cotangent, f"{p}forward/{i}/cotangent/")
                 tensors.update(t)
-            fwds.append({"inputs": im, "cotangent": cm})
+            rm = None
+            if fw.rng is not None:
+                t, rm = fw.rng.to_flat(f"{p}forward/{i}/rng/")
+                tensors.update(t)
+            fwds.append({"inputs": im, "cotangent": cm, "rng": rm})
         batches = []
         for i, b in enumerate(rec.batches):
             t, bm = tree_to_flat(b, f"{p}batch/{i}/")
@@ -346,6 +353,7 @@ class Bundle:
                         cotangent=tree_from_flat(get, f["cotangent"], f"{p}forward/{i}/cotangent/")
                         if f.get("cotangent")
                         else None,
+                        rng=RNGState.from_flat(get, f["rng"], f"{p}forward/{i}/rng/") if f.get("rng") else None,
                     )
                     for i, f in enumerate(m["forwards"])
                 ],

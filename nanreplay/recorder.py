@@ -463,7 +463,9 @@ class Recorder:
         rec = self._begin_step()
         if rec.autocast is None:
             rec.autocast = _autocast_state(args, kwargs)
-        rec.forwards.append(ForwardRecord(inputs=self._capture_tree((args, kwargs))))
+        # a later micro-batch: the loop may have drawn random numbers since the step began
+        rng = RNGState.capture() if rec.forwards else None
+        rec.forwards.append(ForwardRecord(inputs=self._capture_tree((args, kwargs)), rng=rng))
         return None
 
     def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

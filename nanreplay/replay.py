@@ -378,6 +378,24 @@ def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[s
                 bufs[n].copy_(t)
 
 
+def _rng_restorer(rec: StepRecord) -> Callable:
+    """A forward pre-hook for the top-level model that puts back, before its i-th grad-enabled
+    forward of the replayed step, the RNG states recorded before the i-th forward in training
+    (draws the loop made between micro-batches, e.g. augmentation, then replay exactly)."""
+    count = [0]
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return None
+        i = count[0]
+        count[0] += 1
+        if i < len(rec.forwards) and rec.forwards[i].rng is not None:
+            rec.forwards[i].rng.restore()
+        return None
+
+    return hook
+
+
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states, run forward (and the loss, or the recorded
@@ -409,6 +427,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
+    rng_hook = model.register_forward_pre_hook(_rng_restorer(rec))
     mon = ModuleMonitor(model)
     tracker = ModuleTracker()
     opmon = OpMonitor(tracker, type(model).__name__, allow=inp.allow) if ops else None
@@ -479,6 +498,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                 scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
     finally:
         mon.close()
+        rng_hook.remove()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return ReplayResult(mode, mon, opmon, losses, cots, inputs, weights, grads, outs, warnings)
 

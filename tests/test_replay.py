@@ -229,3 +229,33 @@ def test_dataclass_model_output_keeps_its_cotangent(out_dir):
     assert diag["mode"] == "cotangent"
     assert diag["origin"]["module"] == "scale"
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def accumulate_loss(model, batch) -> torch.Tensor:
+    x, y = batch
+    return models.mse_loss(model, (x, y)) / 3
+
+
+@pytest.mark.parametrize("with_loss_fn", [True, False])
+def test_random_draws_between_micro_batches_replay_exactly(out_dir, with_loss_fn):
+    """The loop augments each micro-batch with fresh noise (a global-RNG draw between forwards)
+    and the model uses dropout: the RNG state before every forward is recorded and restored."""
+    model = models.make_dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, loss_fn=accumulate_loss if with_loss_fn else None, model_factory=models.make_dropout_mlp, out_dir=out_dir) as rec:
+        for i in range(3):
+            x = torch.randn(8, 8)
+            x = x + 0.1 * torch.randn_like(x)  # augmentation after the data: drawn between micro-batches
+            y = torch.randn(8, 4)
+            if i == 2:
+                y[5, 0] = float("inf")
+            if with_loss_fn:
+                rec.record((x, y))
+            accumulate_loss(model, (x, y)).backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    with open_bundle(info.value.bundle_path) as b:
+        fws = b.step(0).forwards
+        assert fws[0].rng is None and fws[1].rng is not None and fws[2].rng is not None
+    assert info.value.diagnosis["reproduction"]["verdict"] == "reproduced exactly"
+    assert replay(info.value.bundle_path)["reproduction"]["verdict"] == "reproduced exactly"
