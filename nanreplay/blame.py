@@ -152,7 +152,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
         # blaming every sample names none: report no indices rather than a misleading list
         warnings.append("every sample alone is non-finite: the failure depends on the batch as a whole (or on the weights), not on particular samples")
         found = []
-    if size > 1 and not found and complete:
+    elif size is not None and size > 1 and not found and complete:
         warnings.append("no sample alone is non-finite: the failure needs several samples together (a batch-level interaction)")
     if not complete:
         warnings.append(f"stopped after {max_runs} per-sample replays; the list may be incomplete")

@@ -146,3 +146,4 @@ def test_digits_failure_is_batch_level_not_blamed_on_samples(digits_bundle):
     assert diag["samples"]["batch_level"] is True
     assert diag["samples"]["indices"] == []
     assert "samples [" not in diag["summary"]
+    assert not any("no sample alone" in w for w in diag["samples"]["warnings"])  # the two verdicts exclude each other
