@@ -163,6 +163,12 @@ class SnapshotVariant(RecorderVariant):
     options = {"snapshot_every": 1}
 
 
+class SnapshotRingVariant(RecorderVariant):
+    name = "recorder_snapshot_ring"
+    label = "Recorder, a snapshot every 4 steps in a 5-step ring buffer: always one before the failing step, for bisect"
+    options = {"snapshot_every": 4, "capacity": 5}
+
+
 class LaggedVariant(RecorderVariant):
     name = "recorder_lagged"
     label = "Recorder, sync-free: device flag read every 8 steps (check_every=8)"
@@ -210,7 +216,7 @@ class CallbackVariant(Variant):
 
 VARIANTS: dict[str, type[Variant]] = {
     v.name: v
-    for v in (Variant, RecorderVariant, SnapshotVariant, LaggedVariant, AnomalyVariant, HookDetectorVariant, CallbackVariant)
+    for v in (Variant, RecorderVariant, SnapshotVariant, SnapshotRingVariant, LaggedVariant, AnomalyVariant, HookDetectorVariant, CallbackVariant)
 }
 
 
