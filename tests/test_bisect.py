@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import models
-from nanreplay import NonFiniteGradientError, Recorder
+from nanreplay import NonFiniteGradientError, Recorder, open_bundle
 from nanreplay.bisect import bisect, ddmin
 from nanreplay.cli import EXIT_NOT_FOUND, EXIT_OK, EXIT_REPLAY, main
 from nanreplay.errors import ReplayError
@@ -319,3 +319,28 @@ def test_precision_uses_the_recorded_autocast(tmp_path):
     c = res["culprits"][0]
     assert c["layer"] == "gate2" and c["dtype"] == "float16" and c["first_op_over_range"] == "exp"
     assert not any("assumes" in w for w in res["warnings"])
+
+
+@pytest.mark.parametrize("failing_step", [8, 9, 11])
+def test_snapshot_every_n_with_a_ring_of_n_plus_1_always_holds_an_earlier_snapshot(tmp_path, failing_step):
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model, opt, loss_fn=models.mse_loss, model_factory=models.make_mlp, out_dir=tmp_path,
+                  diagnose=False, snapshot_every=4, capacity=5) as rec:
+        for step in range(failing_step + 1):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            if step == failing_step:
+                x[1, 2] = float("nan")  # bad data: the cause is not in the weights
+            rec.record((x, y))
+            models.mse_loss(model, (x, y)).backward()
+            if step == failing_step:
+                with pytest.raises(NonFiniteGradientError) as info:
+                    opt.step()
+            else:
+                opt.step()
+                opt.zero_grad()
+    with open_bundle(info.value.bundle_path) as b:
+        held = [k for k in b.steps if b.step(k).snapshot is not None and k < failing_step]
+    assert len(held) == 1 and held[0] % 4 == 0
+    res = bisect(info.value.bundle_path, over="layers")  # runs: no missing-snapshot error
+    assert res["status"] == "not in search space" and "not in the weights" in res["answer"]
