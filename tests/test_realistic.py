@@ -36,6 +36,17 @@ def _images(step: int, n: int = 8):
 
 
 # -- 1. ResNet-style CNN: BatchNorm running stats, ReLU(inplace=True), in-place residual add ----------
+
+def _recorded_loss(rec, loss_fn, model, batch):
+    """``loss_fn(model, batch)``, with the batch and the loss given to ``rec`` when there is one
+    (the same loop runs with and without a recorder)."""
+    if rec is not None:
+        rec.record(batch)
+    loss = loss_fn(model, batch)
+    if rec is not None:
+        rec.log_loss(loss)
+    return loss
+
 def _train_resnet(out_dir, *, poison=None, recorder=True, steps=5, seen=None):
     model = rm.make_resnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -52,11 +63,7 @@ def _train_resnet(out_dir, *, poison=None, recorder=True, steps=5, seen=None):
                     model.head_bn.bias[4] = -1.0
             if step == 3:
                 seen["running_mean"] = model.stem[1].running_mean.clone()
-            if rec is not None:
-                rec.record((x, y))
-            loss = rm.ce_loss(model, (x, y))
-            if rec is not None:
-                rec.log_loss(loss)
+            loss = _recorded_loss(rec, rm.ce_loss, model, (x, y))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -122,11 +129,7 @@ def _train_transformer(out_dir, *, bad_step=-1, recorder=True, steps=6, **opts):
     try:
         for step in range(steps):
             batch = _token_batch(step, fully_padded=4 if step == bad_step else -1)
-            if rec is not None:
-                rec.record(batch)
-            loss = rm.transformer_loss(model, batch)
-            if rec is not None:
-                rec.log_loss(loss)
+            loss = _recorded_loss(rec, rm.transformer_loss, model, batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -178,11 +181,7 @@ def _train_lm(out_dir, factory, *, loss_fn=rm.lm_loss, bad_step=-1, recorder=Tru
     try:
         for step in range(steps):
             batch = _lm_batch(step, empty=step == bad_step)
-            if rec is not None:
-                rec.record(batch)
-            loss = loss_fn(model, batch)
-            if rec is not None:
-                rec.log_loss(loss)
+            loss = _recorded_loss(rec, loss_fn, model, batch)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
