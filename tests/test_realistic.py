@@ -35,8 +35,6 @@ def _images(step: int, n: int = 8):
     return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
-# -- 1. ResNet-style CNN: BatchNorm running stats, ReLU(inplace=True), in-place residual add ----------
-
 def _recorded_loss(rec, loss_fn, model, batch):
     """``loss_fn(model, batch)``, with the batch and the loss given to ``rec`` when there is one
     (the same loop runs with and without a recorder)."""
@@ -46,6 +44,9 @@ def _recorded_loss(rec, loss_fn, model, batch):
     if rec is not None:
         rec.log_loss(loss)
     return loss
+
+
+# -- 1. ResNet-style CNN: BatchNorm running stats, ReLU(inplace=True), in-place residual add ----------
 
 def _train_resnet(out_dir, *, poison=None, recorder=True, steps=5, seen=None):
     model = rm.make_resnet()
