@@ -502,11 +502,12 @@ class Recorder:
         self.check_step()
         return None
 
-    def check_step(self) -> bool:
+    def check_step(self) -> Optional[bool]:
         """Check the gradients now (and the loss given to :meth:`log_loss`): one fused norm and
         one host read; under ``torch.distributed`` one small all-reduce too, so every rank takes
         the same decision. Returns ``True`` when the step is finite (on every rank), else acts
-        as ``action`` says (``"raise"`` raises here) and returns ``False``.
+        as ``action`` says (``"raise"`` raises here) and returns ``False``; returns ``None`` with
+        ``check_every > 1``, where the verdict stays on the device until the next host read.
 
         The optimizer step pre-hook calls it; call it yourself with
         ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
