@@ -308,6 +308,7 @@ class Recorder:
         self._buffer_versions: dict[str, int] = {}
         self._pending_loss: Optional[torch.Tensor] = None
         self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
+        self._skip_versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
         self._replaying = False           # set while diagnose_live replays on the live model
         self.extra_meta: dict[str, Any] = {}   # JSON merged into every bundle's metadata
         self._handles: list[Any] = []
@@ -583,12 +584,29 @@ class Recorder:
         ``self.step + 1``. The optimizer step post-hook calls it."""
         pre, self._pre_update = self._pre_update, None
         rec = self._current
+        self._verify_skip()
         self.step += 1
         self._current = None
         self._pending_loss = None
         self._evict()
         if pre is not None and rec is not None and self._check_update(rec, pre):
             self._release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
+
+    def _verify_skip(self) -> None:
+        """After a skipped step: the version counters prove the optimizer left every parameter
+        alone. Torch's optimizers skip parameters whose ``.grad`` is ``None``; one that updates
+        parameters regardless (weight decay on every parameter, a custom rule) is named."""
+        if not self._skip_versions:
+            return
+        changed = [self._param_fqn.get(id(p), "?") for p, v in self._skip_versions if p._version != v]
+        self._skip_versions = []
+        if changed:
+            logger.warning(
+                "nanreplay: action='skip' dropped the gradients of step %d, but %s changed %d parameter(s) anyway "
+                "(e.g. %s): this optimizer updates parameters without gradients, so the skip did not leave the "
+                "weights as they were; use action='raise' with it",
+                self.step, type(self.optimizer).__name__, len(changed), changed[:3],
+            )
 
     def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
         """``check_update``: one fused norm over the updated parameters and floating optimizer

@@ -259,3 +259,28 @@ def test_buffers_first_changed_after_step_0_are_saved_at_step_start(out_dir):
             opt.step()
     with open_bundle(info.value.bundle_path) as b:
         assert torch.equal(b.state().buffers["aux.running_mean"], before)
+
+
+class _DecayEverything(torch.optim.SGD):
+    """An optimizer that decays every parameter, with or without a gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.mul_(0.99)
+        return super().step(closure)
+
+
+def test_skip_names_an_optimizer_that_changes_weights_without_gradients(out_dir, caplog):
+    model = models.make_mlp()
+    opt = _DecayEverything(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out_dir, action="skip", diagnose=False):
+        _poison_step(model, opt, None, torch.randn(4, 8), bad=True)
+    assert "updates parameters without gradients" in caplog.text and "_DecayEverything" in caplog.text
+    caplog.clear()
+    model2 = models.make_mlp()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)  # torch's own: skips params without .grad
+    with Recorder(model2, opt2, out_dir=out_dir, action="skip", diagnose=False):
+        _poison_step(model2, opt2, None, torch.randn(4, 8), bad=True)
+    assert "updates parameters without gradients" not in caplog.text
