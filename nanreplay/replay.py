@@ -404,9 +404,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     for p in model.parameters():
         p.grad = None
     training = set(rec.training)
-    if training or rec.training == []:
-        for name, m in model.named_modules():
-            m.train(name in training)
+    for name, m in model.named_modules():  # each module's recorded mode, exactly (train() would recurse)
+        m.training = name in training
     weights = _nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
     use_loss = inp.loss_fn is not None and bool(rec.batches)
     if use_loss:
