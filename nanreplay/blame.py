@@ -99,7 +99,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
         ``{"indices": [int], "batch_size": B, "method": "per-sample replay", "runs": n,
         "complete": bool, "warnings": [str]}``, or ``None`` when the batch has no batch dimension.
     """
-    from .replay import StepInputs, run_step
+    from .replay import StepInputs, load_buffers, run_step
 
     use_loss = inp.loss_fn is not None and bool(inp.record.batches)
     size = batch_size(inp.record, use_loss)
@@ -120,11 +120,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
             complete = False
             return False
         runs += 1
-        with torch.no_grad():
-            bufs = dict(model.named_buffers())
-            for n, t in inp.state.buffers.items():
-                if n in bufs and bufs[n].shape == t.shape:
-                    bufs[n].copy_(t)
+        load_buffers(model, inp.state.buffers)
         sub = StepInputs(record=_slice_record(inp.record, idx, size), state=inp.state, recorded_grads={}, loss_fn=inp.loss_fn)
         try:
             res = run_step(model, sub, ops=False, device=device)

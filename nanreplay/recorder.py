@@ -861,12 +861,9 @@ class Recorder:
     def _restore_buffers(self, rec: StepRecord) -> None:
         """Put back the step-start buffers of a step that is skipped or raised on: its forward
         already wrote them (BatchNorm's running stats, from a NaN batch, stay NaN for good)."""
-        live = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for n, t in (rec.buffers or {}).items():
-                b = live.get(n)
-                if b is not None and b.shape == t.shape and b.data_ptr() != t.data_ptr():
-                    b.copy_(t)
+        from .replay import load_buffers
+
+        load_buffers(self.model, rec.buffers or {})
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).

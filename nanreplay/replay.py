@@ -354,7 +354,6 @@ def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[s
         ModelMismatchError: missing/unexpected FQNs or a shape/dtype that differs.
     """
     params = dict(model.named_parameters())
-    bufs = dict(model.named_buffers())
     missing = sorted(set(state.params) - set(params))
     unexpected = sorted(set(params) - set(state.params))
     problems = []
@@ -373,9 +372,19 @@ def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[s
     with torch.no_grad():
         for n, t in state.params.items():
             params[n].copy_(t)
-        for n, t in (buffers if buffers is not None else state.buffers).items():
-            if n in bufs and bufs[n].shape == t.shape:
-                bufs[n].copy_(t)
+    load_buffers(model, buffers if buffers is not None else state.buffers)
+
+
+def load_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Copy recorded buffers (FQN -> tensor, e.g. a step's step-start BatchNorm running stats)
+    into ``model``'s buffers in place. Names the model lacks, shapes that differ and tensors
+    that already are the live buffer's storage are left alone."""
+    live = dict(model.named_buffers())
+    with torch.no_grad():
+        for n, t in buffers.items():
+            b = live.get(n)
+            if b is not None and b.shape == t.shape and b.data_ptr() != t.data_ptr():
+                b.copy_(t)
 
 
 def _rng_restorer(rec: StepRecord) -> Callable:
@@ -810,11 +819,7 @@ def diagnose_live(recorder: Any, content: BundleContent) -> dict:
     recorder._replaying = True
     try:
         with _preserve_live(model):
-            with torch.no_grad():
-                bufs = dict(model.named_buffers())
-                for n, t in content.state.buffers.items():
-                    if n in bufs and bufs[n] is not t:
-                        bufs[n].copy_(t)
+            load_buffers(model, content.state.buffers)
             return replay_step(model, inp)
     finally:
         recorder._replaying = False
