@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .bundle import Bundle, ForwardRecord, Snapshot, StepRecord, fnum, open_bundle
 from .errors import ReplayError
 from .health import fused_norm, is_float
+from .blame import batch_coupled, take_rows
 from .tree import flatten_typed
 from .replay import StepInputs, _recorded_device, build_model, build_optimizer, import_callable, load_state, run_step
 
@@ -693,16 +694,6 @@ def _batch_size(tree: Any) -> Optional[int]:
     return sizes.most_common(1)[0][0] if sizes else None
 
 
-def _take(tree: Any, size: int, idx: list[int]) -> Any:
-    """Slice every tensor leaf whose dim 0 equals ``size`` to the rows ``idx``; other leaves (and
-    non-tensors) pass unchanged."""
-    ix = torch.tensor(idx, dtype=torch.long)
-    return pytree.tree_map(lambda t: t.index_select(0, ix.to(t.device)) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == size else t, tree)
-
-
-_BATCH_COUPLED = (torch.nn.modules.batchnorm._BatchNorm,)
-
-
 def _bisect_samples(ctx: _Ctx) -> dict:
     model, F, state, rec = ctx.model, ctx.bundle.failing_step, ctx.state, ctx.failing
     use_loss = ctx.loss_fn is not None and bool(rec.batches)
@@ -714,8 +705,7 @@ def _bisect_samples(ctx: _Ctx) -> dict:
         raise ReplayError(f"step {F}: a recorded batch has no tensor with a batch dimension (dim 0); bisect --over samples cannot split it")
     # samples are (micro-batch, row) pairs, so gradient accumulation is covered
     samples = [(j, i) for j, s in enumerate(sizes) for i in range(s)]
-    training = set(rec.training)
-    coupled = [n for n, m in model.named_modules() if isinstance(m, _BATCH_COUPLED) and (n in training or not rec.training)]
+    coupled = batch_coupled(model, rec)
     if coupled:
         ctx.warnings.append(
             f"batch-coupled layers in training mode ({', '.join(coupled[:4])}{'...' if len(coupled) > 4 else ''}): a sample's output depends "
@@ -736,10 +726,10 @@ def _bisect_samples(ctx: _Ctx) -> dict:
         by = {j: [i for jj, i in sub if jj == j] for j in range(len(parts))}
         keep = [j for j in range(len(parts)) if by[j]]
         if use_loss:
-            return dataclasses.replace(rec, batches=[_take(parts[j], sizes[j], by[j]) for j in keep])
+            return dataclasses.replace(rec, batches=[take_rows(parts[j], by[j], sizes[j]) for j in keep])
         fws = [
-            ForwardRecord(inputs=_take(rec.forwards[j].inputs, sizes[j], by[j]),
-                          cotangent=_take(rec.forwards[j].cotangent, sizes[j], by[j]) if rec.forwards[j].cotangent is not None else None)
+            ForwardRecord(inputs=take_rows(rec.forwards[j].inputs, by[j], sizes[j]),
+                          cotangent=take_rows(rec.forwards[j].cotangent, by[j], sizes[j]) if rec.forwards[j].cotangent is not None else None)
             for j in keep
         ]
         return dataclasses.replace(rec, forwards=fws)

@@ -61,7 +61,11 @@ def cotangent_rows(rec: StepRecord, size: int) -> Optional[dict]:
     return {"indices": sorted(bad)[:64], "batch_size": size, "method": "non-finite rows of the recorded output gradient", "warnings": []}
 
 
-def _take(tree: Any, idx: torch.Tensor, size: int) -> Any:
+def take_rows(tree: Any, idx: Any, size: int) -> Any:
+    """Slice every tensor leaf of ``tree`` whose dim 0 equals ``size`` (the batch dimension) to
+    the rows ``idx`` (a list or a long tensor); other leaves and non-tensors pass unchanged."""
+    idx = torch.as_tensor(idx, dtype=torch.long)
+
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == size:
             return x.index_select(0, idx.to(x.device))
@@ -74,12 +78,14 @@ def _slice_record(rec: StepRecord, idx: list[int], size: int) -> StepRecord:
     ix = torch.tensor(idx, dtype=torch.long)
     return replace(
         rec,
-        batches=[_take(b, ix, size) for b in rec.batches],
-        forwards=[ForwardRecord(inputs=_take(fw.inputs, ix, size), cotangent=_take(fw.cotangent, ix, size) if fw.cotangent is not None else None) for fw in rec.forwards],
+        batches=[take_rows(b, ix, size) for b in rec.batches],
+        forwards=[ForwardRecord(inputs=take_rows(fw.inputs, ix, size), cotangent=take_rows(fw.cotangent, ix, size) if fw.cotangent is not None else None) for fw in rec.forwards],
     )
 
 
-def _batch_coupled(model: torch.nn.Module, rec: StepRecord) -> list[str]:
+def batch_coupled(model: torch.nn.Module, rec: StepRecord) -> list[str]:
+    """FQNs of the layers whose output for one sample depends on the rest of the batch
+    (BatchNorm in training mode during step ``rec``): per-sample results can differ there."""
     training = set(rec.training)
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and n in training]
 
@@ -106,7 +112,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
     if size is None:
         return None
     warnings: list[str] = []
-    coupled = _batch_coupled(model, inp.record)
+    coupled = batch_coupled(model, inp.record)
     if coupled:
         warnings.append(
             f"batch-coupled layers in training mode ({', '.join(coupled[:4])}): per-sample results can differ from the whole batch"
