@@ -173,23 +173,16 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
 # the optimizer update
 # ---------------------------------------------------------------------------------------------
 def _build_optimizer(info: dict, state: Snapshot, device: Optional[torch.device], sd: dict) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
-    from .replay import import_callable
+    """The recorded optimizer over fresh copies of the bundle's pre-step parameters."""
+    from .replay import optimizer_from_info
 
-    cls = import_callable(info["class"])
     params: dict[str, torch.nn.Parameter] = {}
-    groups = []
-    for g, fqns in zip(sd["param_groups"], info["param_groups_fqns"]):
-        ps = []
-        for f in fqns:
-            if f not in state.params:
-                raise KeyError(f"the optimizer's parameter {f!r} is not among the bundle's weights")
-            p = torch.nn.Parameter(state.params[f].detach().clone().to(device) if device is not None else state.params[f].detach().clone())
-            params[f] = p
-            ps.append(p)
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
-    opt = cls(groups)
-    opt.load_state_dict(copy.deepcopy(sd))
-    return opt, params
+    for f in (f for fqns in info["param_groups_fqns"] for f in fqns):
+        if f not in state.params:
+            raise KeyError(f"the optimizer's parameter {f!r} is not among the bundle's weights")
+        t = state.params[f].detach().clone()
+        params[f] = torch.nn.Parameter(t.to(device) if device is not None else t)
+    return optimizer_from_info(info, params, copy.deepcopy(sd)), params
 
 
 def _step(info: dict, state: Snapshot, grads: dict[str, torch.Tensor], device: Optional[torch.device], sd: dict, monitor: Optional[Any] = None) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:

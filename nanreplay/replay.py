@@ -948,39 +948,60 @@ def build_model(b: Bundle, model_factory: Union[str, Callable, None] = None) -> 
 
 def build_optimizer(b: Bundle, model: torch.nn.Module, state: Optional[dict] = None) -> torch.optim.Optimizer:
     """Rebuild the recorded optimizer over ``model``'s parameters from the bundle's
-    ``meta["optimizer"]`` (class import path, parameter FQNs of each param group, defaults), then
-    load ``state`` (an ``optimizer.state_dict()``, e.g. a snapshot's) when given, which also
-    restores each group's hyperparameters (lr, betas, ...).
+    ``meta["optimizer"]`` and load ``state`` (an ``optimizer.state_dict()``, e.g. a snapshot's)
+    when given; see :func:`optimizer_from_info`.
 
     Raises:
         ReplayError: the bundle records no optimizer class, or it cannot be imported or built.
         ModelMismatchError: a recorded parameter FQN is not in ``model``, or ``state`` does not
             fit the rebuilt param groups.
     """
-    info = b.meta.get("optimizer") or {}
+    return optimizer_from_info(b.meta.get("optimizer") or {}, dict(model.named_parameters()), state, source=str(b.path))
+
+
+def optimizer_from_info(
+    info: dict, params: dict[str, torch.Tensor], state: Optional[dict] = None, *, source: str = "the bundle"
+) -> torch.optim.Optimizer:
+    """The recorded optimizer, rebuilt over ``params`` (FQN -> parameter) from a bundle's
+    ``meta["optimizer"]`` (class import path, parameter FQNs of each param group, defaults).
+
+    With ``state`` (an ``optimizer.state_dict()``), each group is built with its recorded
+    hyperparameters, which also carries values a constructor would refuse (a NaN learning rate
+    is exactly what the optimizer-update diagnosis replays), then the state is loaded. Without
+    it, the recorded defaults are used.
+
+    Raises:
+        ReplayError: no optimizer class recorded, or it cannot be imported or built.
+        ModelMismatchError: a recorded FQN is missing from ``params``, or ``state`` does not fit.
+    """
     cls_path = info.get("class")
     if not cls_path:
-        raise ReplayError(f"{b.path} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
+        raise ReplayError(f"{source} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
     cls = import_callable(cls_path)
-    params = dict(model.named_parameters())
+    fqn_groups = info.get("param_groups_fqns", [])
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]] if state is not None else [{} for _ in fqn_groups]
+    if len(hyper) != len(fqn_groups):
+        raise ModelMismatchError(f"{source}: the optimizer state has {len(hyper)} param groups, the recorded optimizer {len(fqn_groups)}")
     groups = []
-    for fqns in info.get("param_groups_fqns", []):
+    for fqns, h in zip(fqn_groups, hyper):
         missing = [f for f in fqns if f not in params]
         if missing:
             raise ModelMismatchError(
                 f"the recorded optimizer holds parameters {missing[:5]} that the model lacks; "
                 "pass --model-factory with the factory that built the recorded model"
             )
-        groups.append({"params": [params[f] for f in fqns]})
+        groups.append({**h, "params": [params[f] for f in fqns]})
     defaults = dict(info.get("defaults") or {})
-    try:
-        opt = cls(groups, **defaults)
-    except (TypeError, ValueError) as e:  # a default that JSON could not carry (repr'd): the state fixes it
-        logger.info("rebuilding %s with its recorded defaults failed (%s); retrying with lr only", cls_path, e)
+    lr_only = {"lr": float(defaults["lr"])} if isinstance(defaults.get("lr"), (int, float)) else {"lr": 1e-3}
+    attempts = ([{}] if state is not None else []) + [defaults, lr_only]
+    for i, kwargs in enumerate(attempts):
         try:
-            opt = cls(groups, lr=float(defaults.get("lr", 1e-3)) if not isinstance(defaults.get("lr"), str) else 1e-3)
-        except Exception as e2:
-            raise ReplayError(f"could not rebuild the optimizer {cls_path}: {type(e2).__name__}: {e2}") from e2
+            opt = cls(groups, **kwargs)
+            break
+        except (TypeError, ValueError) as e:  # a default JSON could not carry (repr'd); the state fixes it
+            if i == len(attempts) - 1:
+                raise ReplayError(f"could not rebuild the optimizer {cls_path}: {type(e).__name__}: {e}") from e
+            logger.info("rebuilding %s with %s failed (%s); trying the next way", cls_path, sorted(kwargs) or "its param groups", e)
     if state is not None:
         try:
             opt.load_state_dict(state)
