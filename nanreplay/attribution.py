@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from .bundle import fnum
 from .health import Health, is_float
 
 logger = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
     prior = [s for s in steps if s.step < failing_step]
     norms = [(s.step, float(s.grad_norm)) for s in prior if s.grad_norm is not None and math.isfinite(float(s.grad_norm))]
     lrs = [(s.step, max(s.lrs)) for s in steps if s.lrs]
-    out: dict = {"grad_norms": [[k, v] for k, v in norms], "lrs": [[k, _jnum(v)] for k, v in lrs], "exploding": False, "lr_spike": None}
+    out: dict = {"grad_norms": [[k, v] for k, v in norms], "lrs": [[k, fnum(v)] for k, v in lrs], "exploding": False, "lr_spike": None}
     if len(norms) >= 2:
         base = statistics.median(v for _, v in norms[:-1])
         out["growth"] = norms[-1][1] / base if base > 0 else math.inf
@@ -325,13 +326,9 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
         lo = min(vals)
         hi_step, hi = max(lrs, key=lambda kv: kv[1] if math.isfinite(kv[1]) else math.inf)
         if lo > 0 and (not math.isfinite(hi) or hi / lo >= ratio):
-            out["lr_spike"] = {"step": hi_step, "lr": _jnum(hi), "min_lr": lo}
-    out["growth"] = _jnum(out.get("growth"))
+            out["lr_spike"] = {"step": hi_step, "lr": fnum(hi), "min_lr": lo}
+    out["growth"] = fnum(out.get("growth"))
     return out
-
-
-def _jnum(x: Any) -> Any:
-    return repr(float(x)) if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], *, optimizer: Optional[dict] = None,
