@@ -26,14 +26,11 @@ from torch.utils.module_tracker import ModuleTracker
 from . import attribution
 from .bundle import ForwardRecord, Snapshot, StepRecord
 from .health import is_float
+from .tree import tensor_leaves
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["batch_size", "cotangent_rows", "samples_to_blame", "replay_optimizer_update"]
-
-
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def batch_size(rec: StepRecord, use_loss: bool) -> Optional[int]:
@@ -41,7 +38,7 @@ def batch_size(rec: StepRecord, use_loss: bool) -> Optional[int]:
     forward call's inputs when replay is driven by the cotangent."""
     trees = rec.batches if use_loss else [fw.inputs for fw in rec.forwards]
     for tree in trees:
-        for t in _leaves(tree):
+        for t in tensor_leaves(tree):
             if t.dim() >= 1:
                 return int(t.shape[0])
     return None
@@ -53,7 +50,7 @@ def cotangent_rows(rec: StepRecord, size: int) -> Optional[dict]:
     function), these rows are where the loss sent its non-finite gradient."""
     bad: set[int] = set()
     for fw in rec.forwards:
-        for t in _leaves(fw.cotangent):
+        for t in tensor_leaves(fw.cotangent):
             if is_float(t) and t.dim() >= 1 and t.shape[0] == size:
                 bad.update(int(i) for i in (~torch.isfinite(t.detach().reshape(size, -1))).any(dim=1).nonzero().flatten().tolist())
     if not bad:

@@ -102,10 +102,6 @@ def import_callable(path: str) -> Callable:
 # ---------------------------------------------------------------------------------------------
 # monitors
 # ---------------------------------------------------------------------------------------------
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return tensor_leaves(tree)
-
-
 def _born(inputs: Optional[Health], output: Optional[Health]) -> bool:
     """The producer rule: NaN in the output with no NaN in the inputs, or ±Inf in the output
     with all inputs finite."""
@@ -146,16 +142,16 @@ class ModuleMonitor:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._param_hook(name, owner)))
 
     def _pre(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self._stack.append(tensor_health(_tensors((args, kwargs))))
+        self._stack.append(tensor_health(tensor_leaves((args, kwargs))))
 
     def _post(self, mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         h_in = self._stack.pop() if self._stack else None
-        h_out = tensor_health(_tensors(out))
+        h_out = tensor_health(tensor_leaves(out))
         name = self.fqn.get(id(mod), "?")
         self.events.append(
             {"phase": self.phase, "module": name, "class": type(mod).__name__, "inputs": h_in, "output": h_out, "born": _born(h_in, h_out)}
         )
-        for t in _tensors(out):
+        for t in tensor_leaves(out):
             if t.requires_grad and is_float(t):
                 t.register_hook(self._cot_hook(name, type(mod).__name__))
 
@@ -217,13 +213,13 @@ class OpMonitor(TorchDispatchMode):
             return func(*args, **kwargs)
         # in-place and out= ops overwrite an input: take the inputs' health before the op runs
         mutating = func._schema.is_mutable if hasattr(func, "_schema") else False
-        h_in_before = tensor_health(_tensors((args, kwargs))) if mutating else None
+        h_in_before = tensor_health(tensor_leaves((args, kwargs))) if mutating else None
         out = func(*args, **kwargs)
         self.index += 1
-        outs = _tensors(out)
+        outs = tensor_leaves(out)
         if not outs or not _any_nonfinite(outs):
             return out
-        h_in = h_in_before if mutating else tensor_health(_tensors((args, kwargs)))
+        h_in = h_in_before if mutating else tensor_health(tensor_leaves((args, kwargs)))
         h_out = tensor_health(outs)
         if _born(h_in, h_out):
             self._record_birth(func, name, args, kwargs, outs, h_in, h_out, mutating)
@@ -262,7 +258,7 @@ class OpMonitor(TorchDispatchMode):
             b["node"] = None
             b["source"] = attribution.user_frame_now()
         b["wider"] = None if mutating else attribution.wider_recompute(func, args, kwargs, outs)
-        b["input_zeros"] = attribution.zero_counts(_tensors((args, kwargs)))
+        b["input_zeros"] = attribution.zero_counts(tensor_leaves((args, kwargs)))
         b["rows"] = attribution.nonfinite_rows(outs)
         self.births.append(b)
 
@@ -336,8 +332,10 @@ def _to_device(tree: Any, device: Optional[torch.device]) -> Any:
 
 
 def _nonfinite_leaves(tree: Any, root: str) -> list[dict]:
+    """The non-finite float leaves of ``tree`` (dataclass and namedtuple fields included), each
+    with its path under ``root`` (e.g. ``batch.image``), health and the dim-0 rows holding them."""
     out = []
-    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+    for path, leaf in pytree.tree_flatten_with_path(to_typed(tree))[0]:
         if isinstance(leaf, torch.Tensor) and is_float(leaf) and leaf.numel():
             h = tensor_health([leaf])
             if h is not None and not h.finite:
@@ -477,7 +475,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
                     args, kwargs = _to_device(fw.inputs, device)
                     with autocast:
                         out = model(*args, **kwargs)
-                    outs.append(tensor_health(_tensors(out)))
+                    outs.append(tensor_health(tensor_leaves(out)))
                     if mode == "cotangent":
                         pending.append((out, _to_device(fw.cotangent, device)))
                 # backward after all forwards: each micro-batch's graph is independent

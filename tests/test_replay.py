@@ -259,3 +259,20 @@ def test_random_draws_between_micro_batches_replay_exactly(out_dir, with_loss_fn
         assert fws[0].rng is None and fws[1].rng is not None and fws[2].rng is not None
     assert info.value.diagnosis["reproduction"]["verdict"] == "reproduced exactly"
     assert replay(info.value.bundle_path)["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def dataclass_batch_loss(model, batch: Batch) -> torch.Tensor:
+    return model(batch.image).pow(2).mean()
+
+
+def test_bad_input_inside_a_dataclass_batch_is_named(out_dir):
+    """A dataclass is one opaque leaf to torch's pytree: the input check must look inside it."""
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 8)
+    x[3, 1] = float("nan")
+    err = fail_once(model, opt, Batch(image=x, meta={"scale": 1.0}), dataclass_batch_loss, out_dir)
+    for diag in (err.diagnosis, replay(err.bundle_path, model=models.make_mlp(), loss_fn=dataclass_batch_loss)):
+        assert diag["phase"] == "input"
+        assert diag["origin"]["leaf"] == "batch.image"
+        assert diag["origin"]["samples"] == [3]
