@@ -41,7 +41,7 @@ from .bundle import Bundle, ForwardRecord, Snapshot, StepRecord, fnum, open_bund
 from .errors import ReplayError
 from .health import fused_norm, is_float
 from .blame import batch_coupled, take_rows
-from .tree import flatten_typed
+from .tree import flatten_typed, map_tensors
 from .replay import StepInputs, _recorded_device, build_model, build_optimizer, import_callable, load_state, run_step
 
 logger = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ def _g(x: Any) -> str:
 # --over precision
 # ---------------------------------------------------------------------------------------------
 def _float_leaves_to(tree: Any, dtype: torch.dtype) -> Any:
-    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x, tree)
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
 
 
 class _Magnitude(TorchDispatchMode):

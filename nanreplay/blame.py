@@ -20,13 +20,12 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.module_tracker import ModuleTracker
 
 from . import attribution
 from .bundle import ForwardRecord, Snapshot, StepRecord
 from .health import is_float
-from .tree import tensor_leaves
+from .tree import map_tensors, tensor_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def take_rows(tree: Any, idx: Any, size: int) -> Any:
             return x.index_select(0, idx.to(x.device))
         return x
 
-    return pytree.tree_map(cut, tree)
+    return map_tensors(cut, tree)
 
 
 def _slice_record(rec: StepRecord, idx: list[int], size: int) -> StepRecord:

@@ -44,7 +44,7 @@ from .bundle import BundleContent, ForwardRecord, Snapshot, StepRecord, fnum, wr
 from .errors import NonFiniteGradientError
 from .health import fused_norm, is_float
 from .rng import RNGState
-from .tree import flatten_typed
+from .tree import flatten_typed, map_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -455,7 +455,7 @@ class Recorder:
             self._refs.append(_Ref(x))
             return x
 
-        return pytree.tree_map(cap, tree)
+        return map_tensors(cap, tree)
 
     def _on_forward_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         # forwards without autograd (evaluation under no_grad) are not part of a training step

@@ -40,7 +40,7 @@ from .bundle import Bundle, BundleContent, Snapshot, StepRecord, fnum, open_bund
 from .errors import ModelMismatchError, ReplayError
 from .health import Health, is_float, tensor_health
 from .rng import RNGState
-from .tree import to_typed, flatten_typed, tensor_leaves
+from .tree import flatten_typed, map_tensors, tensor_leaves, to_typed
 from . import attribution
 from .attribution import Allowlist
 
@@ -328,7 +328,7 @@ def _anomaly(on: bool) -> Iterator[None]:
 def _to_device(tree: Any, device: Optional[torch.device]) -> Any:
     if device is None:
         return tree
-    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+    return map_tensors(lambda x: x.to(device), tree)
 
 
 def _nonfinite_leaves(tree: Any, root: str) -> list[dict]:

@@ -11,6 +11,7 @@ its ``repr`` and marked unrestorable, never pickled.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import json
@@ -23,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TypedNode", "to_typed", "flatten_typed", "tensor_leaves", "flatten_batch", "unflatten_batch", "encode_value", "decode_value"]
+__all__ = ["TypedNode", "to_typed", "flatten_typed", "map_tensors", "tensor_leaves", "flatten_batch", "unflatten_batch", "encode_value", "decode_value"]
 
 
 class TypedNode:
@@ -156,6 +157,30 @@ def flatten_typed(tree: Any) -> tuple[list[Any], Any]:
     outputs such as Hugging Face's ``ModelOutput``, which pytree sees as one opaque leaf) into
     :class:`TypedNode`, so their tensors are leaves. Returns (leaves, TreeSpec)."""
     return pytree.tree_flatten(to_typed(tree))
+
+
+def map_tensors(fn: Any, tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every tensor, dataclass fields included (pytree alone
+    treats a dataclass, e.g. a batch object, as one opaque leaf), rebuilding every container with
+    its own type: a dataclass is copied and its fields set (frozen ones too, no ``__init__`` call),
+    the rest goes through ``torch.utils._pytree.tree_map``. Non-tensor leaves pass unchanged."""
+
+    def is_dc(x: Any) -> bool:
+        return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+    def go(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if is_dc(x):
+            y = copy.copy(x)
+            for f in dataclasses.fields(x):
+                object.__setattr__(y, f.name, go(getattr(x, f.name)))
+            return y
+        return x
+
+    if is_dc(tree):
+        return go(tree)
+    return pytree.tree_map(go, tree, is_leaf=is_dc)
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:

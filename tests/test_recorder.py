@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -284,3 +285,32 @@ def test_skip_names_an_optimizer_that_changes_weights_without_gradients(out_dir,
     with Recorder(model2, opt2, out_dir=out_dir, action="skip", diagnose=False):
         _poison_step(model2, opt2, None, torch.randn(4, 8), bad=True)
     assert "updates parameters without gradients" not in caplog.text
+
+
+@dataclasses.dataclass
+class ImageBatch:
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def test_dataclass_batch_tensors_are_copied_and_sliced_like_any_other(out_dir):
+    """pytree sees a dataclass as one opaque leaf: capture must still copy its tensors once the
+    loop is seen reusing buffers, and per-sample replay must slice them."""
+    from nanreplay.blame import take_rows
+
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    buf = torch.zeros(4, 8)
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False, copy_batch=True, capacity=4) as rec:
+        for i in range(2):
+            buf.fill_(float(i))
+            batch = ImageBatch(image=buf, label=torch.arange(4))
+            rec.record(batch)
+            model(batch.image).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        kept = [r.batches[0] for r in rec.ring]
+    assert all(isinstance(b, ImageBatch) for b in kept)
+    assert kept[0].image is not buf and torch.equal(kept[0].image, torch.zeros(4, 8))  # a copy, not the refilled buffer
+    sliced = take_rows(kept[1], [1, 3], 4)
+    assert isinstance(sliced, ImageBatch) and sliced.image.shape == (2, 8) and torch.equal(sliced.label, torch.tensor([1, 3]))
