@@ -288,8 +288,8 @@ def bench_bundle(args: argparse.Namespace) -> dict:
     against ``safetensors.torch.save_file`` of the same tensors, with and without fsync."""
     import safetensors.torch
 
-    from nanreplay.bundle import write_bundle
-    from nanreplay.storage import _fsync, _fsync_dir
+    from nanreplay.format.bundle import write_bundle
+    from nanreplay.format.container import _fsync, _fsync_dir
 
     width = int((args.bundle_mb * 2**20 / 4 / 6) ** 0.5)
     torch.manual_seed(0)

@@ -5,26 +5,27 @@ the first non-finite gradient it writes a self-contained bundle (HDF5 or safeten
 replays the step to name the module and op where the value was born.
 
 The public names are imported on first use (PEP 562), so ``nanreplay --help`` does not pay for
-importing torch.
+importing torch. The code is layered (see ``docs/architecture.md``): ``core`` < ``report`` <
+``format`` < ``engine`` < ``diagnosis`` < ``capture`` < ``search`` < ``integrations`` < ``cli``;
+each package imports only from the ones before it.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Recorder": ".recorder",
-    "RecorderConfig": ".recorder",
-    "open_bundle": ".bundle",
-    "write_bundle": ".bundle",
-    "Bundle": ".bundle",
-    "replay": ".replay",
-    "bisect": ".bisect",
+    "Recorder": ".capture.recorder",
+    "RecorderConfig": ".capture.recorder",
+    "open_bundle": ".format.bundle",
+    "write_bundle": ".format.bundle",
+    "Bundle": ".format.bundle",
+    "BundleContent": ".format.records",
+    "replay": ".diagnosis.api",
+    "bisect": ".search.api",
     "NanReplayError": ".errors",
     "BundleFormatError": ".errors",
     "NonFiniteGradientError": ".errors",
@@ -47,24 +48,10 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
 
 
-class _Package(types.ModuleType):
-    """Keeps ``nanreplay.replay`` / ``nanreplay.bisect`` the public functions: importing the
-    submodule of the same name (``import nanreplay.bisect``) makes the import system set the
-    package attribute to the module, which would shadow the function behind ``from nanreplay
-    import replay``. The submodules stay importable through ``sys.modules``."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == "." + name and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:  # pragma: no cover
-    from .bundle import Bundle, open_bundle, write_bundle
+    from .capture.recorder import Recorder, RecorderConfig
+    from .diagnosis.api import replay
     from .errors import BundleFormatError, ModelMismatchError, NanReplayError, NonFiniteGradientError, ReplayError
-    from .recorder import Recorder, RecorderConfig
-    from .bisect import bisect
-    from .replay import replay
+    from .format.bundle import Bundle, open_bundle, write_bundle
+    from .format.records import BundleContent
+    from .search.api import bisect

@@ -90,10 +90,10 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 
     Exit code 0 when the failure reproduced, 3 when it did not.
     """
-    from .replay import replay as run
-    from .report import render_report
+    from .diagnosis.api import replay as run
+    from .report.text import render_report
 
-    from .attribution import AllowRule
+    from .core.allowlist import AllowRule
 
     for rule in allow:
         try:
@@ -118,7 +118,7 @@ def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool) 
 
     Given the bundles of several ranks of one distributed run, also says which rank the
     non-finite values were born on (JSON: {"bundles": [...], "ranks": {...}})."""
-    from .distributed import rank_summary
+    from .capture.ddp import rank_summary
 
     infos = [_guard(lambda b=b: _summarise(b, keys, verify)) for b in bundles]
     if len(infos) == 1:
@@ -139,7 +139,7 @@ def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool) 
 
 
 def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
-    from .bundle import open_bundle
+    from .format.bundle import open_bundle
 
     with open_bundle(bundle) as b:
         infos = {k: b.info(k) for k in b.keys()}
@@ -220,7 +220,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
     Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not.
     The bundle is never modified.
     """
-    from .bisect import bisect as run
+    from .search.api import bisect as run
 
     err = click.get_text_stream("stderr")
     show = err.isatty()

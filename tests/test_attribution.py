@@ -14,8 +14,8 @@ import failure_models as fm
 import models
 from helpers import fail_once
 from nanreplay import NonFiniteGradientError, Recorder, replay
-from nanreplay.attribution import AllowRule, Allowlist
-from nanreplay.replay import OpMonitor
+from nanreplay.core.allowlist import AllowRule, Allowlist
+from nanreplay.engine.monitors import OpMonitor
 
 
 def _strict_json(diag: dict) -> dict:

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import models
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle
-from nanreplay.bisect import bisect, ddmin
+from nanreplay.search.api import bisect, ddmin
 from nanreplay.cli import EXIT_NOT_FOUND, EXIT_OK, EXIT_REPLAY, main
 from nanreplay.errors import ReplayError
 
@@ -284,7 +284,7 @@ def test_samples_search_does_not_blame_one_sample_for_a_batch_level_failure(out_
     bisect must not name 'sample 0' as the culprit."""
     import models as m
     from nanreplay import NonFiniteGradientError, Recorder
-    from nanreplay.bisect import bisect
+    from nanreplay.search.api import bisect
 
     def loss(model, batch):
         return model(batch).sum() / torch.zeros(())

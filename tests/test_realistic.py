@@ -232,7 +232,7 @@ def test_clip_grad_norm_spreading_one_nan_gradient_is_still_reproduced(out_dir):
 
 
 def test_common_factor_recognises_a_global_rescale_and_nothing_else():
-    from nanreplay.replay import common_factor
+    from nanreplay.engine.compare import common_factor
 
     g = {"a": torch.tensor([1.0, -2.0, float("inf")]), "b": torch.tensor([0.5, 0.0])}
     clipped_inf = {k: v * 0.0 for k, v in g.items()}  # clip_grad_norm_ with an Inf total norm: coefficient 0
@@ -562,7 +562,7 @@ def test_cli_damaged_bundle_is_exit_4_without_traceback(transformer_bundle, tmp_
 
 
 def test_a_recorded_nan_gradient_the_replay_never_produced_is_not_reproduced():
-    from nanreplay.replay import compare_grads
+    from nanreplay.engine.compare import compare_grads
 
     nan = float("nan")
     r = compare_grads({"a": torch.tensor([nan, 1.0]), "b": torch.tensor([nan])}, {"a": torch.tensor([nan, 1.0])})

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanreplay.rng import RNGState
+from nanreplay.core.rng import RNGState
 
 
 def _draws():

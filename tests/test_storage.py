@@ -1,4 +1,4 @@
-"""Specification tests for nanreplay.storage: the bundle file layer (both containers)."""
+"""Specification tests for nanreplay.format.container: the bundle file layer (both containers)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanreplay import storage
+from nanreplay.format import container as storage
 from nanreplay.errors import BundleFormatError
-from nanreplay.storage import (
+from nanreplay.format.container import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FlatBundle,
@@ -582,7 +582,7 @@ def test_extra_tensors_not_in_the_manifest_are_ignored_with_a_warning(bundle, ca
         tensors = safetensors.torch.load_file(bundle)
         tensors["stray"] = torch.zeros(2)
         safetensors.torch.save_file(tensors, bundle, metadata={"nanreplay_manifest": manifest})
-    with caplog.at_level("WARNING", logger="nanreplay.storage"):
+    with caplog.at_level("WARNING", logger="nanreplay.format.container"):
         with read_flat(bundle) as b:
             assert b.keys() == ["b", "w"]
     assert "not listed in the manifest" in caplog.text

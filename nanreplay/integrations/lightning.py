@@ -48,7 +48,8 @@ except ImportError:  # pragma: no cover - the older package name
         ) from e
 
 from ..errors import NonFiniteGradientError
-from ..recorder import Recorder, RecorderConfig, callable_path
+from ..capture.recorder import Recorder, RecorderConfig
+from ..core.callables import callable_path
 
 logger = logging.getLogger(__name__)
 

@@ -25,30 +25,30 @@ then.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import logging
 import math
-import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .bundle import BundleContent, ForwardRecord, Snapshot, StepRecord, fnum, write_bundle
-from .errors import NonFiniteGradientError
-from .health import fused_norm, is_float
-from .rng import RNGState
-from .tree import flatten_typed, map_tensors
+from ..core.callables import callable_path, import_callable
+from ..core.jsonable import fnum, jsonable
+from ..core.state import copy_all, load_buffers
+from ..format.bundle import write_bundle
+from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
+from ..errors import NonFiniteGradientError
+from ..core.numerics import fused_norm, is_float
+from ..core.rng import RNGState
+from ..core.tree import flatten_typed, map_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Recorder", "RecorderConfig", "callable_path"]
+__all__ = ["Recorder", "RecorderConfig"]
 
 _ACTIONS = ("raise", "skip", "warn")
 _SMALL_BUFFER = 1 << 20  # bytes: buffers up to this size are copied at every step start
@@ -93,7 +93,7 @@ class RecorderConfig:
             off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
             (Lightning does), and call :meth:`Recorder.check_step` where the gradients are ready.
         origin_hook: when ``model`` is a ``DistributedDataParallel``, register the comm hook of
-            :func:`nanreplay.distributed.register_origin_hook` (each bucket checked before its
+            :func:`nanreplay.capture.ddp.register_origin_hook` (each bucket checked before its
             all-reduce, so the rank where a non-finite gradient was born is known). Needs one extra
             copy of the gradients per step (the rank-local gradients, kept until the step ends).
         min_scale: with a GradScaler, dump when a skipped step leaves the loss scale below this.
@@ -125,7 +125,7 @@ class RecorderConfig:
             written with the pre-step state and the (finite) gradients, and the diagnosis replays
             the update to name the parameter and the state key.
         allow_nonfinite: extra allowlist rules for legitimate non-finite values, ``"MODULE:OP"``
-            or ``"MODULE:OP:-inf"`` (fnmatch patterns, see :class:`nanreplay.attribution.AllowRule`),
+            or ``"MODULE:OP:-inf"`` (fnmatch patterns, see :class:`nanreplay.core.allowlist.AllowRule`),
             on top of the default rules for -Inf attention masks; stored in the bundle
             (``meta["replay_options"]``) for later replays.
     """
@@ -151,7 +151,7 @@ class RecorderConfig:
     allow_nonfinite: tuple = ()
 
     def __post_init__(self) -> None:
-        from .attribution import AllowRule
+        from ..core.allowlist import AllowRule
 
         self.allow_nonfinite = tuple(self.allow_nonfinite)
         for r in self.allow_nonfinite:
@@ -177,37 +177,6 @@ class RecorderConfig:
             raise ValueError(f"check_every must be >= 1 step (1 = check on the host every step), got {self.check_every}")
 
 
-def callable_path(fn: Any) -> Optional[str]:
-    """``module:qualname`` of a function or class when its module can be imported by name again,
-    else ``/path/to/file.py:qualname`` (functions of the ``__main__`` script, of files loaded by
-    path, of replay's own file imports); ``None`` for lambdas, closures and objects without a
-    source file."""
-    if fn is None:
-        return None
-    if isinstance(fn, str):
-        return fn
-    mod = getattr(fn, "__module__", None)
-    qual = getattr(fn, "__qualname__", None)
-    if not mod or not qual or "<" in qual:
-        return None
-    if _importable_by_name(mod):
-        return f"{mod}:{qual}"
-    file = getattr(sys.modules.get(mod), "__file__", None)
-    if file is None:  # a module loaded by path without registering it: its code still knows its file
-        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__init__", None), "__code__", None)
-        file = getattr(code, "co_filename", None)
-    return f"{os.path.abspath(file)}:{qual}" if file and os.path.isfile(file) else None
-
-
-def _importable_by_name(mod: str) -> bool:
-    if mod == "__main__" or mod.startswith("nanreplay_user_"):
-        return False
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
@@ -231,7 +200,7 @@ class Recorder:
         model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls),
             or its ``DistributedDataParallel`` wrapper: the Recorder then hooks the wrapped module
             (FQNs without the ``module.`` prefix, so the bundle replays on a plain model), takes
-            its decisions together with every rank (see :mod:`nanreplay.distributed`) and finds
+            its decisions together with every rank (see :mod:`nanreplay.capture.ddp`) and finds
             the rank where the non-finite value was born. Under ``torch.distributed`` without DDP
             the agreement still happens; bundles are named ``...-rank{r}of{w}``.
         optimizer: its ``torch.optim.Optimizer``; the check runs in its step pre-hook.
@@ -242,7 +211,7 @@ class Recorder:
         model_factory: optional zero-argument callable (or import path) returning a fresh model
             of the same architecture, for ``nanreplay replay`` in another process.
         scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients are
-            normal and only counted (:attr:`scaler_skips`); see :mod:`nanreplay.amp` for when
+            normal and only counted (:attr:`scaler_skips`); see :mod:`nanreplay.capture.amp` for when
             they become a failure. Its state is saved in the bundle and restored by replay.
         config: a :class:`RecorderConfig`; keyword ``options`` override its fields.
 
@@ -279,14 +248,14 @@ class Recorder:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
-        from .distributed import RankContext, unwrap_model
+        from .ddp import RankContext, unwrap_model
 
         self.wrapper = model
         model = unwrap_model(model)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
-        self.loss_fn = _resolve(loss_fn) if isinstance(loss_fn, str) else loss_fn
+        self.loss_fn = import_callable(loss_fn) if isinstance(loss_fn, str) else loss_fn
         self.loss_fn_path = callable_path(loss_fn)
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in model.named_parameters()}
@@ -538,7 +507,7 @@ class Recorder:
     def _read_check(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[Optional[float], Optional[float], Optional[bool]]:
         """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
         finiteness is ``None`` outside torch.distributed; inside, the ranks' flags are all-reduced
-        on the device first (:meth:`nanreplay.distributed.RankContext.agree`)."""
+        on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`)."""
         present = [t for t in (norm, loss) if t is not None]
         if self.dist is None and not present:
             return None, None, None
@@ -664,7 +633,7 @@ class Recorder:
         slot = next((s for s in self._free_slots if s.key == key), None)
         if slot is not None:
             self._free_slots.remove(slot)
-            _copy_all(slot.tensors, tensors)
+            copy_all(slot.tensors, tensors)
         else:
             slot = _Slot(key, [t.clone() for t in tensors])
         it = iter(slot.tensors)
@@ -779,7 +748,7 @@ class Recorder:
         if len(dst) != len(src):
             raise RuntimeError(f"nanreplay: cannot put back the saved state: {len(src)} tensors saved, {len(dst)} live")
         with torch.no_grad():
-            _copy_all(dst, src)
+            copy_all(dst, src)
 
     # -- the non-finite path -------------------------------------------------------------------
     def snapshot_state(self, *, clone: bool) -> Snapshot:
@@ -861,8 +830,6 @@ class Recorder:
     def _restore_buffers(self, rec: StepRecord) -> None:
         """Put back the step-start buffers of a step that is skipped or raised on: its forward
         already wrote them (BatchNorm's running stats, from a NaN batch, stay NaN for good)."""
-        from .replay import load_buffers
-
         load_buffers(self.model, rec.buffers or {})
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
@@ -892,7 +859,7 @@ class Recorder:
             optimizer_info={
                 "class": callable_path(type(self.optimizer)),
                 "param_groups_fqns": group_fqns,
-                "defaults": {k: _jsonable(v) for k, v in self.optimizer.defaults.items()},
+                "defaults": {k: jsonable(v) for k, v in self.optimizer.defaults.items()},
             },
             reason=reason,
             model_factory=self.model_factory_path,
@@ -918,7 +885,7 @@ class Recorder:
             return None
         if self.config.diagnose:
             try:
-                from .replay import diagnose_live
+                from ..diagnosis.api import diagnose_live
 
                 content.diagnosis = diagnose_live(self, content)
                 if self.dist is not None:
@@ -1022,24 +989,6 @@ def _autocast_state(*trees: Any) -> Optional[dict]:
     return None
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.tolist()
-    if isinstance(v, float):
-        return fnum(v)
-    if isinstance(v, (int, str, bool)) or v is None:
-        return v
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x) for x in v]
-    return repr(v)
-
-
-def _resolve(path: str) -> Callable:
-    from .replay import import_callable
-
-    return import_callable(path)
-
-
 def _same_tensor(live: torch.Tensor, saved: Optional[torch.Tensor]) -> bool:
     """Whether ``saved`` (a step-start copy) still equals ``live``: same shape, dtype and values."""
     return saved is not None and saved is not live and saved.shape == live.shape and saved.dtype == live.dtype and torch.equal(saved, live.detach())
@@ -1051,17 +1000,6 @@ def _tensor_bytes(ts: list) -> int:
 
 def _layout(spec: Any, tensors: list) -> tuple:
     return (str(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
-
-
-def _copy_all(dst: list, src: list) -> None:
-    """``dst[i].copy_(src[i])`` for all i, with one multi-tensor ``_foreach_copy_``."""
-    if not dst:
-        return
-    try:
-        torch._foreach_copy_(dst, src)
-    except (AttributeError, RuntimeError):  # older torch without _foreach_copy_
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 def _nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -37,12 +37,16 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bundle import Bundle, ForwardRecord, Snapshot, StepRecord, fnum, open_bundle
-from .errors import ReplayError
-from .health import fused_norm, is_float
-from .blame import batch_coupled, take_rows
-from .tree import flatten_typed, map_tensors
-from .replay import StepInputs, _recorded_device, build_model, build_optimizer, import_callable, load_state, run_step
+from ..core.jsonable import fnum
+from ..format.bundle import Bundle, open_bundle
+from ..format.records import ForwardRecord, Snapshot, StepRecord
+from ..errors import ReplayError
+from ..core.numerics import fused_norm, is_float
+from ..diagnosis.blame import batch_coupled, take_rows
+from ..core.tree import flatten_typed, map_tensors
+from ..core.callables import import_callable
+from ..engine.run import StepInputs, run_step
+from ..engine.state import build_model, build_optimizer, load_state, recorded_device
 
 logger = logging.getLogger(__name__)
 
@@ -814,7 +818,7 @@ def bisect(
     """Search a bundle for the cause of its non-finite step by replaying variations of it.
 
     Args:
-        bundle: a bundle path or an open :class:`~nanreplay.bundle.Bundle`; read, never written.
+        bundle: a bundle path or an open :class:`~nanreplay.format.bundle.Bundle`; read, never written.
         over: ``"layers"`` (which layers' weight change makes the step non-finite; needs a
             snapshot of an earlier step), ``"precision"`` (first layer that must run in float32),
             ``"steps"`` (first step leaving the healthy range; needs a snapshot), or
@@ -855,7 +859,7 @@ def bisect(
         lf = loss_fn if loss_fn is not None else b.loss_fn
         if isinstance(lf, str):
             lf = import_callable(lf)
-        dev = torch.device(device) if device is not None else _recorded_device(b)
+        dev = torch.device(device) if device is not None else recorded_device(b)
         m = m.to(dev)
         ctx = _Ctx(bundle=b, model=m, loss_fn=lf, device=dev, runner=_Runner(max_replays, progress), failing=b.step(b.failing_step), state=b.state())
         if over == "layers":

@@ -2,7 +2,7 @@
 
 In data-parallel training a non-finite gradient born on one rank is averaged into every rank's
 gradients by the gradient all-reduce, in the same step. Three mechanisms keep the recorder useful
-there; a :class:`~nanreplay.recorder.Recorder` built inside an initialised process group sets
+there; a :class:`~nanreplay.capture.recorder.Recorder` built inside an initialised process group sets
 them up itself:
 
 * **Agreement.** Every rank's check all-reduces (``MAX``) one small float32 vector of
@@ -100,7 +100,7 @@ class RankContext:
             logger.warning(
                 "nanreplay: could not register the origin comm hook (%s); the origin rank will be known only from "
                 "the local loss. Fix: build the Recorder with origin_hook=False and call "
-                "nanreplay.distributed.register_origin_hook(ddp, recorder.dist, hook=your_hook, state=your_state)",
+                "nanreplay.capture.ddp.register_origin_hook(ddp, recorder.dist, hook=your_hook, state=your_state)",
                 e,
             )
 

@@ -22,10 +22,12 @@ from typing import Any, Optional
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
-from . import attribution
-from .bundle import ForwardRecord, Snapshot, StepRecord
-from .health import is_float
-from .tree import map_tensors, tensor_leaves
+from ..core.allowlist import Allowlist
+from ..core.state import load_buffers
+from .evidence import domain_explanation
+from ..format.records import ForwardRecord, Snapshot, StepRecord
+from ..core.numerics import is_float
+from ..core.tree import map_tensors, tensor_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
     Args:
         model: the replay model, holding the step-start weights (buffers are reset from
             ``inp.state`` before each run).
-        inp: the :class:`~nanreplay.replay.StepInputs` of the failing step.
+        inp: the :class:`~nanreplay.engine.run.StepInputs` of the failing step.
         phase: ``"forward"``/``"loss"`` (a non-finite model output or loss counts) or
             ``"backward"`` (a non-finite gradient counts).
         max_runs: cap on the extra replays.
@@ -101,7 +103,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
         ``{"indices": [int], "batch_size": B, "method": "per-sample replay", "runs": n,
         "complete": bool, "warnings": [str]}``, or ``None`` when the batch has no batch dimension.
     """
-    from .replay import StepInputs, load_buffers, run_step
+    from ..engine.run import StepInputs, run_step
 
     use_loss = inp.loss_fn is not None and bool(inp.record.batches)
     size = batch_size(inp.record, use_loss)
@@ -170,7 +172,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
 # ---------------------------------------------------------------------------------------------
 def _build_optimizer(info: dict, state: Snapshot, device: Optional[torch.device], sd: dict) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
     """The recorded optimizer over fresh copies of the bundle's pre-step parameters."""
-    from .replay import optimizer_from_info
+    from ..engine.state import optimizer_from_info
 
     params: dict[str, torch.nn.Parameter] = {}
     for f in (f for fqns in info["param_groups_fqns"] for f in fqns):
@@ -199,7 +201,7 @@ def _nonfinite(t: Any) -> bool:
 
 
 def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], info: Optional[dict], *, device: Optional[torch.device] = None,
-                            allow: Optional[attribution.Allowlist] = None) -> Optional[dict]:
+                            allow: Optional[Allowlist] = None) -> Optional[dict]:
     """Replay ``optimizer.step()`` from the bundle's pre-step state and recorded gradients.
 
     Args:
@@ -215,7 +217,8 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
         ``hyperparameters`` (that group's scalar settings), ``births`` (op births during the
         step), ``detail`` and ``evidence`` (strings), ``class``.
     """
-    from .replay import OpMonitor, _event_json
+    from ..engine.monitors import OpMonitor
+    from .origin import _event_json
 
     if state.optimizer is None or not info or not info.get("class") or not info.get("param_groups_fqns"):
         return None
@@ -289,7 +292,7 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
     if zero_hp:
         ev.append(f"zero-valued hyperparameters in param group {gi}: {', '.join(f'{k}=0' for k in zero_hp)}")
     for b in mon.births[:1]:
-        dom = attribution.domain_explanation(b["op"].replace("_foreach_", "").replace("addcdiv", "div"), backward=False)
+        dom = domain_explanation(b["op"].replace("_foreach_", "").replace("addcdiv", "div"), backward=False)
         ev.append(f"first non-finite value born in op {b['op']} of {info['class']}.step" + (f" ({dom})" if dom else ""))
     if bad_hp:
         out["detail"] = f"{bad_hp[0]}={hp[bad_hp[0]]} in param group {gi} makes the update of {first} non-finite"

@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .health import fused_norm
+from ..core.numerics import fused_norm
 
 if TYPE_CHECKING:  # pragma: no cover
     from .recorder import Recorder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ScalerWatch", "replay_scaler"]
+__all__ = ["ScalerWatch"]
 
 
 def _grads_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> Optional[bool]:
@@ -168,13 +168,3 @@ class ScalerWatch:
         if not self._skipped and info["enabled"] and bad_grad:
             out["message"] = "non-finite gradients after unscaling, and the GradScaler did not skip the step"
         return out
-
-
-def replay_scaler(state: Optional[dict], device: torch.device) -> Any:
-    """A ``torch.amp.GradScaler`` on ``device``'s type restored from a bundle's scaler state,
-    or ``None`` when the bundle holds none."""
-    if not state:
-        return None
-    scaler = torch.amp.GradScaler(device.type)
-    scaler.load_state_dict(dict(state))
-    return scaler

@@ -1,143 +1,34 @@
-"""The logical content of a bundle, shared by the recorder (which writes it) and the replay
-engine (which reads it), on top of the container in :mod:`nanreplay.storage`.
+"""Bundle files: :func:`write_bundle` writes a :class:`~nanreplay.format.records.BundleContent`
+to one file and :func:`open_bundle` opens it again, read-only, as a :class:`Bundle` whose
+:meth:`Bundle.content` is what :func:`write_bundle` takes (the pair is symmetric).
 
 A bundle holds everything needed to re-execute one failing optimizer step on another machine:
 the ring buffer's steps (batches, forward inputs and output cotangents, RNG states, learning
 rates, losses, grad norms), the failing step's pre-step weights, step-start buffers and
 optimizer state, the gradients the failing step produced, and the diagnosis. The key-by-key
-layout is specified in ``docs/bundle-format.md`` ("Logical layout").
+layout is specified in ``docs/bundle-format.md`` ("Logical layout"); the container (HDF5 or
+safetensors, manifest, checksums) is :mod:`nanreplay.format.container`.
 """
 
 from __future__ import annotations
 
-import math
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils import _pytree as pytree
 
-from . import __version__
-from .errors import BundleFormatError
-from .rng import RNGState
-from .storage import FlatBundle, read_flat, write_flat
-from .tree import tree_from_flat, tree_to_flat
+from .. import __version__
+from ..core.jsonable import fnum, unfnum
+from ..core.rng import RNGState
+from ..core.tree import tree_from_flat, tree_to_flat
+from ..errors import BundleFormatError
+from .container import FlatBundle, read_flat, write_flat
+from .records import BundleContent, ForwardRecord, Snapshot, StepRecord
 
-__all__ = ["ForwardRecord", "StepRecord", "Snapshot", "BundleContent", "Bundle", "write_bundle", "open_bundle"]
-
-
-def fnum(x: Optional[float]) -> Any:
-    """A float for strict JSON: non-finite values become the strings 'nan', 'inf', '-inf'."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else repr(x)
-
-
-def unfnum(x: Any) -> Optional[float]:
-    """Inverse of :func:`fnum`."""
-    return None if x is None else float(x)
-
-
-@dataclass
-class ForwardRecord:
-    """One top-level forward call of the model: its inputs as ``(args, kwargs)``, after the
-    backward pass the gradient w.r.t. its outputs (the cotangent, same structure as the output
-    with ``None`` where an output leaf received no gradient), and for every forward after the
-    step's first the RNG states just before it (the loop may draw between micro-batches, e.g.
-    for augmentation; the first forward's are the step's ``rng``)."""
-
-    inputs: Any
-    cotangent: Any = None
-    rng: Optional[RNGState] = None
-
-
-@dataclass
-class Snapshot:
-    """Model and optimizer state at the start of a step (before its first forward).
-
-    Attributes:
-        params: FQN -> parameter tensor. buffers: FQN -> buffer tensor.
-        optimizer: ``optimizer.state_dict()`` (tensors inside), or ``None``.
-        extra: other ``state_dict()``s keyed by name (``"scaler"`` for a GradScaler).
-    """
-
-    params: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    optimizer: Optional[dict] = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        """Bytes of every tensor held (params, buffers, optimizer and extra states). Computed
-        once and cached: the ring buffer asks every step, and a snapshot's tensors keep their
-        shapes once taken (slots recycled by the recorder are copied into, not resized)."""
-        cached = self.__dict__.get("_nbytes")
-        if cached is None:
-            leaves = [*self.params.values(), *self.buffers.values(), *pytree.tree_leaves(self.optimizer), *pytree.tree_leaves(self.extra)]
-            cached = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-            self.__dict__["_nbytes"] = cached
-        return cached
-
-
-@dataclass
-class StepRecord:
-    """One step in the ring buffer.
-
-    Attributes:
-        step: index of the optimizer step (0-based count of ``optimizer.step()`` calls seen).
-        rng: RNG states at the start of the step, before its first forward.
-        forwards: the model's top-level forward calls of the step, in order (micro-batches).
-        batches: explicit batches given to ``Recorder.record`` in this step, in order.
-        training: FQNs of modules that were in training mode at the start of the step.
-        lrs: learning rate of each optimizer param group (floats).
-        loss: the loss as a host float when known (``Recorder.log_loss``), else ``None``.
-        grad_norm: the 2-norm over all gradients computed by the check (float32), else ``None``.
-        finite: ``True``/``False`` once checked, ``None`` before.
-        buffers: step-start buffers (FQN -> tensor) when kept for this step.
-        snapshot: step-start weights and optimizer state, when ``snapshot_every`` chose this step.
-        autocast: ``{"device_type": "cuda", "dtype": "float16"}`` when the model's forward ran
-            under ``torch.autocast``, else ``None``; replay runs the step under the same autocast.
-        scaler_skipped: ``True`` when a GradScaler skipped this step's optimizer step.
-        stale_inputs: ``True`` when a batch or input tensor kept by reference was modified in
-            place after capture (a recycled input buffer; their version counters changed): the
-            stored values are not what the step saw.
-    """
-
-    step: int
-    rng: RNGState
-    forwards: list[ForwardRecord] = field(default_factory=list)
-    batches: list[Any] = field(default_factory=list)
-    training: list[str] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    loss: Optional[float] = None
-    grad_norm: Optional[float] = None
-    finite: Optional[bool] = None
-    buffers: Optional[dict[str, torch.Tensor]] = None
-    snapshot: Optional[Snapshot] = None
-    autocast: Optional[dict] = None
-    scaler_skipped: Optional[bool] = None
-    stale_inputs: bool = False
-
-
-@dataclass
-class BundleContent:
-    """Everything a bundle holds, in memory. See ``docs/bundle-format.md``."""
-
-    failing_step: int
-    steps: list[StepRecord]
-    state: Snapshot                          # the failing step's pre-step state
-    grads: dict[str, torch.Tensor]           # the failing step's gradients, FQN -> tensor
-    model_info: dict
-    optimizer_info: dict
-    reason: dict
-    model_factory: Optional[str] = None
-    loss_fn: Optional[str] = None
-    diagnosis: Optional[dict] = None
-    extra_meta: dict = field(default_factory=dict)
+__all__ = ["Bundle", "write_bundle", "open_bundle", "environment"]
 
 
 def _snapshot_to_flat(snap: Snapshot, prefix: str, tensors: dict, ) -> dict:
@@ -189,7 +80,7 @@ def environment() -> dict:
 def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True) -> Path:
     """Write ``content`` to one bundle file; the format follows the extension (``.h5``/``.hdf5``
     or ``.safetensors``). The write is atomic (temporary name, then rename) and, with ``fsync``
-    (default), durable; see :func:`nanreplay.storage.write_flat`.
+    (default), durable; see :func:`nanreplay.format.container.write_flat`.
 
     Raises:
         ValueError: unknown extension. OSError: the file could not be written.

@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float"]
+__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "any_nonfinite"]
 
 
 def is_float(t: torch.Tensor) -> bool:
@@ -46,6 +46,18 @@ def fused_norm(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         stacked = torch.stack(per)
         norms.append(stacked.to(device, non_blocking=True) if dev != device else stacked)
     return torch.linalg.vector_norm(torch.cat(norms), 2)
+
+
+def any_nonfinite(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether any floating tensor in ``ts`` holds a NaN or Inf; one host read. The one
+    non-finite check of replay and diagnosis (the recorder's hot path uses :func:`fused_norm`)."""
+    ts = [ts] if isinstance(ts, torch.Tensor) else ts
+    fl = [t for t in ts if is_float(t) and t.numel()]
+    if not fl:
+        return False
+    if len(fl) == 1:
+        return not bool(torch.isfinite(fl[0]).all())
+    return not bool(torch.stack([torch.isfinite(t).all() for t in fl]).all())
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:

@@ -1,0 +1,125 @@
+"""The diagnosis entry points: :func:`replay` (a bundle file, in a new process) and
+:func:`diagnose_live` (the recorder's in-process diagnosis right after detection)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..core.allowlist import Allowlist
+from ..core.callables import import_callable
+from ..core.state import load_buffers
+from ..engine.run import StepInputs, preserve_live, run_step
+from ..engine.state import build_model, load_state, recorded_device
+from ..format.bundle import Bundle, open_bundle
+from ..format.records import BundleContent
+from .attribution import attribute
+from .origin import diagnose
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["replay", "replay_step", "diagnose_live"]
+
+
+def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True) -> dict:
+    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict, with
+    the exact attribution of :func:`nanreplay.diagnosis.attribution.attribute` (source line, autograd node,
+    causal chain, samples, optimizer update, cause verdict)."""
+    result = run_step(model, inp, ops=ops, device=device)
+    diag = diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
+    return attribute(diag, result, model, inp, device=device, samples=samples)
+
+
+def diagnose_live(recorder: Any, content: BundleContent) -> dict:
+    """In-process diagnosis, run by the Recorder right after detection: replays the failing step
+    on the live model (its weights are still the pre-step weights), then puts back the live
+    gradients, buffers, module modes and RNG states, so training can continue unchanged."""
+    rec = content.steps[-1]
+    model = recorder.model
+    inp = StepInputs(
+        record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn,
+        scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
+        allow=Allowlist(recorder.config.allow_nonfinite), optimizer_info=content.optimizer_info,
+        history=list(content.steps), reason=dict(content.reason),
+    )
+    recorder._replaying = True
+    try:
+        with preserve_live(model):
+            load_buffers(model, content.state.buffers)
+            return replay_step(model, inp)
+    finally:
+        recorder._replaying = False
+
+
+def replay(
+    bundle: Union[str, Path, Bundle],
+    *,
+    model: Optional[torch.nn.Module] = None,
+    model_factory: Union[str, Callable, None] = None,
+    loss_fn: Union[str, Callable, None] = None,
+    device: Union[str, torch.device, None] = None,
+    ops: bool = True,
+    use_loss_fn: bool = True,
+    allow: Optional[Sequence[str]] = None,
+    default_allow: bool = True,
+    samples: bool = True,
+) -> dict:
+    """Replay a bundle's failing step and diagnose it.
+
+    Args:
+        bundle: a path or an open :class:`~nanreplay.format.bundle.Bundle`.
+        model: a model of the recorded architecture; else ``model_factory`` (callable or import
+            path), else the factory recorded in the bundle.
+        loss_fn: ``loss_fn(model, batch) -> loss``; defaults to the recorded one. Without it (or
+            with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
+        device: where to replay (default: the recorded parameters' device when present here,
+            else CPU).
+        ops: run the op-level monitor (slower, names the aten op, the source line, the autograd
+            node; runs under anomaly mode).
+        allow: extra allowlist rules ``"MODULE:OP[:-inf]"`` for legitimate non-finite values, on
+            top of those recorded in the bundle (``RecorderConfig.allow_nonfinite``).
+        default_allow: keep the default rules (-Inf written by attention masking).
+        samples: find the samples to blame by per-sample replay where the producer's output
+            does not show them directly (extra forward/backward passes, see
+            :func:`nanreplay.diagnosis.blame.samples_to_blame`).
+
+    Returns:
+        the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
+
+    Raises:
+        FileNotFoundError, BundleFormatError: unreadable bundle.
+        ReplayError: no model could be built, or the loss function failed.
+        ModelMismatchError: the model does not match the recorded one.
+    """
+    own = not isinstance(bundle, Bundle)
+    b = open_bundle(bundle) if own else bundle
+    try:
+        if model is None:
+            model = build_model(b, model_factory)
+        lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
+        if isinstance(lf, str):
+            lf = import_callable(lf)
+        if not use_loss_fn:
+            lf = None
+        dev = torch.device(device) if device is not None else recorded_device(b)
+        model = model.to(dev)
+        state = b.state()
+        rec = b.step(b.failing_step)
+        load_state(model, state)
+        rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
+        history = [b.step(k) for k in b.steps if k <= b.failing_step]
+        inp = StepInputs(
+            record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
+            optimizer_info=b.meta.get("optimizer"), history=history, reason=dict(b.meta.get("reason") or {}),
+            scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
+        )
+        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples)
+        diag["bundle"] = str(b.path)
+        diag["device"] = str(dev)
+        return diag
+    finally:
+        if own:
+            b.close()

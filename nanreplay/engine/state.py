@@ -1,0 +1,184 @@
+"""Rebuilding what a bundle recorded: the model (from a factory or a recorded class and JSON
+hyperparameters), its step-start weights and buffers, the optimizer and the GradScaler.
+
+Every function here that imports a callable named by a bundle goes through
+:func:`nanreplay.core.callables.import_callable`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..core.callables import import_callable
+from ..core.state import load_buffers
+from ..errors import ModelMismatchError, ReplayError
+from ..format.bundle import Bundle
+from ..format.records import Snapshot
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler"]
+
+
+def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Copy recorded weights and buffers into ``model`` in place.
+
+    Raises:
+        ModelMismatchError: missing/unexpected FQNs or a shape/dtype that differs.
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(set(state.params) - set(params))
+    unexpected = sorted(set(params) - set(state.params))
+    problems = []
+    if missing:
+        problems.append(f"the bundle has parameters the model lacks: {missing[:8]}")
+    if unexpected:
+        problems.append(f"the model has parameters the bundle lacks: {unexpected[:8]}")
+    for n, t in state.params.items():
+        if n in params and (params[n].shape != t.shape or params[n].dtype != t.dtype):
+            problems.append(f"{n}: bundle {tuple(t.shape)} {t.dtype}, model {tuple(params[n].shape)} {params[n].dtype}")
+    if problems:
+        raise ModelMismatchError(
+            "the model does not match the bundle: " + "; ".join(problems[:10])
+            + ". Pass --model-factory with the factory that built the recorded model."
+        )
+    with torch.no_grad():
+        for n, t in state.params.items():
+            params[n].copy_(t)
+    load_buffers(model, buffers if buffers is not None else state.buffers)
+
+
+def build_from_init(init: Any) -> torch.nn.Module:
+    """Build a model from a bundle's ``model_init`` entry, ``{"class": "pkg.mod:Class",
+    "kwargs": {...JSON...}}``: ``Class(**kwargs)``, the way Lightning's ``load_from_checkpoint``
+    rebuilds a LightningModule from its saved hyperparameters.
+
+    Raises:
+        ReplayError: a malformed entry, a class that cannot be imported, or a constructor error.
+    """
+    if not isinstance(init, dict) or not isinstance(init.get("class"), str) or not isinstance(init.get("kwargs", {}), dict):
+        raise ReplayError(f"the bundle's model_init is {init!r}; expected {{'class': 'pkg.mod:Class', 'kwargs': {{...}}}}: pass --model-factory")
+    cls = import_callable(init["class"])
+    try:
+        model = cls(**init.get("kwargs", {}))
+    except Exception as e:
+        raise ReplayError(
+            f"{init['class']}(**{init.get('kwargs')}) raised {type(e).__name__}: {e}; the recorded hyperparameters do not "
+            "rebuild the model here: pass --model-factory"
+        ) from e
+    if not isinstance(model, torch.nn.Module):
+        raise ReplayError(f"{init['class']} built a {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def build_model(b: Bundle, model_factory: Union[str, Callable, None] = None) -> torch.nn.Module:
+    """A fresh model of the recorded architecture from ``model_factory`` (a zero-argument callable
+    or its import path), else from the factory recorded in the bundle ``b``, else from its
+    ``model_init`` (class and JSON kwargs, see :func:`build_from_init`). Weights are not loaded.
+
+    Raises:
+        ReplayError: no factory recorded or given, the factory cannot be imported, raises, or
+            returns something other than an ``nn.Module``.
+    """
+    factory = model_factory or b.model_factory
+    if factory is None and b.meta.get("model_init"):
+        return build_from_init(b.meta["model_init"])  # class + JSON hyperparameters (Lightning)
+    if factory is None:
+        raise ReplayError(
+            f"{b.path} records no model factory; pass --model-factory module:function "
+            "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
+        )
+    fn = import_callable(factory) if isinstance(factory, str) else factory
+    try:
+        model = fn()
+    except Exception as e:
+        raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ReplayError(f"the model factory {factory!r} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def build_optimizer(b: Bundle, model: torch.nn.Module, state: Optional[dict] = None) -> torch.optim.Optimizer:
+    """Rebuild the recorded optimizer over ``model``'s parameters from the bundle's
+    ``meta["optimizer"]`` and load ``state`` (an ``optimizer.state_dict()``, e.g. a snapshot's)
+    when given; see :func:`optimizer_from_info`.
+
+    Raises:
+        ReplayError: the bundle records no optimizer class, or it cannot be imported or built.
+        ModelMismatchError: a recorded parameter FQN is not in ``model``, or ``state`` does not
+            fit the rebuilt param groups.
+    """
+    return optimizer_from_info(b.meta.get("optimizer") or {}, dict(model.named_parameters()), state, source=str(b.path))
+
+
+def optimizer_from_info(
+    info: dict, params: dict[str, torch.Tensor], state: Optional[dict] = None, *, source: str = "the bundle"
+) -> torch.optim.Optimizer:
+    """The recorded optimizer, rebuilt over ``params`` (FQN -> parameter) from a bundle's
+    ``meta["optimizer"]`` (class import path, parameter FQNs of each param group, defaults).
+
+    With ``state`` (an ``optimizer.state_dict()``), each group is built with its recorded
+    hyperparameters, which also carries values a constructor would refuse (a NaN learning rate
+    is exactly what the optimizer-update diagnosis replays), then the state is loaded. Without
+    it, the recorded defaults are used.
+
+    Raises:
+        ReplayError: no optimizer class recorded, or it cannot be imported or built.
+        ModelMismatchError: a recorded FQN is missing from ``params``, or ``state`` does not fit.
+    """
+    cls_path = info.get("class")
+    if not cls_path:
+        raise ReplayError(f"{source} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
+    cls = import_callable(cls_path)
+    fqn_groups = info.get("param_groups_fqns", [])
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]] if state is not None else [{} for _ in fqn_groups]
+    if len(hyper) != len(fqn_groups):
+        raise ModelMismatchError(f"{source}: the optimizer state has {len(hyper)} param groups, the recorded optimizer {len(fqn_groups)}")
+    groups = []
+    for fqns, h in zip(fqn_groups, hyper):
+        missing = [f for f in fqns if f not in params]
+        if missing:
+            raise ModelMismatchError(
+                f"the recorded optimizer holds parameters {missing[:5]} that the model lacks; "
+                "pass --model-factory with the factory that built the recorded model"
+            )
+        groups.append({**h, "params": [params[f] for f in fqns]})
+    defaults = dict(info.get("defaults") or {})
+    lr_only = {"lr": float(defaults["lr"])} if isinstance(defaults.get("lr"), (int, float)) else {"lr": 1e-3}
+    attempts = ([{}] if state is not None else []) + [defaults, lr_only]
+    for i, kwargs in enumerate(attempts):
+        try:
+            opt = cls(groups, **kwargs)
+            break
+        except (TypeError, ValueError) as e:  # a default JSON could not carry (repr'd); the state fixes it
+            if i == len(attempts) - 1:
+                raise ReplayError(f"could not rebuild the optimizer {cls_path}: {type(e).__name__}: {e}") from e
+            logger.info("rebuilding %s with %s failed (%s); trying the next way", cls_path, sorted(kwargs) or "its param groups", e)
+    if state is not None:
+        try:
+            opt.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ModelMismatchError(f"the recorded optimizer state does not fit the rebuilt {cls_path}: {e}") from e
+    return opt
+
+
+def recorded_device(b: Bundle) -> torch.device:
+    devs = {v.get("device", "cpu") for v in b.meta.get("model", {}).get("params", {}).values()}
+    dev = next(iter(devs), "cpu")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        logger.warning("the bundle was recorded on %s; replaying on the CPU (results may differ)", dev)
+        return torch.device("cpu")
+    return torch.device(dev)
+
+
+def replay_scaler(state: Optional[dict], device: torch.device) -> Any:
+    """A ``torch.amp.GradScaler`` on ``device``'s type restored from a bundle's scaler state,
+    or ``None`` when the bundle holds none."""
+    if not state:
+        return None
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.load_state_dict(dict(state))
+    return scaler

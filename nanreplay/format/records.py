@@ -1,0 +1,116 @@
+"""The records a bundle is made of, in memory: one step of the ring buffer (:class:`StepRecord`,
+with its top-level forward calls, :class:`ForwardRecord`), a model/optimizer state
+(:class:`Snapshot`) and the whole content of a bundle (:class:`BundleContent`).
+
+The recorder fills them; :func:`nanreplay.format.bundle.write_bundle` writes a
+:class:`BundleContent` and :meth:`nanreplay.format.bundle.Bundle.content` reads one back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.rng import RNGState
+
+__all__ = ["ForwardRecord", "Snapshot", "StepRecord", "BundleContent"]
+
+
+@dataclass
+class ForwardRecord:
+    """One top-level forward call of the model: its inputs as ``(args, kwargs)``, after the
+    backward pass the gradient w.r.t. its outputs (the cotangent, same structure as the output
+    with ``None`` where an output leaf received no gradient), and for every forward after the
+    step's first the RNG states just before it (the loop may draw between micro-batches, e.g.
+    for augmentation; the first forward's are the step's ``rng``)."""
+
+    inputs: Any
+    cotangent: Any = None
+    rng: Optional[RNGState] = None
+
+
+@dataclass
+class Snapshot:
+    """Model and optimizer state at the start of a step (before its first forward).
+
+    Attributes:
+        params: FQN -> parameter tensor. buffers: FQN -> buffer tensor.
+        optimizer: ``optimizer.state_dict()`` (tensors inside), or ``None``.
+        extra: other ``state_dict()``s keyed by name (``"scaler"`` for a GradScaler).
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    optimizer: Optional[dict] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held (params, buffers, optimizer and extra states). Computed
+        once and cached: the ring buffer asks every step, and a snapshot's tensors keep their
+        shapes once taken (slots recycled by the recorder are copied into, not resized)."""
+        cached = self.__dict__.get("_nbytes")
+        if cached is None:
+            leaves = [*self.params.values(), *self.buffers.values(), *pytree.tree_leaves(self.optimizer), *pytree.tree_leaves(self.extra)]
+            cached = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            self.__dict__["_nbytes"] = cached
+        return cached
+
+
+@dataclass
+class StepRecord:
+    """One step in the ring buffer.
+
+    Attributes:
+        step: index of the optimizer step (0-based count of ``optimizer.step()`` calls seen).
+        rng: RNG states at the start of the step, before its first forward.
+        forwards: the model's top-level forward calls of the step, in order (micro-batches).
+        batches: explicit batches given to ``Recorder.record`` in this step, in order.
+        training: FQNs of modules that were in training mode at the start of the step.
+        lrs: learning rate of each optimizer param group (floats).
+        loss: the loss as a host float when known (``Recorder.log_loss``), else ``None``.
+        grad_norm: the 2-norm over all gradients computed by the check (float32), else ``None``.
+        finite: ``True``/``False`` once checked, ``None`` before.
+        buffers: step-start buffers (FQN -> tensor) when kept for this step.
+        snapshot: step-start weights and optimizer state, when ``snapshot_every`` chose this step.
+        autocast: ``{"device_type": "cuda", "dtype": "float16"}`` when the model's forward ran
+            under ``torch.autocast``, else ``None``; replay runs the step under the same autocast.
+        scaler_skipped: ``True`` when a GradScaler skipped this step's optimizer step.
+        stale_inputs: ``True`` when a batch or input tensor kept by reference was modified in
+            place after capture (a recycled input buffer; their version counters changed): the
+            stored values are not what the step saw.
+    """
+
+    step: int
+    rng: RNGState
+    forwards: list[ForwardRecord] = field(default_factory=list)
+    batches: list[Any] = field(default_factory=list)
+    training: list[str] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    loss: Optional[float] = None
+    grad_norm: Optional[float] = None
+    finite: Optional[bool] = None
+    buffers: Optional[dict[str, torch.Tensor]] = None
+    snapshot: Optional[Snapshot] = None
+    autocast: Optional[dict] = None
+    scaler_skipped: Optional[bool] = None
+    stale_inputs: bool = False
+
+
+@dataclass
+class BundleContent:
+    """Everything a bundle holds, in memory. See ``docs/bundle-format.md``."""
+
+    failing_step: int
+    steps: list[StepRecord]
+    state: Snapshot                          # the failing step's pre-step state
+    grads: dict[str, torch.Tensor]           # the failing step's gradients, FQN -> tensor
+    model_info: dict
+    optimizer_info: dict
+    reason: dict
+    model_factory: Optional[str] = None
+    loss_fn: Optional[str] = None
+    diagnosis: Optional[dict] = None
+    extra_meta: dict = field(default_factory=dict)
