@@ -887,7 +887,11 @@ class Recorder:
             try:
                 from ..diagnosis.api import diagnose_live
 
-                content.diagnosis = diagnose_live(self, content)
+                self._replaying = True  # keep this recorder's own hooks quiet during the replay
+                try:
+                    content.diagnosis = diagnose_live(self.model, content, loss_fn=self.loss_fn, allow=self.config.allow_nonfinite)
+                finally:
+                    self._replaying = False
                 if self.dist is not None:
                     self.dist.annotate(content.diagnosis)
                 self.last_diagnosis = content.diagnosis

@@ -24,34 +24,51 @@ logger = logging.getLogger(__name__)
 __all__ = ["replay", "replay_step", "diagnose_live"]
 
 
-def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True) -> dict:
+#: ``progress(message)``: told what the diagnosis is doing, for work that takes more than a moment
+Progress = Callable[[str], None]
+
+
+def _silent(message: str) -> None:
+    return None
+
+
+def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
+                progress: Optional[Progress] = None) -> dict:
     """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict, with
     the exact attribution of :func:`nanreplay.diagnosis.attribution.attribute` (source line, autograd node,
     causal chain, samples, optimizer update, cause verdict)."""
+    say = progress or _silent
+    say(f"replaying step {inp.record.step}" + (" under the op monitor" if ops else ""))
     result = run_step(model, inp, ops=ops, device=device)
     diag = diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
-    return attribute(diag, result, model, inp, device=device, samples=samples)
+    return attribute(diag, result, model, inp, device=device, samples=samples, progress=say)
 
 
-def diagnose_live(recorder: Any, content: BundleContent) -> dict:
+def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
+                  progress: Optional[Progress] = None) -> dict:
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
-    on the live model (its weights are still the pre-step weights), then puts back the live
-    gradients, buffers, module modes and RNG states, so training can continue unchanged."""
+    (``content.steps[-1]``) on the live ``model``, whose weights are still the pre-step weights,
+    then puts back the live gradients, buffers, module modes and RNG states, so training can
+    continue unchanged. The caller keeps its own hooks quiet meanwhile.
+
+    Args:
+        model: the live model (the one the recorder hooks, unwrapped from DDP).
+        content: the bundle content about to be written.
+        loss_fn: ``loss_fn(model, batch) -> loss``, or ``None`` to drive backward with the
+            recorded cotangent.
+        allow: extra allowlist rules (``RecorderConfig.allow_nonfinite``).
+        progress: told what the diagnosis is doing.
+    """
     rec = content.steps[-1]
-    model = recorder.model
     inp = StepInputs(
-        record=rec, state=content.state, recorded_grads=content.grads, loss_fn=recorder.loss_fn,
+        record=rec, state=content.state, recorded_grads=content.grads, loss_fn=loss_fn,
         scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
-        allow=Allowlist(recorder.config.allow_nonfinite), optimizer_info=content.optimizer_info,
+        allow=Allowlist(allow), optimizer_info=content.optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
     )
-    recorder._replaying = True
-    try:
-        with preserve_live(model):
-            load_buffers(model, content.state.buffers)
-            return replay_step(model, inp)
-    finally:
-        recorder._replaying = False
+    with preserve_live(model):
+        load_buffers(model, content.state.buffers)
+        return replay_step(model, inp, progress=progress)
 
 
 def replay(
@@ -66,6 +83,7 @@ def replay(
     allow: Optional[Sequence[str]] = None,
     default_allow: bool = True,
     samples: bool = True,
+    progress: Optional[Progress] = None,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
 
@@ -85,6 +103,8 @@ def replay(
         samples: find the samples to blame by per-sample replay where the producer's output
             does not show them directly (extra forward/backward passes, see
             :func:`nanreplay.diagnosis.blame.samples_to_blame`).
+        progress: ``progress(message)`` is told what the replay is doing (rebuilding the model,
+            replaying the step, each per-sample replay), for a status line.
 
     Returns:
         the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
@@ -94,10 +114,12 @@ def replay(
         ReplayError: no model could be built, or the loss function failed.
         ModelMismatchError: the model does not match the recorded one.
     """
+    say = progress or _silent
     own = not isinstance(bundle, Bundle)
     b = open_bundle(bundle) if own else bundle
     try:
         if model is None:
+            say("rebuilding the model")
             model = build_model(b, model_factory)
         lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
         if isinstance(lf, str):
@@ -116,7 +138,7 @@ def replay(
             optimizer_info=b.meta.get("optimizer"), history=history, reason=dict(b.meta.get("reason") or {}),
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
-        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples)
+        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say)
         diag["bundle"] = str(b.path)
         diag["device"] = str(dev)
         return diag

@@ -29,7 +29,8 @@ def _compact(b: dict) -> dict:
     }
 
 
-def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, device: Optional[torch.device] = None, samples: bool = True) -> dict:
+def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, device: Optional[torch.device] = None, samples: bool = True,
+              progress: Any = None) -> dict:
     """Add the exact attribution to a diagnosis (``docs/report.md`` documents every field):
 
     * ``origin`` gains ``aten``, ``node``, ``forward_op``, ``source`` (the user's file/line),
@@ -103,7 +104,7 @@ def attribute(diag: dict, result: Any, model: torch.nn.Module, inp: Any, *, devi
         elif phase == "loss" and not use_loss and cotangent_rows(inp.record, size) is not None:
             smp = cotangent_rows(inp.record, size)  # the loss was not replayed: its gradient says where it went bad
         elif samples:
-            smp = samples_to_blame(model, inp, phase=phase, device=device)
+            smp = samples_to_blame(model, inp, phase=phase, device=device, progress=progress)
     several = len(inp.record.batches if use_loss else inp.record.forwards) > 1  # micro-batches (gradient accumulation)
     if several and ob is not None and ob.get("micro_batch") is not None:
         origin["micro_batch"] = ob["micro_batch"]

@@ -88,7 +88,8 @@ def batch_coupled(model: torch.nn.Module, rec: StepRecord) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and n in training]
 
 
-def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Optional[torch.device] = None, max_runs: int = 64) -> Optional[dict]:
+def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Optional[torch.device] = None, max_runs: int = 64,
+                     progress: Any = None) -> Optional[dict]:
     """The samples of the failing step's batch that alone make the step non-finite.
 
     Args:
@@ -124,6 +125,8 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
             complete = False
             return False
         runs += 1
+        if progress is not None:
+            progress(f"per-sample replay {runs} (samples {idx[:4]}{'...' if len(idx) > 4 else ''} of {size})")
         load_buffers(model, inp.state.buffers)
         sub = StepInputs(record=_slice_record(inp.record, idx, size), state=inp.state, recorded_grads={}, loss_fn=inp.loss_fn)
         try:

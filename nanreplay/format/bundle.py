@@ -137,6 +137,7 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
     for k, g in content.grads.items():
         tensors[f"grads/{k}"] = g
     meta = {
+        **content.extra_meta,
         "kind": "nanreplay.step",
         "created_unix": time.time(),
         "environment": environment(),
@@ -150,7 +151,6 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
         "state": state_meta,
         "grads": list(content.grads),
         "diagnosis": content.diagnosis,
-        **content.extra_meta,
     }
     return write_flat(path, tensors, meta, fsync=fsync)
 
@@ -270,6 +270,31 @@ class Bundle:
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the failing step produced, FQN -> tensor."""
         return {k: self.tensor(f"grads/{k}") for k in self._grad_keys}
+
+    def content(self) -> BundleContent:
+        """Everything the bundle holds, as the :class:`~nanreplay.format.records.BundleContent`
+        that :func:`write_bundle` takes: ``write_bundle(path2, open_bundle(path).content())``
+        writes a bundle with the same content (tensors bit-exact, the same metadata but for
+        ``created_unix`` and ``environment``, which describe the new write). Reads every tensor.
+
+        Raises:
+            BundleFormatError: the file contradicts its own manifest.
+        """
+        known = {"kind", "created_unix", "environment", "failing_step", "reason", "model", "optimizer",
+                 "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis"}
+        return BundleContent(
+            failing_step=self.failing_step,
+            steps=[self.step(k) for k in self.steps],
+            state=self.state(),
+            grads=self.grads(),
+            model_info=self.meta.get("model") or {},
+            optimizer_info=self.meta.get("optimizer") or {},
+            reason=self.meta.get("reason") or {},
+            model_factory=self.model_factory,
+            loss_fn=self.loss_fn,
+            diagnosis=self.diagnosis,
+            extra_meta={k: v for k, v in self.meta.items() if k not in known},
+        )
 
     @property
     def diagnosis(self) -> Optional[dict]:
