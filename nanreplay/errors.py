@@ -15,6 +15,7 @@ __all__ = [
     "NonFiniteGradientError",
     "ModelMismatchError",
     "ReplayError",
+    "DiagnosisTimeout",
 ]
 
 
@@ -37,6 +38,12 @@ class ModelMismatchError(NanReplayError):
 class ReplayError(NanReplayError):
     """Replay could not run: a model factory or loss function could not be imported or called,
     or the bundle lacks what the requested replay needs (for example no batch was recorded)."""
+
+
+class DiagnosisTimeout(ReplayError):
+    """A replay or diagnosis ran past the time it was given (``RecorderConfig.diagnose_timeout``
+    for the Recorder's in-process diagnosis). The bundle is written before the diagnosis starts,
+    so nothing is lost: ``nanreplay replay BUNDLE`` runs it again without a cap."""
 
 
 class NonFiniteGradientError(NanReplayError):

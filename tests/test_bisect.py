@@ -120,7 +120,7 @@ def test_layers_replay_count_for_one_culprit_among_32(tmp_path, culprit):
             if step == 0:
                 opt.step()
                 with torch.no_grad():  # a corrupted update of one layer
-                    model.get_submodule(names[culprit]).weight.mul_(1e30)
+                    model.get_submodule(names[culprit]).weight.mul_(1e38)  # finite, but the loss overflows
             else:
                 with pytest.raises(NonFiniteGradientError) as info:
                     opt.step()
@@ -161,7 +161,7 @@ def test_samples_names_the_poisoned_sample(tmp_path):
     model = models.make_deep()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-    x[21] *= 1e19  # finite, but float32 overflows in the forward pass
+    x[21] = 3e38  # finite, but float32 overflows in the first layer
     with Recorder(model, opt, loss_fn=models.mse_loss, model_factory=models.make_deep, out_dir=tmp_path, diagnose=False) as rec:
         rec.record((x, y))
         loss = models.mse_loss(model, (x, y))

@@ -134,16 +134,28 @@ def test_warn_lets_the_step_proceed(out_dir, caplog):
     assert "action='warn'" in caplog.text
 
 
-def test_failed_dump_is_logged_and_training_goes_on(tmp_path, caplog):
+def test_out_dir_is_checked_when_the_recorder_is_built(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     model = models.make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Recorder(model, opt, out_dir=blocker / "sub", action="warn", diagnose=False) as rec:
-        _poison_step(model, opt, rec, torch.randn(4, 8), bad=True)
-        _poison_step(model, opt, rec, torch.randn(4, 8), bad=False)
-    assert rec.bundles == []
-    assert "could not write the bundle" in caplog.text
+    with pytest.raises(ValueError, match=r"out_dir=.*file'.*: it is a file"):
+        Recorder(model, opt, out_dir=blocker)
+    with pytest.raises(ValueError, match=r"its ancestor .*file' is a file"):
+        Recorder(model, opt, out_dir=blocker / "sub")
+    assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks  # nothing attached
+
+
+def test_failed_dump_is_logged_once_and_training_goes_on(tmp_path, caplog):
+    out = tmp_path / "bundles"
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out, action="warn", diagnose=False) as rec:
+        out.write_text("the directory became a file after the Recorder was built")
+        for _ in range(3):
+            _poison_step(model, opt, rec, torch.randn(4, 8), bad=True)
+    assert rec.bundles == [] and rec.nonfinite_steps == [0, 1, 2] and rec.step == 3, "training went on"
+    assert caplog.text.count("could not write the bundle") == 1, "a failed dump is not retried on every following step"
 
 
 def test_loss_only_nonfinite_is_detected(out_dir):

@@ -33,14 +33,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-
-from ..core.numerics import fused_norm
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .recorder import Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -62,49 +57,79 @@ def _grads_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> Optional[b
 
 
 class ScalerWatch:
-    """Counts a GradScaler's skipped steps for a Recorder and decides when they are a failure.
-    A removable handle: ``remove()`` puts the scaler's own ``update`` back.
+    """Counts a GradScaler's skipped steps and says when they are a failure. A removable handle:
+    ``remove()`` puts the scaler's own ``update`` back.
+
+    Args:
+        scaler: the ``torch.amp.GradScaler`` the loop calls ``scaler.step()``/``update()`` on.
+        optimizer: the optimizer it steps.
+        step_open: ``step_open()`` says whether a step began (a forward or a batch was seen) and no
+            ``optimizer.step()`` ended it yet; an ``update()`` then means the scaler skipped it.
+        on_skip: called with the scale after ``update()`` (a host float) for each skipped step;
+            :meth:`failure` says whether that skip is a failure, :meth:`state_for_bundle` and
+            :meth:`reason` describe it.
 
     Attributes:
-        total_skips: steps skipped by the scaler since the Recorder was built.
+        total_skips: steps skipped by the scaler since the watch was built.
         consecutive: skipped steps in a row (reset by a step that reaches ``optimizer.step()``
             with finite gradients).
         last_scale: the scale after the last skipped step (float), else ``None``.
     """
 
-    def __init__(self, recorder: "Recorder", scaler: Any) -> None:
+    def __init__(self, scaler: Any, optimizer: torch.optim.Optimizer, *, step_open: Callable[[], bool], on_skip: Callable[[float], None]) -> None:
         for attr in ("update", "state_dict", "get_scale", "is_enabled"):
             if not callable(getattr(scaler, attr, None)):
                 raise TypeError(
                     f"scaler must be a torch.amp.GradScaler (expected a method {attr}()), got {type(scaler).__name__}; "
                     "pass the GradScaler the loop calls scaler.step()/update() on"
                 )
-        self.recorder = recorder
         self.scaler = scaler
+        self.optimizer = optimizer
+        self._step_open = step_open
+        self._on_skip = on_skip
         self.total_skips = 0
         self.consecutive = 0
         self.last_scale: Optional[float] = None
         self._state: Optional[dict] = None
         self._unscaled: Optional[bool] = None
         self._skipped = False
+        self._removed = False
         self._orig = scaler.update
         scaler.update = self._update
 
     def remove(self) -> None:
         """Restore the scaler's ``update``. Idempotent."""
+        self._removed = True
         if self.scaler.__dict__.get("update") == self._update:
             del self.scaler.__dict__["update"]
 
     def _update(self, new_scale: Any = None) -> None:
-        r = self.recorder
-        if r._closed or not self.scaler.is_enabled() or r._current is None or new_scale is not None:
+        if self._removed or not self.scaler.is_enabled() or not self._step_open() or new_scale is not None:
             return self._orig(new_scale)
         # the step began and no optimizer.step() followed: the scaler skipped it
-        self._unscaled = _grads_unscaled(self.scaler, r.optimizer)
+        unscaled = _grads_unscaled(self.scaler, self.optimizer)
         state = self.scaler.state_dict()        # host read, skipped steps only
         self._orig(new_scale)
         scale = float(self.scaler.get_scale())  # host read, skipped steps only
-        self._on_skip(state, scale)
+        self.total_skips += 1
+        self.consecutive += 1
+        self.last_scale = scale
+        logger.info("nanreplay: GradScaler skipped a step (scale now %g, %d in a row)", scale, self.consecutive)
+        self._state, self._skipped, self._unscaled = state, True, unscaled
+        try:
+            self._on_skip(scale)
+        finally:
+            self._state, self._skipped, self._unscaled = None, False, None
+        return None
+
+    def failure(self, min_scale: float, max_skips: int) -> Optional[tuple[str, str]]:
+        """For the skip being reported: ``(why, kind)`` when the loss scale cannot fix it (the
+        scale collapsed below ``min_scale``, or more than ``max_skips`` skips in a row), else ``None``."""
+        scale = self.last_scale if self.last_scale is not None else math.inf
+        if scale < min_scale:
+            return f"the GradScaler's scale collapsed to {scale:g}, below min_scale={min_scale:g}", "scale collapsed"
+        if self.consecutive > max_skips:
+            return f"the GradScaler skipped {self.consecutive} consecutive steps, more than max_scaler_skips={max_skips}", "consecutive skips"
         return None
 
     def on_checked(self, finite: bool) -> None:
@@ -112,50 +137,13 @@ class ScalerWatch:
         if finite:
             self.consecutive = 0
 
-    def _on_skip(self, state: dict, scale: float) -> None:
-        r = self.recorder
-        cfg = r.config
-        rec = r._current
-        self.total_skips += 1
-        self.consecutive += 1
-        self.last_scale = scale
-        rec.scaler_skipped = True
-        rec.finite = False
-        from .recorder import _lr_value
-
-        rec.lrs = [_lr_value(g["lr"]) for g in r.optimizer.param_groups]
-        loss = r._pending_loss
-        rec.loss = float(loss) if loss is not None else None
-        r._seal(rec)
-        collapsed = scale < cfg.min_scale
-        too_many = self.consecutive > cfg.max_scaler_skips
-        logger.info("nanreplay: GradScaler skipped step %d (scale now %g, %d in a row)", rec.step, scale, self.consecutive)
-        try:
-            if collapsed or too_many:
-                why = (
-                    f"the GradScaler's scale collapsed to {scale:g}, below min_scale={cfg.min_scale:g}"
-                    if collapsed
-                    else f"the GradScaler skipped {self.consecutive} consecutive steps, more than max_scaler_skips={cfg.max_scaler_skips}"
-                )
-                self._state, self._skipped = state, True
-                grads = r._grads()
-                norm = fused_norm([g for _, g in grads])
-                rec.grad_norm = float(norm) if norm is not None else None
-                r._handle_nonfinite(
-                    rec, grads, bad_grad=True, bad_loss=rec.loss is not None and not math.isfinite(rec.loss),
-                    cause={"message": f"non-finite gradients that the loss scale cannot fix: {why}", "scaler_failure": "scale collapsed" if collapsed else "consecutive skips"},
-                )
-        finally:
-            self._state, self._skipped, self._unscaled = None, False, None
-            r.end_step()
-
     def state_for_bundle(self) -> dict:
         """The scaler's ``state_dict()`` as it was during the failing step."""
         return self._state if self._state is not None else self.scaler.state_dict()
 
     def reason(self, bad_grad: bool = True) -> dict:
         """JSON for the bundle's ``reason``: what the scaler did in the failing step."""
-        unscaled = self._unscaled if self._skipped else _grads_unscaled(self.scaler, self.recorder.optimizer)
+        unscaled = self._unscaled if self._skipped else _grads_unscaled(self.scaler, self.optimizer)
         info = {
             "enabled": bool(self.scaler.is_enabled()),
             "skipped": self._skipped,

@@ -31,13 +31,10 @@ FSDP is not supported yet: see ``docs/distributed.md`` for how it extends.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .recorder import Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +60,17 @@ class RankContext:
             were non-finite before the gradient all-reduce (sorted ints).
     """
 
-    def __init__(self, recorder: "Recorder", group: Any = None) -> None:
-        self.recorder = recorder
+    def __init__(self, *, is_ddp: bool, param_fqn: dict[int, str], optimizer: torch.optim.Optimizer, step: Callable[[], int],
+                 group: Any = None) -> None:
+        self.is_ddp = is_ddp
+        self.param_fqn = param_fqn
+        self.optimizer = optimizer
+        self.current_step = step
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.hooked = False
+        self.closed = False
         self.origin_ranks: list[int] = []
         self.any_bad = False
         self._step: Optional[int] = None
@@ -77,11 +79,12 @@ class RankContext:
         self._buckets: list[tuple[int, torch.Tensor]] = []
 
     @classmethod
-    def detect(cls, recorder: "Recorder", group: Any = None) -> Optional["RankContext"]:
-        """A context when ``torch.distributed`` is initialised with more than one rank, else ``None``."""
+    def detect(cls, group: Any = None, **kwargs: Any) -> Optional["RankContext"]:
+        """A context when ``torch.distributed`` is initialised with more than one rank, else
+        ``None``. ``kwargs``: the constructor's keywords."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
             return None
-        return cls(recorder, group)
+        return cls(group=group, **kwargs)
 
     def device(self) -> torch.device:
         """Where the agreement vector lives when there is no gradient to take it from."""
@@ -104,8 +107,16 @@ class RankContext:
                 e,
             )
 
+    def close(self) -> None:
+        """Stop keeping anything: DDP cannot unregister a comm hook, so the hook becomes a plain
+        pass-through to the wrapped hook (no flag, no copy of the buckets), and what it kept is freed."""
+        self.closed = True
+        self._local = {}
+        self._buckets = []
+        self._local_bad = None
+
     def _new_step(self) -> None:
-        step = self.recorder.step
+        step = self.current_step()
         if self._step != step:
             self._step = step
             self._local_bad = None
@@ -146,7 +157,7 @@ class RankContext:
             local = self._local_bad.float().to(dev) if self._local_bad is not None else torch.zeros((), device=dev)
             if loss_bad is not None:
                 local = torch.maximum(local, (~torch.isfinite(loss_bad)).float().reshape(()))
-        elif isinstance(self.recorder.wrapper, torch.nn.parallel.DistributedDataParallel):
+        elif self.is_ddp:
             # reduced gradients are the same on every rank: only the loss is rank-local
             local = (~torch.isfinite(loss_bad)).float().reshape(()) if loss_bad is not None else torch.zeros((), device=dev)
         else:  # no gradient all-reduce we know of: the gradients checked are this rank's own
@@ -167,11 +178,11 @@ class RankContext:
     def local_grads(self, grads: list[tuple[str, torch.Tensor]], reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The gradients the bundle stores: the rank-local copies kept by the comm hook when it
         ran this step, else the gradients as the optimizer sees them."""
-        if not self._local or self._step != self.recorder.step:
+        if not self._local or self._step != self.current_step():
             return reduced
-        fqn = self.recorder._param_fqn
+        fqn = self.param_fqn
         out = {}
-        for group in self.recorder.optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     name = fqn.get(id(p), f"<unnamed:{id(p)}>")
@@ -179,7 +190,7 @@ class RankContext:
         return out
 
     def grads_kind(self) -> str:
-        return "local" if self._local and self._step == self.recorder.step else ("reduced" if isinstance(self.recorder.wrapper, torch.nn.parallel.DistributedDataParallel) else "local")
+        return "local" if self._local and self._step == self.current_step() else ("reduced" if self.is_ddp else "local")
 
     def reason(self) -> dict:
         """JSON for the bundle's ``reason`` (and, as ``distributed``, the metadata)."""
@@ -191,11 +202,14 @@ class RankContext:
             "world_size": self.world_size,
             "origin_ranks": list(self.origin_ranks),
             "is_origin": self.rank in self.origin_ranks,
-            "origin_method": "comm hook" if self.hooked else "local loss" if isinstance(self.recorder.wrapper, torch.nn.parallel.DistributedDataParallel) else "local check",
+            "origin_method": "comm hook" if self.hooked else "local loss" if self.is_ddp else "local check",
             "grads": self.grads_kind(),
         }
-        self.recorder.extra_meta.update({"rank": self.rank, "world_size": self.world_size, "distributed": info})
         return {"distributed": info, **({"message": msg} if msg else {})}
+
+    def meta(self, info: dict) -> dict:
+        """Bundle metadata for this rank (``info``: the ``distributed`` entry of :meth:`reason`)."""
+        return {"rank": self.rank, "world_size": self.world_size, "distributed": info}
 
     def annotate(self, diagnosis: Optional[dict]) -> None:
         """Say in the diagnosis which rank this is and where the failure came from."""
@@ -244,7 +258,8 @@ def register_origin_hook(
     inner_state = state if hook is not None else (state if state is not None else context.group)
 
     def nanreplay_origin_hook(_, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations: none here
-        context.note_bucket(bucket, keep=keep_local_grads)
+        if not context.closed:
+            context.note_bucket(bucket, keep=keep_local_grads)
         return inner(inner_state, bucket)
 
     ddp.register_comm_hook(None, nanreplay_origin_hook)

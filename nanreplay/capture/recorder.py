@@ -1,25 +1,24 @@
 """The Recorder: attaches to a live training loop, keeps a ring buffer of the last steps, and
 on the first non-finite gradient (or loss) dumps a self-contained bundle and diagnoses it.
 
-Hot-path design (per step, default options):
+Hot path, per step, default options:
 
-* one forward pre-hook and one forward hook on the top-level model: keep references to the
-  forward inputs (checked later with the tensor version counter, copied only when the loop is
-  seen to reuse or modify a batch tensor in place), RNG states (host only, no device sync),
-  and a tensor hook on each output to keep the cotangent;
-* one optimizer step pre-hook: one fused ``_foreach_norm`` over all gradients and one host read
-  of one scalar (the grad norm, which is NaN/Inf iff some gradient is).
+* the forward tap (:mod:`nanreplay.capture.forward`) on the top-level model: keep references to
+  the forward inputs (:mod:`nanreplay.capture.inputs`: checked later with the tensor version
+  counter, copied only once the loop is seen to reuse or modify a batch tensor in place), the RNG
+  states (host only, no device sync), and a tensor hook on each output to keep the cotangent;
+* the optimizer's step pre-hook: one fused ``_foreach_norm`` over all gradients and one host read
+  of one scalar (the grad norm, which is NaN/Inf iff some gradient is, or iff their 2-norm
+  overflows float32: the rare path tells the two apart).
 
-Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
-the failing step's pre-step weights and optimizer state are still in place when the step pre-hook
-fires, so they are written from where they are. Weight snapshots are copied with one
-``torch._foreach_copy_`` into slots recycled from evicted snapshots, so steady-state snapshotting
-allocates nothing.
+Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots
+(:mod:`nanreplay.capture.snapshots`): the failing step's pre-step weights and optimizer state are
+still in place when the step pre-hook fires, so they are written from where they are. With
+``check_every=N > 1`` the check is sync-free (:mod:`nanreplay.capture.lagged`).
 
-With ``check_every=N > 1`` (the sync-free mode, :meth:`Recorder._check_lagged`) the check keeps
-its verdict on the device, like GradScaler's ``found_inf``, and the host reads it once every N
-steps; a device-side latch keeps the first non-finite step's pre-step state and gradients until
-then.
+On a non-finite step the bundle is written first; then, with ``diagnose`` on, the step is
+replayed in process (:func:`nanreplay.diagnosis.api.diagnose_live`, within
+``diagnose_timeout`` seconds) and the bundle is written again with the diagnosis.
 """
 
 from __future__ import annotations
@@ -27,170 +26,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
 from ..core.jsonable import fnum, jsonable
-from ..core.state import copy_all, load_buffers
-from ..format.bundle import write_bundle
-from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
-from ..errors import NonFiniteGradientError
 from ..core.numerics import fused_norm, is_float
 from ..core.rng import RNGState
-from ..core.tree import flatten_typed, map_tensors
+from ..core.state import load_buffers
+from ..core.tree import flatten_typed
+from ..errors import NonFiniteGradientError
+from ..format.bundle import write_bundle
+from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
+from .config import RecorderConfig
+from .forward import ForwardTap, unwrap_model
+from .inputs import InputCapture
+from .lagged import Latch, nonfinite_flag
+from .ring import RingBuffer
+from .snapshots import SnapshotPool, StepStartBuffers, live_state, replace_snapshot, restore_into, storage_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Recorder", "RecorderConfig"]
-
-_ACTIONS = ("raise", "skip", "warn")
-_SMALL_BUFFER = 1 << 20  # bytes: buffers up to this size are copied at every step start
-
-
-@dataclass(kw_only=True)
-class RecorderConfig:
-    """Options of :class:`Recorder`; every field can also be passed to ``Recorder(...)`` directly.
-
-    Attributes:
-        action: what to do on a non-finite step. ``"raise"`` (default): dump, then raise
-            :class:`~nanreplay.errors.NonFiniteGradientError` from ``optimizer.step()`` before any
-            weight changes. ``"skip"``: dump on the first occurrence, drop this step's gradients so
-            the optimizer leaves weights and state untouched, raise after ``max_consecutive``
-            consecutive skips. Both put back the step-start buffers (BatchNorm running stats the
-            failing forward already wrote). ``"warn"``: dump, log a warning, let the step proceed.
-        capacity: steps kept in the ring buffer (>= 1). Each step costs references to its batch
-            and cotangents (their bytes count against ``memory_budget``) and ~5 KiB of RNG state.
-        snapshot_every: every N steps, copy the step-start weights, buffers and optimizer state
-            into the ring buffer (0 = never). Costs one copy of params + optimizer state per
-            snapshot (about 3x the parameter bytes for Adam) in time and memory; ``nanreplay
-            bisect`` needs it to compare the failing step with an earlier, finite one. The failing
-            step's own pre-step state is always saved, at no per-step cost.
-        memory_budget: bytes the ring buffer may keep alive beyond what training holds anyway:
-            past steps' batches and forward inputs (a kept reference holds the loader's tensor
-            too), cotangents, copied buffers, weight snapshots, recycled snapshot slots.
-            Oldest snapshots, then oldest steps, are evicted to stay within it; the step in
-            progress is kept whole (``held_bytes()`` says what is held now).
-        out_dir: directory for bundles (created on first dump).
-        bundle_format: ``"h5"`` (HDF5) or ``"safetensors"``.
-        max_consecutive: with ``action="skip"``, raise after this many consecutive skipped steps.
-        max_dumps: bundles written per Recorder (the first non-finite steps), to keep ``warn`` and
-            ``skip`` runs from filling the disk.
-        diagnose: replay the failing step in process right after detection and store the
-            diagnosis in the bundle and the exception message.
-        copy_batch: ``None`` (auto: keep references, switch to copies once a batch tensor is seen
-            reused or modified in place), ``True`` (always copy), ``False`` (never copy).
-        capture_cotangent: keep the gradient w.r.t. the model's outputs, so a model-only replay
-            works without the loss function.
-        check_loss: also check the loss given to :meth:`Recorder.log_loss`.
-        check_in_optimizer_step: run the check in the optimizer's step pre-hook (default). Turn it
-            off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
-            (Lightning does), and call :meth:`Recorder.check_step` where the gradients are ready.
-        origin_hook: when ``model`` is a ``DistributedDataParallel``, register the comm hook of
-            :func:`nanreplay.capture.ddp.register_origin_hook` (each bucket checked before its
-            all-reduce, so the rank where a non-finite gradient was born is known). Needs one extra
-            copy of the gradients per step (the rank-local gradients, kept until the step ends).
-        min_scale: with a GradScaler, dump when a skipped step leaves the loss scale below this.
-        max_scaler_skips: with a GradScaler, dump when more than this many consecutive steps were
-            skipped for non-finite gradients (a healthy fp16 run skips a few in a row at most).
-        check_every: read the check's verdict on the host every N steps (1 = every step, one host
-            sync per step). With N > 1 the check is sync-free in between: each step's grad norm
-            (and loss) stays a device scalar, and a device-side latch copies the step's pre-step
-            weights, optimizer state tensors and gradients into one preallocated slot, with
-            ``torch.where`` under the latch, until a non-finite step sets it; from then on the slot
-            is frozen. When the host reads the verdicts (one ``tolist()`` every N steps, and at
-            :meth:`Recorder.close`) and finds the first non-finite step k, the bundle holds step
-            k's batch, RNG states, learning rates, step-start buffers (from the ring buffer, whose
-            unchecked steps are never evicted), pre-step weights, optimizer state and gradients
-            (from the slot): the same content as with N = 1. What differs: steps k+1.. ran on the
-            corrupted weights until the host learned of it; ``"raise"`` and ``"skip"`` put the
-            weights and optimizer state back to step k's pre-step values (``"skip"`` then goes
-            on from there, so the updates of steps k..k+N-1 are dropped), ``"warn"`` leaves them.
-            Cost per step: one masked copy of params + optimizer state + gradients (read 2x,
-            write 1x; about 4x the parameter bytes for Adam, held once). Worth it where a host
-            sync costs more than that copy (GPUs); on CPU a sync is free and N = 1 is cheaper.
-        check_update: also check the optimizer update (off by default). Every step, the
-            pre-step weights and optimizer state are copied in the step pre-hook (one copy of
-            params + optimizer state: about 3x the parameter bytes for Adam, in memory and in
-            device copy time per step), and after ``optimizer.step()`` one fused
-            ``_foreach_norm`` over the updated parameters and floating optimizer state with one
-            host read tells whether the update made them non-finite. Then the pre-step weights and
-            state are put back (for ``raise`` and ``skip``; ``warn`` keeps the update), a bundle is
-            written with the pre-step state and the (finite) gradients, and the diagnosis replays
-            the update to name the parameter and the state key.
-        allow_nonfinite: extra allowlist rules for legitimate non-finite values, ``"MODULE:OP"``
-            or ``"MODULE:OP:-inf"`` (fnmatch patterns, see :class:`nanreplay.core.allowlist.AllowRule`),
-            on top of the default rules for -Inf attention masks; stored in the bundle
-            (``meta["replay_options"]``) for later replays.
-    """
-
-    action: str = "raise"
-    capacity: int = 4
-    snapshot_every: int = 0
-    memory_budget: int = 2 << 30
-    out_dir: Union[str, Path] = "nanreplay_bundles"
-    bundle_format: str = "h5"
-    max_consecutive: int = 3
-    max_dumps: int = 1
-    diagnose: bool = True
-    copy_batch: Optional[bool] = None
-    capture_cotangent: bool = True
-    check_loss: bool = True
-    check_in_optimizer_step: bool = True
-    origin_hook: bool = True
-    min_scale: float = 1.0
-    max_scaler_skips: int = 10
-    check_every: int = 1
-    check_update: bool = False
-    allow_nonfinite: tuple = ()
-
-    def __post_init__(self) -> None:
-        from ..core.allowlist import AllowRule
-
-        self.allow_nonfinite = tuple(self.allow_nonfinite)
-        for r in self.allow_nonfinite:
-            if not isinstance(r, AllowRule):
-                AllowRule.parse(str(r))  # raises ValueError naming the bad rule
-        if self.action not in _ACTIONS:
-            raise ValueError(f"action must be one of {_ACTIONS}, got {self.action!r}")
-        if self.capacity < 1:
-            raise ValueError(f"capacity must be >= 1 step, got {self.capacity}")
-        if self.snapshot_every < 0:
-            raise ValueError(f"snapshot_every must be >= 0 (0 = off), got {self.snapshot_every}")
-        if self.memory_budget < 0:
-            raise ValueError(f"memory_budget must be >= 0 bytes, got {self.memory_budget}")
-        if self.bundle_format not in ("h5", "safetensors"):
-            raise ValueError(f"bundle_format must be 'h5' or 'safetensors', got {self.bundle_format!r}")
-        if self.max_consecutive < 1:
-            raise ValueError(f"max_consecutive must be >= 1, got {self.max_consecutive}")
-        if self.max_scaler_skips < 1:
-            raise ValueError(f"max_scaler_skips must be >= 1, got {self.max_scaler_skips}")
-        if not self.min_scale >= 0:
-            raise ValueError(f"min_scale must be a loss scale >= 0, got {self.min_scale}")
-        if self.check_every < 1:
-            raise ValueError(f"check_every must be >= 1 step (1 = check on the host every step), got {self.check_every}")
-
-
-def _nbytes(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
-
-
-class _Ref:
-    """A tensor reference plus its version counter at capture time."""
-
-    __slots__ = ("t", "v")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.v = t, t._version
-
-    def fresh(self) -> bool:
-        return self.t._version == self.v
+__all__ = ["Recorder", "RecorderConfig", "model_info"]
 
 
 class Recorder:
@@ -198,11 +60,13 @@ class Recorder:
 
     Args:
         model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls),
-            or its ``DistributedDataParallel`` wrapper: the Recorder then hooks the wrapped module
-            (FQNs without the ``module.`` prefix, so the bundle replays on a plain model), takes
-            its decisions together with every rank (see :mod:`nanreplay.capture.ddp`) and finds
-            the rank where the non-finite value was born. Under ``torch.distributed`` without DDP
-            the agreement still happens; bundles are named ``...-rank{r}of{w}``.
+            its ``DistributedDataParallel`` wrapper (the Recorder then takes its decisions together
+            with every rank, see :mod:`nanreplay.capture.ddp`, and finds the rank where the
+            non-finite value was born), or a compiled model (``torch.compile(model)`` or after
+            ``model.compile()``: the capture runs outside the compiled region, adding no graph
+            break). Names are always the unwrapped module's (no ``module.`` / ``_orig_mod.``
+            prefix), so the bundle replays on a plain model. Under ``torch.distributed`` without
+            DDP the agreement still happens; bundles are named ``...-rank{r}of{w}``.
         optimizer: its ``torch.optim.Optimizer``; the check runs in its step pre-hook.
         loss_fn: optional ``loss_fn(model, batch) -> loss`` (scalar tensor) computing the loss
             from a batch given to :meth:`record`; a callable, or its import path
@@ -211,8 +75,8 @@ class Recorder:
         model_factory: optional zero-argument callable (or import path) returning a fresh model
             of the same architecture, for ``nanreplay replay`` in another process.
         scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients are
-            normal and only counted (:attr:`scaler_skips`); see :mod:`nanreplay.capture.amp` for when
-            they become a failure. Its state is saved in the bundle and restored by replay.
+            normal and only counted (:attr:`scaler_skips`); see :mod:`nanreplay.capture.amp` for
+            when they become a failure. Its state is saved in the bundle and restored by replay.
         config: a :class:`RecorderConfig`; keyword ``options`` override its fields.
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
@@ -226,9 +90,17 @@ class Recorder:
                 rec.log_loss(loss)             # optional: check the loss too
                 loss.backward(); opt.step(); opt.zero_grad()
 
+    Attributes:
+        step: index of the step in progress (0-based count of ``optimizer.step()`` calls seen).
+        ring: the ring buffer, a sequence of :class:`~nanreplay.format.records.StepRecord`.
+        bundles: paths of the bundles written so far.
+        nonfinite_steps: the steps found non-finite so far.
+        last_diagnosis: the diagnosis dict of the last in-process diagnosis, else ``None``.
+        extra_meta: JSON merged into every bundle's metadata (integrations put theirs here).
+
     Raises:
         NonFiniteGradientError: from ``optimizer.step()``, with ``action="raise"``.
-        TypeError / ValueError: bad arguments or options.
+        TypeError / ValueError: bad arguments or options; ``out_dir`` is not a writable directory.
     """
 
     def __init__(
@@ -245,43 +117,22 @@ class Recorder:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer and similar wrappers
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            optimizer = inner
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
-        from .ddp import RankContext, unwrap_model
-
+        _check_out_dir(self.config.out_dir)
         self.wrapper = model
-        model = unwrap_model(model)
-        self.model = model
+        self.model = unwrap_model(model)
         self.optimizer = optimizer
         self.scaler = scaler
         self.loss_fn = import_callable(loss_fn) if isinstance(loss_fn, str) else loss_fn
         self.loss_fn_path = callable_path(loss_fn)
         self.model_factory_path = callable_path(model_factory)
-        self._param_fqn = {id(p): n for n, p in model.named_parameters()}
-        self.ring: deque[StepRecord] = deque()
-        self.step = 0                     # index of the step in progress
-        self.bundles: list[Path] = []     # bundles written so far
-        self.last_diagnosis: Optional[dict] = None
-        self.skipped = 0                  # consecutive skipped steps
-        self.nonfinite_steps: list[int] = []
-        self._current: Optional[StepRecord] = None
-        self._provisional = False         # the step in progress was begun in eval mode (see _begin_step)
-        self._copy = self.config.copy_batch is True
-        self._storages: dict[int, int] = {}   # storage ptr -> step, to detect recycled input buffers
-        self._refs: list[_Ref] = []            # current step's batch references
-        self._step_refs: dict[int, list[_Ref]] = {}  # step -> its references, to flag stale ones at dump time
-        self._held_cache: dict[int, int] = {}  # step -> bytes it holds, once the step is over
-        self._module_names = [(n, m) for n, m in model.named_modules()]  # walked once, not per step
-        self._mutable_buffers: Optional[set[str]] = None
-        self._buffer_versions: dict[str, int] = {}
-        self._pending_loss: Optional[torch.Tensor] = None
-        self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
-        self._skip_versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
-        self._replaying = False           # set while diagnose_live replays on the live model
-        self.extra_meta: dict[str, Any] = {}   # JSON merged into every bundle's metadata
-        self._handles: list[Any] = []
-        self._closed = False
+        self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
+        self._module_names = list(self.model.named_modules())  # walked once, not per step
         if self.config.check_every > 1:
             pg = torch.distributed.is_available() and torch.distributed.is_initialized()
             clash = [n for n, on in (("torch.distributed", pg), ("a GradScaler", scaler is not None), ("check_update=True", self.config.check_update)) if on]
@@ -290,23 +141,53 @@ class Recorder:
                     f"check_every={self.config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
                     "use check_every=1 there (one host read per step)"
                 )
-        self.dist = RankContext.detect(self)    # None outside torch.distributed
+
+        # what the ring buffer keeps, and how
+        self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
+                               held=self._held, on_drop=self._on_drop, on_snapshot_drop=self._drop_snapshot)
+        self._inputs = InputCapture(self.config.copy_batch)
+        self._buffers = StepStartBuffers(self.model)
+        self._pool = SnapshotPool()
+        self._latch: Optional[Latch] = None         # the sync-free mode's device-side evidence slot
+        self._pending: list[StepRecord] = []        # steps whose verdict is still on the device
+        self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
+
+        # the step in progress and the outcomes so far
+        self.step = 0
+        self._current: Optional[StepRecord] = None
+        self._provisional = False                   # the step in progress was begun in eval mode
+        self._pending_loss: Optional[torch.Tensor] = None
+        self.bundles: list[Path] = []
+        self._dump_attempts = 0                     # dumps tried, failed ones included (max_dumps bounds them)
+        self.last_diagnosis: Optional[dict] = None
+        self.skipped = 0                            # consecutive skipped steps
+        self.nonfinite_steps: list[int] = []
+        self._skip_versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
+        self._replaying = False                     # set while the in-process diagnosis replays on the live model
+        self.extra_meta: dict[str, Any] = {}
+        self._closed = False
+
+        # hooks, each behind a handle this Recorder owns
+        self._handles: list[Any] = []
+        from .ddp import RankContext
+
+        self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
+                                       optimizer=optimizer, step=lambda: self.step)
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
 
-            self._amp = ScalerWatch(self, scaler)
+            self._amp = ScalerWatch(scaler, optimizer, step_open=lambda: not self._closed and self._current is not None,
+                                    on_skip=self._on_scaler_skip)
             self._handles.append(self._amp)
-        self._free_slots: list[_Slot] = []       # snapshot slots recycled from evicted snapshots
-        self._pending: list[StepRecord] = []    # steps whose verdict is still on the device (check_every > 1)
-        self._latch: Optional[_Latch] = None     # the sync-free mode's device-side evidence slot
-        self._handles.append(model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
+        self._tap = ForwardTap(model, self._on_forward_pre, self._on_forward)
+        self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
-        if self.dist is not None and self.config.origin_hook and model is not self.wrapper:
-            self.dist.attach_origin_hook(self.wrapper)
+        ddp = unwrap_ddp_only(model)
+        if self.dist is not None and self.config.origin_hook and ddp is not None:
+            self.dist.attach_origin_hook(ddp)
 
     @property
     def scaler_skips(self) -> int:
@@ -326,6 +207,8 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.dist is not None:
+            self.dist.close()
         self._closed = True
 
     def __enter__(self) -> "Recorder":
@@ -339,10 +222,10 @@ class Recorder:
         """Capture an explicit batch (any nesting of tuples, lists, dicts, dataclasses; tensors
         and plain values as leaves) for the step in progress. Call it once per micro-batch,
         before its forward, in loops whose loss needs more than the model inputs."""
-        if self._replaying:
+        if self._replaying or self._closed:
             return
         rec = self._begin_step()
-        rec.batches.append(self._capture_tree(batch))
+        rec.batches.append(self._inputs.capture(batch, rec.step))
 
     def log_loss(self, loss: torch.Tensor) -> None:
         """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
@@ -350,7 +233,15 @@ class Recorder:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._pending_loss = loss.detach().reshape(())
 
-    # -- hooks ---------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes the Recorder holds beyond what training holds anyway, as counted against
+        ``memory_budget``: the storages of kept batches (a view keeps its whole storage alive),
+        cotangents, copied step-start buffers and weight snapshots of the steps held, plus the
+        recycled snapshot slot, the sync-free latch and the ``check_update`` copy. Host cost: a
+        walk over the ring's tensors, no device sync."""
+        return self.ring.held_bytes(current=self._current) + self._extra_bytes()
+
+    # -- steps ---------------------------------------------------------------------------------
     def _begin_step(self, *, capture: bool = True) -> StepRecord:
         """The step in progress, begun now if none is. ``capture``: called for a batch or a
         forward (not for the check), which ends a provisional step's validation forwards."""
@@ -364,15 +255,12 @@ class Recorder:
         self._provisional = not self.model.training
         rec = StepRecord(step=self.step, rng=RNGState.capture())
         rec.training = [n for n, m in self._module_names if m.training]
-        rec.buffers = self._capture_buffers()
+        rec.buffers = self._buffers.capture()
         se = self.config.snapshot_every
-        if se and self.step % se == 0:
-            while len(self.ring) >= self._capacity():  # evict first, so its slot can be reused
-                self._drop_oldest()
-            rec.snapshot = self._take_snapshot()
+        if se and self.step % se == 0 and not self.ring.snapshots_refused:
+            self.ring.make_room()  # evict first, so its slot can be reused
+            rec.snapshot = self._pool.take(self.snapshot_state(clone=False))
         self._current = rec
-        self._refs = []
-        self._step_refs[rec.step] = self._refs
         self.ring.append(rec)
         self._evict()
         return rec
@@ -390,87 +278,48 @@ class Recorder:
         rec.rng = RNGState.capture()
         rec.training = [n for n, m in self._module_names if m.training]
         rec.autocast = None
-        kept = {id(t) for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)}
-        self._refs[:] = [r for r in self._refs if id(r.t) in kept]
+        self._inputs.keep_only(rec.step, [t for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)])
 
-    def _capture_buffers(self) -> dict[str, torch.Tensor]:
-        """Step-start buffers. Buffers seen to change during a step (BatchNorm running stats) are
-        copied; the others are referenced (their version counter proves them unchanged)."""
-        out = {}
-        for name, b in self.model.named_buffers():
-            if self._mutable_buffers is None or name in self._mutable_buffers:
-                out[name] = b.detach().clone()
-            else:
-                out[name] = b.detach()
-            self._buffer_versions[name] = b._version
-        return out
-
-    def _capture_tree(self, tree: Any) -> Any:
-        def cap(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            x = x.detach()
-            if self.config.copy_batch is not False:
-                try:
-                    ptr = x.untyped_storage().data_ptr()
-                except RuntimeError:
-                    ptr = 0
-                if ptr and ptr in self._storages and self._storages[ptr] != self.step and not self._copy:
-                    self._copy = True
-                    logger.info("nanreplay: the loop reuses an input buffer across steps; batches are copied from now on")
-                self._storages[ptr] = self.step
-            if self._copy:
-                return x.clone()
-            self._refs.append(_Ref(x))
-            return x
-
-        return map_tensors(cap, tree)
-
-    def _on_forward_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_forward_pre(self, args: tuple, kwargs: dict) -> None:
         # forwards without autograd (evaluation under no_grad) are not part of a training step
-        if self._replaying or not torch.is_grad_enabled():
-            return None
+        if self._replaying or self._closed or not torch.is_grad_enabled():
+            return
         rec = self._begin_step()
         if rec.autocast is None:
             rec.autocast = _autocast_state(args, kwargs)
         # a later micro-batch: the loop may have drawn random numbers since the step began
         rng = RNGState.capture() if rec.forwards else None
-        rec.forwards.append(ForwardRecord(inputs=self._capture_tree((args, kwargs)), rng=rng))
-        return None
+        rec.forwards.append(ForwardRecord(inputs=self._inputs.capture((args, kwargs), rec.step), rng=rng))
 
-    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled():
-            return None
+    def _on_forward(self, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._replaying or self._closed or not torch.is_grad_enabled():
+            return
         rec = self._current
         if rec is None or not rec.forwards or not self.config.capture_cotangent:
-            return None
+            return
         fw = rec.forwards[-1]
         leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
         cot: list[Any] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
         fw.cotangent = pytree.tree_unflatten(cot, spec)
-        holder = {"leaves": cot, "spec": spec}
 
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
 
-                def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw, h: dict = holder) -> None:
-                    h["leaves"][i] = g.detach()
-                    fw.cotangent = pytree.tree_unflatten(h["leaves"], h["spec"])
+                def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw) -> None:
+                    cot[i] = g.detach()
+                    fw.cotangent = pytree.tree_unflatten(cot, spec)
 
                 t.register_hook(hook)
-        return None
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    out.append((self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad))
-        return out
+        return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad)
+                for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.check_step()
-        return None
+
+    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.end_step()
 
     def check_step(self) -> Optional[bool]:
         """Check the gradients now (and the loss given to :meth:`log_loss`): one fused norm and
@@ -479,8 +328,16 @@ class Recorder:
         as ``action`` says (``"raise"`` raises here) and returns ``False``; returns ``None`` with
         ``check_every > 1``, where the verdict stays on the device until the next host read.
 
+        A step whose gradients are all finite but whose float32 2-norm overflows is an exploding
+        step, not a non-finite one: it is logged with the grad-norm history (and dumped with
+        ``dump_on_explosion``), and its true norm (float64) is kept in the ring buffer. Telling
+        the two apart costs one more ``_foreach_norm`` (max norm) on that rare path only.
+
         The optimizer step pre-hook calls it; call it yourself with
         ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
+        if self._closed:
+            return True
+        self._tap.check()
         rec = self._begin_step(capture=False)
         rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
         if self.config.check_every > 1:
@@ -491,6 +348,12 @@ class Recorder:
         self._pending_loss = None
         rec.grad_norm, rec.loss, agreed = self._read_check(norm, loss)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
+        if bad_grad and math.isinf(rec.grad_norm) and agreed is None:
+            wide = _overflowed_norm([g for _, g in grads])
+            if wide is not None:  # every gradient is finite: the float32 2-norm overflowed
+                rec.grad_norm = wide
+                bad_grad = False
+                self._on_explosion(rec, grads)
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._seal(rec)
@@ -499,10 +362,23 @@ class Recorder:
         if rec.finite:
             self.skipped = 0
             if self.config.check_update:
-                self._pre_update = self._take_snapshot()  # recycled slot: no allocation in steady state
+                self._pre_update = self._pool.take(self.snapshot_state(clone=False))  # recycled slot
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
+
+    def _on_explosion(self, rec: StepRecord, grads: list) -> None:
+        """A step whose finite gradients have a float32 2-norm that overflows (sum of squares)."""
+        history = [(r.step, r.grad_norm) for r in self.ring.upto(rec.step) if r.grad_norm is not None]
+        largest = max(grads, key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
+        logger.warning(
+            "nanreplay: step %d: exploding gradients: every gradient is finite, but the float32 2-norm overflows (the sum of "
+            "squares passes float32's range; in float64 the norm is %.4g; largest |gradient| %.4g in %s); grad norms of the "
+            "steps held: %s. Training goes on; the bundle is written at the first non-finite gradient%s",
+            rec.step, rec.grad_norm, float(largest[1].detach().abs().max()), largest[0],
+            ", ".join(f"{k}: {v:.3g}" for k, v in history), "" if not self.config.dump_on_explosion else " (and now: dump_on_explosion)")
+        if self.config.dump_on_explosion and self._dump_attempts < self.config.max_dumps:
+            self._dump(rec, grads, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
 
     def _read_check(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[Optional[float], Optional[float], Optional[bool]]:
         """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
@@ -527,26 +403,8 @@ class Recorder:
     def _seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
         modified a batch tensor in place (then switch to copying)."""
-        if self._mutable_buffers is None:
-            # the version counter alone misses BatchNorm's running stats: native_batch_norm writes
-            # them inside the kernel without bumping it. The first step copied every buffer, so
-            # compare values too (once; NaN compares unequal, which errs on the side of copying).
-            # Buffers of at most _SMALL_BUFFER bytes are copied every step whatever step 0 showed:
-            # running stats in a branch step 0 did not take change later, invisibly to the version
-            # counter, and copying them costs little. Larger ones (masks, rotary caches) are
-            # referenced unless step 0 changed them.
-            start = rec.buffers or {}
-            self._mutable_buffers = {
-                n for n, b in self.model.named_buffers()
-                if b.numel() * b.element_size() <= _SMALL_BUFFER
-                or b._version != self._buffer_versions.get(n) or not _same_tensor(b, start.get(n))
-            }
-        if self.config.copy_batch is None and not self._copy and any(not r.fresh() for r in self._refs):
-            self._copy = True
-            logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
-
-    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self.end_step()
+        self._buffers.learn(rec.buffers)
+        self._inputs.seal(rec.step)
 
     def end_step(self) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
@@ -559,7 +417,7 @@ class Recorder:
         self._pending_loss = None
         self._evict()
         if pre is not None and rec is not None and self._check_update(rec, pre):
-            self._release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
+            self._pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
 
     def _verify_skip(self) -> None:
         """After a skipped step: the version counters prove the optimizer left every parameter
@@ -577,6 +435,39 @@ class Recorder:
                 self.step, type(self.optimizer).__name__, len(changed), changed[:3],
             )
 
+    # -- the ring buffer's memory --------------------------------------------------------------
+    def _held(self, r: StepRecord) -> int:
+        """Bytes step ``r`` keeps alive beyond what training holds anyway, its snapshot excluded:
+        the storages of its batches and forward inputs (a kept reference holds the loader's
+        tensor, and a view its whole storage), its cotangents and its copied buffers."""
+        trees = [fw.inputs for fw in r.forwards] + [r.batches] + [fw.cotangent for fw in r.forwards if fw.cotangent is not None]
+        live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+        n = storage_bytes((t for tree in trees for t in pytree.tree_leaves(tree)), exclude=live)
+        return n + self._buffers.copied_bytes(r.buffers)
+
+    def _extra_bytes(self) -> int:
+        """Bytes held outside the ring's steps that count against the budget."""
+        n = self._pool.nbytes() + (self._latch.nbytes() if self._latch is not None else 0)
+        return n + (self._pre_update.nbytes() if self._pre_update is not None else 0)
+
+    def _on_drop(self, r: StepRecord, reuse: bool) -> None:
+        self._pool.release(r.snapshot, reuse=reuse)
+        self._inputs.forget(r.step)
+
+    def _drop_snapshot(self, r: StepRecord) -> None:
+        self._pool.release(r.snapshot, reuse=False)
+        r.snapshot = None
+
+    def _evict(self) -> None:
+        """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes (unchecked
+        steps of the sync-free mode are never evicted)."""
+        extra = self._extra_bytes()
+        if extra > self.config.memory_budget and self._pool.nbytes():
+            self._pool = SnapshotPool()  # the spare slot goes first
+            extra = self._extra_bytes()
+        self.ring.evict(extra=extra, protect={id(r) for r in self._pending}, current=self._current)
+
+    # -- check_update ---------------------------------------------------------------------------
     def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
         """``check_update``: one fused norm over the updated parameters and floating optimizer
         state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
@@ -587,78 +478,25 @@ class Recorder:
         if norm is None or math.isfinite(norm.item()):
             return True
         post = self.snapshot_state(clone=True) if self.config.action == "warn" else None
-        self._restore(pre)
+        restore_into(self.model, self.optimizer, pre)
         grads = self._grads()
         self.nonfinite_steps.append(rec.step)
         path = None
-        if len(self.bundles) < self.config.max_dumps:
-            path = self._dump(rec, grads, False, False, state=pre, update=True)
-        summary = (self.last_diagnosis or {}).get("summary")
+        if self._dump_attempts < self.config.max_dumps:
+            path = self._dump(rec, grads, state=pre, update=True)
         msg = (
             f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
-            + (f"; bundle: {path}" if path else "")
-            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
+            + self._outcome(path)
         )
         if self.config.action == "raise":
             raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
                                          bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
         if self.config.action == "warn":
-            self._restore(post)
+            restore_into(self.model, self.optimizer, post)
             logger.warning("nanreplay: %s; the update is kept (action='warn')", msg)
             return False
         logger.warning("nanreplay: %s; the update was undone (action='skip')", msg)
         return False
-
-    def _restore(self, snap: Optional[Snapshot]) -> None:
-        """Copy a cloned snapshot back into the live model and optimizer."""
-        if snap is None:
-            return
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                if n in snap.params:
-                    p.copy_(snap.params[n])
-        if snap.optimizer is not None:
-            self.optimizer.load_state_dict(snap.optimizer)
-
-    # -- weight snapshots in recycled slots -------------------------------------------------------
-    def _take_snapshot(self) -> Snapshot:
-        """A step-start copy of the weights, buffers and optimizer state, copied with one
-        ``torch._foreach_copy_`` into a slot recycled from an evicted snapshot when one of the
-        same layout is free (else freshly cloned). Costs one read and one write of the state's
-        bytes, no allocation in steady state, no sync."""
-        live = self.snapshot_state(clone=False)
-        leaves, spec = pytree.tree_flatten((live.params, live.buffers, live.optimizer))
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        key = _layout(spec, tensors)
-        slot = next((s for s in self._free_slots if s.key == key), None)
-        if slot is not None:
-            self._free_slots.remove(slot)
-            copy_all(slot.tensors, tensors)
-        else:
-            slot = _Slot(key, [t.clone() for t in tensors])
-        it = iter(slot.tensors)
-        params, buffers, opt = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-        extra = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, live.extra)
-        return _SlotSnapshot(params=params, buffers=buffers, optimizer=opt, extra=extra, slot=slot)
-
-    def _release(self, snap: Optional[Snapshot], *, reuse: bool = True) -> None:
-        """Give an evicted snapshot's tensors back for reuse (one free slot is kept); with
-        ``reuse=False`` (dropped to honour ``memory_budget``) they are freed instead."""
-        if isinstance(snap, _SlotSnapshot) and snap.slot is not None:
-            if reuse:
-                self._free_slots[:] = [snap.slot]
-            snap.slot = None
-
-    def _capacity(self) -> int:
-        # unchecked steps (check_every > 1) come on top of the steps asked for
-        return self.config.capacity + self.config.check_every - 1
-
-    def _drop_oldest(self, *, reuse: bool = True) -> StepRecord:
-        r = self.ring.popleft()
-        self._release(r.snapshot, reuse=reuse)
-        self._held_cache.pop(r.step, None)
-        self._step_refs.pop(r.step, None)
-        return r
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
     def _check_lagged(self, rec: StepRecord) -> None:
@@ -671,11 +509,11 @@ class Recorder:
         loss = self._pending_loss if self.config.check_loss else None
         self._pending_loss = None
         rec._loss_t = loss  # type: ignore[attr-defined]
-        bad = _nonfinite_flag(rec._norm_t, loss)  # type: ignore[attr-defined]
+        bad = nonfinite_flag(rec._norm_t, loss)  # type: ignore[attr-defined]
         if bad is not None:
             if self._latch is None:
-                self._latch = _Latch()
-            self._latch.update(self, rec, grads, bad)
+                self._latch = Latch()
+            self._latch.update(self.model, self.optimizer, grads, bad)
         self._pending.append(rec)
         self._seal(rec)
         if len(self._pending) >= self.config.check_every:
@@ -711,63 +549,70 @@ class Recorder:
                 r.finite = None  # ran on corrupted weights: its verdict says nothing
             after = after or r is first
         assert latch is not None, "a non-finite step has gone through the latch"
-        live_sd = self.optimizer.state_dict()
-        state = latch.snapshot(self, live_sd, first)
+        state = latch.snapshot(self.optimizer.state_dict(), first)
         restore = self.config.action in ("raise", "skip")
+        saved = None
         if restore or self.config.diagnose:
             saved = None if restore else self.snapshot_state(clone=True)
-            self._load_state(state)
+            restore_into(self.model, self.optimizer, state)
         bad_grad = first.grad_norm is not None and not math.isfinite(first.grad_norm)
         bad_loss = first.loss is not None and not math.isfinite(first.loss)
         try:
             if final:
                 self.nonfinite_steps.append(first.step)
-                if len(self.bundles) < self.config.max_dumps:
+                if self._dump_attempts < self.config.max_dumps:
                     self._dump(first, latch.grad_list(), bad_grad, bad_loss, state=state)
                 return
             self._handle_nonfinite(first, latch.grad_list(), bad_grad, bad_loss, state=state)
         finally:
-            if not restore and self.config.diagnose:
-                self._load_state(saved)
+            if saved is not None:
+                restore_into(self.model, self.optimizer, saved)
             latch.reset()
 
-    def _load_state(self, snap: Snapshot) -> None:
-        """Copy a snapshot's weights, buffers and optimizer state tensors into the live ones, in place
-        (the live tensors never alias the snapshot's, which may be a reused slot)."""
-        live = dict(self.model.named_parameters())
-        dst = [live[n].detach() for n in snap.params]
-        src = list(snap.params.values())
-        bufs = dict(self.model.named_buffers())
-        for n, b in snap.buffers.items():
-            if n in bufs and bufs[n] is not b:
-                dst.append(bufs[n])
-                src.append(b)
-        if snap.optimizer is not None:
-            dst += [t for t in pytree.tree_leaves(self.optimizer.state_dict()["state"]) if isinstance(t, torch.Tensor)]
-            src += [t for t in pytree.tree_leaves(snap.optimizer["state"]) if isinstance(t, torch.Tensor)]
-        if len(dst) != len(src):
-            raise RuntimeError(f"nanreplay: cannot put back the saved state: {len(src)} tensors saved, {len(dst)} live")
-        with torch.no_grad():
-            copy_all(dst, src)
+    # -- GradScaler ------------------------------------------------------------------------------
+    def _on_scaler_skip(self, scale: float) -> None:
+        """The GradScaler skipped the step in progress (``scaler.update()`` without an
+        ``optimizer.step()``): normal, unless the loss scale cannot fix it."""
+        rec = self._current
+        assert rec is not None and self._amp is not None
+        rec.scaler_skipped = True
+        rec.finite = False
+        rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
+        loss = self._pending_loss
+        rec.loss = float(loss) if loss is not None else None
+        self._seal(rec)
+        try:
+            failure = self._amp.failure(self.config.min_scale, self.config.max_scaler_skips)
+            if failure is not None:
+                why, kind = failure
+                grads = self._grads()
+                norm = fused_norm([g for _, g in grads])
+                rec.grad_norm = float(norm) if norm is not None else None
+                self._handle_nonfinite(
+                    rec, grads, bad_grad=True, bad_loss=rec.loss is not None and not math.isfinite(rec.loss),
+                    cause={"message": f"non-finite gradients that the loss scale cannot fix: {why}", "scaler_failure": kind},
+                )
+        finally:
+            self.end_step()
 
     # -- the non-finite path -------------------------------------------------------------------
     def snapshot_state(self, *, clone: bool) -> Snapshot:
         """The model's weights and buffers and the optimizer's state now (references, or copies
-        with ``clone=True``)."""
-        cp = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
-        opt_sd = self.optimizer.state_dict()
-        if clone:
-            opt_sd = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, opt_sd)
+        with ``clone=True``), with the GradScaler's state under ``extra["scaler"]``."""
         extra = {}
         if self._amp is not None:
             extra["scaler"] = self._amp.state_for_bundle()
         elif self.scaler is not None and hasattr(self.scaler, "state_dict"):
             extra["scaler"] = self.scaler.state_dict()
-        return Snapshot(
-            params={n: cp(p) for n, p in self.model.named_parameters()},
-            buffers={n: cp(b) for n, b in self.model.named_buffers()},
-            optimizer=opt_sd,
-            extra=extra,
+        return live_state(self.model, self.optimizer, clone=clone, extra=extra)
+
+    def _outcome(self, path: Optional[Path]) -> str:
+        """The part of a message that says where the bundle is and what the diagnosis found."""
+        summary = (self.last_diagnosis or {}).get("summary") if path else None
+        return (
+            (f"; bundle: {path}" if path else "; no bundle written")
+            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
+            + (f"; replay it with: nanreplay replay {_shell_path(path)}" if path else "")
         )
 
     def _handle_nonfinite(
@@ -785,31 +630,27 @@ class Recorder:
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
         action = self.config.action
-        first = len(self.bundles) < self.config.max_dumps and (action == "raise" or self.skipped == 0)
+        first = self._dump_attempts < self.config.max_dumps and (action == "raise" or self.skipped == 0)
         cause = dict(cause or {})
         if self.dist is not None:
-            cause = {**self.dist.reason(), **cause}
+            info = self.dist.reason()
+            self.extra_meta.update(self.dist.meta(info["distributed"]))
+            cause = {**info, **cause}
         if self._amp is not None:
             cause = {**self._amp.reason(bad_grad), **cause}
         path: Optional[Path] = None
         if first:
             path = self._dump(rec, grads, bad_grad, bad_loss, cause, state=state)
         what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
-        summary = (self.last_diagnosis or {}).get("summary") if first else None
         head = cause.get("message") or f"non-finite {what}"
-        msg = (
-            f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})"
-            + (f"; bundle: {path}" if path else "; no bundle written" if first else "")
-            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
-            + (f"; replay it with: nanreplay replay {path}" if path else "")
-        )
+        msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._outcome(path) if first else "")
         if action == "warn":
             logger.warning("nanreplay: %s; the step proceeds (action='warn')", msg)
             return
         if state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
-            self._restore_buffers(rec)
+            load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
         if action == "raise":
-            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
+            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis if first else None)
         # skip: drop the gradients so the optimizer leaves weights and state untouched
         self.skipped += 1
         if self.skipped > self.config.max_consecutive:
@@ -822,31 +663,25 @@ class Recorder:
             )
         logger.warning("nanreplay: %s; skipping this optimizer step (%d in a row)", msg, self.skipped)
         self._skip_versions = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
-        # with check_every > 1, _check_pending already put back step rec's pre-step state
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
-
-    def _restore_buffers(self, rec: StepRecord) -> None:
-        """Put back the step-start buffers of a step that is skipped or raised on: its forward
-        already wrote them (BatchNorm's running stats, from a NaN batch, stay NaN for good)."""
-        load_buffers(self.model, rec.buffers or {})
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
         ``state``: the pre-step state when it is no longer the live one (``check_update``,
         ``check_every > 1``); it is copied shallowly, never modified."""
-        state = self.snapshot_state(clone=False) if state is None else dataclasses.replace(state)
+        state = replace_snapshot(self.snapshot_state(clone=False) if state is None else state)
         if rec.buffers is not None:
             state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
         grad_tensors = {n: g.detach() for n, g in grads}
         if self.dist is not None:
             grad_tensors = self.dist.local_grads(grads, grad_tensors)
-        steps = [r for r in self.ring if r.step <= rec.step]
+        steps = self.ring.upto(rec.step)
         for r in steps:
             r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step
             # a reference whose version counter moved no longer holds what the step saw
-            r.stale_inputs = any(not ref.fresh() for ref in self._step_refs.get(r.step, ()))
+            r.stale_inputs = self._inputs.stale(r.step)
             if r.stale_inputs:
                 logger.warning("nanreplay: step %d's inputs were modified in place after capture; the bundle marks them stale", r.step)
         group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
@@ -867,7 +702,11 @@ class Recorder:
             extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta},
         )
 
-    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, cause: Optional[dict] = None, *, state: Optional[Snapshot] = None, update: bool = False) -> Optional[Path]:
+    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool = False, bad_loss: bool = False, cause: Optional[dict] = None, *,
+              state: Optional[Snapshot] = None, update: bool = False) -> Optional[Path]:
+        """Write the bundle of step ``rec``, then diagnose it in process and write it again with
+        the diagnosis. Never raises: a failure is logged and training goes on."""
+        self._dump_attempts += 1
         t0 = time.perf_counter()
         reason = {
             "nonfinite_grad": bad_grad,
@@ -883,83 +722,119 @@ class Recorder:
         except Exception:  # never let the recorder kill training by itself
             logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
             return None
-        if self.config.diagnose:
-            try:
-                from ..diagnosis.api import diagnose_live
-
-                self._replaying = True  # keep this recorder's own hooks quiet during the replay
-                try:
-                    content.diagnosis = diagnose_live(self.model, content, loss_fn=self.loss_fn, allow=self.config.allow_nonfinite)
-                finally:
-                    self._replaying = False
-                if self.dist is not None:
-                    self.dist.annotate(content.diagnosis)
-                self.last_diagnosis = content.diagnosis
-            except Exception:
-                logger.exception("nanreplay: in-process diagnosis of step %d failed; the bundle is written without it", rec.step)
-        ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
-        path = Path(self.config.out_dir) / f"nanreplay-step{rec.step}{self._name_suffix()}{ext}"
+        path: Any = self.config.out_dir
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path = self._bundle_path(rec.step)
             written = write_bundle(path, content)
         except Exception:
-            logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on", rec.step, path)
+            logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
+                             "dumps tried)", rec.step, path, self._dump_attempts, self.config.max_dumps)
             return None
         self.bundles.append(written)
         logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        if self.config.diagnose:
+            self._diagnose_into(content, written)
         return written
 
-    def _name_suffix(self) -> str:
-        return self.dist.name_suffix() if self.dist is not None else ""
+    def _diagnose_into(self, content: BundleContent, path: Path) -> None:
+        """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds; on
+        success the bundle is written again with it."""
+        from ..diagnosis.api import diagnose_live
 
-    def held_bytes(self) -> int:
-        """Bytes the ring buffer holds beyond what training holds anyway, as counted against
-        ``memory_budget``: copied batches, kept cotangents, weight snapshots and copied
-        step-start buffers, summed over the steps held. Host cost: a walk over the ring's
-        tensors, no device sync."""
-        n = sum(self._held(r) for r in self.ring)
-        n += sum(_tensor_bytes(s.tensors) for s in self._free_slots)
-        return n + (self._latch.nbytes() if self._latch is not None else 0)
+        step = content.failing_step
+        timeout = self.config.diagnose_timeout
+        logger.warning("nanreplay: diagnosing step %d in process%s (skip it with Recorder(..., diagnose=False); "
+                       "`nanreplay replay %s` does the same later)", step, f", at most {timeout:g} s" if timeout else "", _shell_path(path))
+        t0 = time.perf_counter()
+        last = [t0]
 
-    def _held(self, r: StepRecord) -> int:
-        """Bytes step ``r`` keeps alive beyond what training holds anyway: its batches and forward
-        inputs (referenced or copied: a reference keeps the loader's tensor alive too), its
-        cotangents, its copied buffers and its snapshot. Cached once the step is over (its
-        content no longer changes); the snapshot is counted apart, since eviction drops it first."""
-        n = self._held_cache.get(r.step) if r is not self._current else None
-        if n is None:
-            n = sum(_nbytes(fw.inputs) for fw in r.forwards) + _nbytes(r.batches)
-            n += sum(_nbytes(fw.cotangent) for fw in r.forwards if fw.cotangent is not None)
-            if r.buffers:
-                live = {n_: b for n_, b in self.model.named_buffers()}
-                n += sum(t.numel() * t.element_size() for k, t in r.buffers.items() if live.get(k) is not t)
-            if r is not self._current:
-                self._held_cache[r.step] = n
-        return n + (r.snapshot.nbytes() if r.snapshot is not None else 0)
+        def progress(message: str) -> None:
+            now = time.perf_counter()
+            if now - last[0] >= 3.0:  # work over a few seconds is shown, not every stage
+                last[0] = now
+                logger.warning("nanreplay: diagnosis of step %d: %s (%.0f s)", step, message, now - t0)
 
-    def _evict(self) -> None:
-        """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes."""
-        while len(self.ring) > self._capacity():
-            self._drop_oldest()
-        held = self._held
-        budget = self.config.memory_budget
-        total = sum(held(r) for r in self.ring)
-        for r in list(self.ring)[:-1]:  # oldest snapshots first
-            if total <= budget:
-                return
-            if r.snapshot is not None:
-                total -= r.snapshot.nbytes()
-                self._release(r.snapshot, reuse=False)
-                r.snapshot = None
-        pending = {id(r) for r in self._pending}  # unchecked steps are never evicted
-        while total > budget and len(self.ring) > 1 and id(self.ring[0]) not in pending:
-            total -= held(self._drop_oldest(reuse=False))
-        if total > budget and self.ring:
-            r = self.ring[-1]
-            if r.snapshot is not None:
-                self._release(r.snapshot, reuse=False)
-                r.snapshot = None
-                logger.warning("nanreplay: one weight snapshot exceeds memory_budget=%d bytes; snapshots are off", budget)
+        self._replaying = True  # keep this recorder's own hooks quiet during the replay
+        try:
+            diag = diagnose_live(self.model, content, loss_fn=self.loss_fn, allow=self.config.allow_nonfinite,
+                                 progress=progress, timeout=timeout)
+        except Exception as e:
+            logger.warning("nanreplay: the in-process diagnosis of step %d stopped (%s: %s); the bundle %s holds everything: "
+                           "run `nanreplay replay %s`", step, type(e).__name__, e, path, _shell_path(path))
+            return
+        finally:
+            self._replaying = False
+        if self.dist is not None:
+            self.dist.annotate(diag)
+        self.last_diagnosis = content.diagnosis = diag
+        logger.warning("nanreplay: diagnosis of step %d (%.1f s): %s", step, time.perf_counter() - t0, diag.get("summary"))
+        try:
+            write_bundle(path, content)
+        except Exception:
+            logger.exception("nanreplay: could not add the diagnosis to %s; the bundle stays as written", path)
+
+    def _bundle_path(self, step: int) -> Path:
+        """A new bundle path in ``out_dir``: ``nanreplay-step{N}[-rank{r}of{w}].{ext}``, with a
+        ``-2``, ``-3``... suffix when a bundle of that name exists (never overwrite an older one)."""
+        ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
+        suffix = self.dist.name_suffix() if self.dist is not None else ""
+        out = Path(self.config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"nanreplay-step{step}{suffix}{ext}"
+        n = 2
+        while path.exists():
+            path = out / f"nanreplay-step{step}{suffix}-{n}{ext}"
+            n += 1
+        return path
+
+
+def unwrap_ddp_only(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The ``DistributedDataParallel`` module in ``model``'s wrapper chain, if any."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            return m
+        m = getattr(m, "module", None) or getattr(m, "_orig_mod", None)
+        if not isinstance(m, torch.nn.Module):
+            return None
+    return None
+
+
+def _check_out_dir(out_dir: Any) -> None:
+    """``out_dir`` must be a directory that exists or can be created, and is writable.
+
+    Raises:
+        ValueError: it (or an ancestor) is a file, or it cannot be created or written; the message
+            says which path is in the way.
+    """
+    p = Path(out_dir)
+    probe = p
+    while not probe.exists() and probe.parent != probe:  # the nearest existing ancestor decides
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "" if probe == p else f" (its ancestor {str(probe)!r} is a file)"
+        raise ValueError(f"out_dir={str(p)!r} cannot be a directory for bundles{where if where else ': it is a file'}; pass another out_dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "it" if probe == p else f"its ancestor {str(probe)!r}"
+        raise ValueError(f"out_dir={str(p)!r} is not writable: {where} does not allow this user to write; pass an out_dir you can write to")
+
+
+def _shell_path(path: Any) -> str:
+    """``path`` as it can be pasted into a shell."""
+    import shlex
+
+    return shlex.quote(str(path))
+
+
+def _overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:
+    """The float64 2-norm of ``grads`` when every gradient is finite (the float32 norm overflowed),
+    else ``None``. Rare path: one ``_foreach_norm(inf)`` and one float64 pass."""
+    if not grads:
+        return None
+    maxes = fused_norm(grads, ord=math.inf)
+    if maxes is None or not math.isfinite(float(maxes)):
+        return None
+    return math.sqrt(sum(float(torch.linalg.vector_norm(g.detach().double(), 2)) ** 2 for g in grads))
 
 
 def _lr_value(lr: Any) -> Any:
@@ -991,114 +866,3 @@ def _autocast_state(*trees: Any) -> Optional[dict]:
         except (TypeError, RuntimeError):  # a device type this torch has no autocast for
             continue
     return None
-
-
-def _same_tensor(live: torch.Tensor, saved: Optional[torch.Tensor]) -> bool:
-    """Whether ``saved`` (a step-start copy) still equals ``live``: same shape, dtype and values."""
-    return saved is not None and saved is not live and saved.shape == live.shape and saved.dtype == live.dtype and torch.equal(saved, live.detach())
-
-
-def _tensor_bytes(ts: list) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _layout(spec: Any, tensors: list) -> tuple:
-    return (str(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
-
-
-def _nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A 0-dim bool device tensor: True when the grad norm or the loss is non-finite. No sync."""
-    flags = [torch.logical_not(torch.isfinite(t.detach().reshape(()))) for t in (norm, loss) if t is not None]
-    if not flags:
-        return None
-    out = flags[0]
-    for f in flags[1:]:
-        out = out | f.to(out.device)
-    return out
-
-
-@dataclass
-class _Slot:
-    """Preallocated tensors of one snapshot layout (``key``), recycled between snapshots."""
-
-    key: tuple
-    tensors: list
-
-
-@dataclass
-class _SlotSnapshot(Snapshot):
-    slot: Optional[_Slot] = None
-
-
-class _Latch:
-    """The sync-free mode's device-side evidence: the pre-step params, optimizer state tensors
-    and gradients of the first non-finite step since the last host check.
-
-    Every step, before its update: ``slot = where(latched, slot, live)`` for each tensor, then
-    ``latched |= bad``. So the slot follows the live state until a non-finite step, holds that
-    step's values from then on, and the host never has to look in between. The layout of the
-    live state (params with and without gradients, optimizer state tensors created lazily on the
-    first step) may change while the latch is open; the slot is then reallocated, which is only
-    right while nothing has latched, so a layout change also reads the latch (the one case that
-    syncs between checks: the first step of a fresh optimizer, and the first after a param starts
-    receiving gradients).
-    """
-
-    def __init__(self) -> None:
-        self.latched: Optional[torch.Tensor] = None  # 0-dim bool, device
-        self.key: Optional[tuple] = None
-        self.names: list[str] = []
-        self.live_spec: Any = None
-        self.params: list[torch.Tensor] = []
-        self.opt: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-
-    def update(self, recorder: "Recorder", rec: StepRecord, grads: list, bad: torch.Tensor) -> None:
-        params = [(n, p.detach()) for n, p in recorder.model.named_parameters()]
-        opt_leaves, opt_spec = pytree.tree_flatten(recorder.optimizer.state_dict()["state"])
-        opt_t = [t for t in opt_leaves if isinstance(t, torch.Tensor)]
-        g = [t for _, t in grads]
-        key = (tuple(n for n, _ in params), _layout(opt_spec, opt_t), tuple(n for n, _ in grads), _layout(None, g))
-        dev = bad.device
-        if key != self.key:
-            if self.latched is not None and bool(self.latched):  # layout change after a latch: keep it frozen
-                self.latched = self.latched | bad
-                return
-            self.key, self.names, self.live_spec = key, [n for n, _ in grads], opt_spec
-            self.params = [p.clone() for _, p in params]
-            self.opt = [t.clone() for t in opt_t]
-            self.grads = [t.detach().clone() for t in g]
-            self.latched = torch.zeros((), dtype=torch.bool, device=dev)
-        else:
-            keep = self.latched
-            for dst, src in zip(self.params + self.opt + self.grads, [p for _, p in params] + opt_t + g):
-                torch.where(keep.to(dst.device), dst, src.detach(), out=dst)
-        self.latched = self.latched | bad
-
-    def reset(self) -> None:
-        """Open the latch again after a host check; the slot's tensors are kept for reuse."""
-        if self.latched is not None:
-            self.latched = torch.zeros_like(self.latched)
-
-    def snapshot(self, recorder: "Recorder", live_sd: dict, rec: StepRecord) -> Snapshot:
-        """The latched step's pre-step state as a Snapshot (params, buffers from the ring record,
-        optimizer state with the slot's tensors and the live non-tensor entries, lrs of ``rec``)."""
-        names = self.key[0] if self.key else ()
-        leaves, spec = pytree.tree_flatten(live_sd["state"])
-        it = iter(self.opt)
-        state = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-        groups = [dict(gr) for gr in live_sd["param_groups"]]
-        for gr, lr in zip(groups, rec.lrs):
-            gr["lr"] = lr
-        return Snapshot(
-            params=dict(zip(names, self.params)),
-            buffers=dict(rec.buffers or {}),
-            optimizer={"state": state, "param_groups": groups},
-            extra={},
-        )
-
-    def grad_list(self) -> list:
-        return list(zip(self.names, self.grads))
-
-    def nbytes(self) -> int:
-        return _tensor_bytes(self.params + self.opt + self.grads)

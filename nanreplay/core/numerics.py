@@ -26,10 +26,10 @@ def is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def fused_norm(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The 2-norm over all ``tensors`` as a 0-dim float32 tensor on the first tensor's device,
-    computed with one ``_foreach_norm`` per (device, dtype) group and no host sync.
-    Returns ``None`` for an empty sequence.
+def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[torch.Tensor]:
+    """The ``ord``-norm (2 or ``math.inf``) over all ``tensors`` as a 0-dim float32 tensor on the
+    first tensor's device, computed with one ``_foreach_norm`` per (device, dtype) group and no
+    host sync. Returns ``None`` for an empty sequence.
     """
     if not tensors:
         return None
@@ -40,12 +40,12 @@ def fused_norm(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     norms: list[torch.Tensor] = []
     for (dev, _), ts in groups.items():
         try:
-            per = torch._foreach_norm(ts, 2, dtype=torch.float32)
+            per = torch._foreach_norm(ts, ord, dtype=torch.float32)
         except (TypeError, RuntimeError):  # older torch without the dtype argument
-            per = torch._foreach_norm([t.float() for t in ts], 2)
+            per = torch._foreach_norm([t.float() for t in ts], ord)
         stacked = torch.stack(per)
         norms.append(stacked.to(device, non_blocking=True) if dev != device else stacked)
-    return torch.linalg.vector_norm(torch.cat(norms), 2)
+    return torch.linalg.vector_norm(torch.cat(norms), ord)
 
 
 def any_nonfinite(ts: Sequence[torch.Tensor]) -> bool:

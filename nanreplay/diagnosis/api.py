@@ -12,6 +12,7 @@ import torch
 from ..core.allowlist import Allowlist
 from ..core.callables import import_callable
 from ..core.state import load_buffers
+from ..engine.deadline import deadline
 from ..engine.run import StepInputs, preserve_live, run_step
 from ..engine.state import build_model, load_state, recorded_device
 from ..format.bundle import Bundle, open_bundle
@@ -45,7 +46,7 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
 
 
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
-                  progress: Optional[Progress] = None) -> dict:
+                  progress: Optional[Progress] = None, timeout: Optional[float] = None) -> dict:
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
     (``content.steps[-1]``) on the live ``model``, whose weights are still the pre-step weights,
     then puts back the live gradients, buffers, module modes and RNG states, so training can
@@ -58,6 +59,10 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
             recorded cotangent.
         allow: extra allowlist rules (``RecorderConfig.allow_nonfinite``).
         progress: told what the diagnosis is doing.
+        timeout: seconds the diagnosis may take (``None``: no limit).
+
+    Raises:
+        DiagnosisTimeout: past ``timeout``; the live model is left as it was found.
     """
     rec = content.steps[-1]
     inp = StepInputs(
@@ -66,7 +71,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         allow=Allowlist(allow), optimizer_info=content.optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
     )
-    with preserve_live(model):
+    with deadline(timeout), preserve_live(model):
         load_buffers(model, content.state.buffers)
         return replay_step(model, inp, progress=progress)
 

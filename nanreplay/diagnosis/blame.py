@@ -24,6 +24,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
 from ..core.state import load_buffers
+from ..errors import DiagnosisTimeout
+from ..engine.deadline import check_deadline
 from .evidence import domain_explanation
 from ..format.records import ForwardRecord, Snapshot, StepRecord
 from ..core.numerics import is_float
@@ -124,6 +126,7 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
         if runs >= max_runs:
             complete = False
             return False
+        check_deadline()
         runs += 1
         if progress is not None:
             progress(f"per-sample replay {runs} (samples {idx[:4]}{'...' if len(idx) > 4 else ''} of {size})")
@@ -131,6 +134,8 @@ def samples_to_blame(model: torch.nn.Module, inp: Any, *, phase: str, device: Op
         sub = StepInputs(record=_slice_record(inp.record, idx, size), state=inp.state, recorded_grads={}, loss_fn=inp.loss_fn)
         try:
             res = run_step(model, sub, ops=False, device=device)
+        except DiagnosisTimeout:
+            raise
         except Exception as e:  # e.g. BatchNorm refuses a batch of one in training mode
             msg = f"the replay of samples {idx[:4]}{'...' if len(idx) > 4 else ''} failed: {type(e).__name__}: {str(e)[:120]}"
             if msg not in warnings:
@@ -230,6 +235,8 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
     mon.phase = "optimizer"
     try:
         opt, params = _step(info, state, grads, device, sd, mon)
+    except DiagnosisTimeout:
+        raise
     except Exception as e:
         logger.warning("nanreplay: could not replay the optimizer update: %s: %s", type(e).__name__, e)
         return {"nonfinite": False, "error": f"{type(e).__name__}: {e}"}

@@ -23,6 +23,7 @@ from ..core.allowlist import Allowlist
 from ..core.numerics import Health, any_nonfinite, is_float, tensor_health
 from ..core.tree import tensor_leaves
 from . import probes
+from .deadline import check_deadline
 
 __all__ = ["born", "ModuleMonitor", "OpMonitor"]
 
@@ -61,6 +62,7 @@ class ModuleMonitor:
         self._stack.append(tensor_health(tensor_leaves((args, kwargs))))
 
     def _post(self, mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        check_deadline()
         h_in = self._stack.pop() if self._stack else None
         h_out = tensor_health(tensor_leaves(out))
         name = self.fqn.get(id(mod), "?")
@@ -123,6 +125,7 @@ class OpMonitor(TorchDispatchMode):
     _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        check_deadline()
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
         if name in self._UNINITIALISED:

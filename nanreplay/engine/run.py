@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live"]
 
 
+
 @dataclass
 class StepInputs:
     """What a replay of one step needs, wherever it comes from (live recorder or bundle)."""

@@ -1,0 +1,149 @@
+"""The Recorder's options, validated when built (the way torchtitan's ``JobConfig`` validates:
+keyword-only dataclass fields, one docstring entry each, a ``__post_init__`` that names the bad value)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = ["RecorderConfig", "ACTIONS"]
+
+#: what the Recorder does on a non-finite step
+ACTIONS = ("raise", "skip", "warn")
+
+
+@dataclass(kw_only=True)
+class RecorderConfig:
+    """Options of :class:`Recorder`; every field can also be passed to ``Recorder(...)`` directly.
+
+    Attributes:
+        action: what to do on a non-finite step. ``"raise"`` (default): dump, then raise
+            :class:`~nanreplay.errors.NonFiniteGradientError` from ``optimizer.step()`` before any
+            weight changes. ``"skip"``: dump on the first occurrence, drop this step's gradients so
+            the optimizer leaves weights and state untouched, raise after ``max_consecutive``
+            consecutive skips. Both put back the step-start buffers (BatchNorm running stats the
+            failing forward already wrote). ``"warn"``: dump, log a warning, let the step proceed.
+        capacity: steps kept in the ring buffer (>= 1). Each step costs references to its batch
+            and cotangents (their bytes count against ``memory_budget``) and ~5 KiB of RNG state.
+        snapshot_every: every N steps, copy the step-start weights, buffers and optimizer state
+            into the ring buffer (0 = never). Costs one copy of params + optimizer state per
+            snapshot (about 3x the parameter bytes for Adam) in time and memory; ``nanreplay
+            bisect`` needs it to compare the failing step with an earlier, finite one. The failing
+            step's own pre-step state is always saved, at no per-step cost.
+        memory_budget: bytes the ring buffer may keep alive beyond what training holds anyway:
+            past steps' batches and forward inputs (a kept reference holds the loader's tensor
+            too), cotangents, copied buffers, weight snapshots, recycled snapshot slots.
+            Oldest snapshots, then oldest steps, are evicted to stay within it; the step in
+            progress is kept whole (``held_bytes()`` says what is held now).
+        out_dir: directory for bundles (created on first dump).
+        bundle_format: ``"h5"`` (HDF5) or ``"safetensors"``.
+        max_consecutive: with ``action="skip"``, raise after this many consecutive skipped steps.
+        max_dumps: bundles written per Recorder (the first non-finite steps), to keep ``warn`` and
+            ``skip`` runs from filling the disk.
+        diagnose: replay the failing step in process right after detection and store the
+            diagnosis in the bundle and the exception message.
+        copy_batch: ``None`` (auto: keep references, switch to copies once a batch tensor is seen
+            reused or modified in place), ``True`` (always copy), ``False`` (never copy).
+        capture_cotangent: keep the gradient w.r.t. the model's outputs, so a model-only replay
+            works without the loss function.
+        check_loss: also check the loss given to :meth:`Recorder.log_loss`.
+        check_in_optimizer_step: run the check in the optimizer's step pre-hook (default). Turn it
+            off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
+            (Lightning does), and call :meth:`Recorder.check_step` where the gradients are ready.
+        origin_hook: when ``model`` is a ``DistributedDataParallel``, register the comm hook of
+            :func:`nanreplay.capture.ddp.register_origin_hook` (each bucket checked before its
+            all-reduce, so the rank where a non-finite gradient was born is known). Needs one extra
+            copy of the gradients per step (the rank-local gradients, kept until the step ends).
+        min_scale: with a GradScaler, dump when a skipped step leaves the loss scale below this.
+        max_scaler_skips: with a GradScaler, dump when more than this many consecutive steps were
+            skipped for non-finite gradients (a healthy fp16 run skips a few in a row at most).
+        check_every: read the check's verdict on the host every N steps (1 = every step, one host
+            sync per step). With N > 1 the check is sync-free in between: each step's grad norm
+            (and loss) stays a device scalar, and a device-side latch copies the step's pre-step
+            weights, optimizer state tensors and gradients into one preallocated slot, with
+            ``torch.where`` under the latch, until a non-finite step sets it; from then on the slot
+            is frozen. When the host reads the verdicts (one ``tolist()`` every N steps, and at
+            :meth:`Recorder.close`) and finds the first non-finite step k, the bundle holds step
+            k's batch, RNG states, learning rates, step-start buffers (from the ring buffer, whose
+            unchecked steps are never evicted), pre-step weights, optimizer state and gradients
+            (from the slot): the same content as with N = 1. What differs: steps k+1.. ran on the
+            corrupted weights until the host learned of it; ``"raise"`` and ``"skip"`` put the
+            weights and optimizer state back to step k's pre-step values (``"skip"`` then goes
+            on from there, so the updates of steps k..k+N-1 are dropped), ``"warn"`` leaves them.
+            Cost per step: one masked copy of params + optimizer state + gradients (read 2x,
+            write 1x; about 4x the parameter bytes for Adam, held once). Worth it where a host
+            sync costs more than that copy (GPUs); on CPU a sync is free and N = 1 is cheaper.
+        check_update: also check the optimizer update (off by default). Every step, the
+            pre-step weights and optimizer state are copied in the step pre-hook (one copy of
+            params + optimizer state: about 3x the parameter bytes for Adam, in memory and in
+            device copy time per step), and after ``optimizer.step()`` one fused
+            ``_foreach_norm`` over the updated parameters and floating optimizer state with one
+            host read tells whether the update made them non-finite. Then the pre-step weights and
+            state are put back (for ``raise`` and ``skip``; ``warn`` keeps the update), a bundle is
+            written with the pre-step state and the (finite) gradients, and the diagnosis replays
+            the update to name the parameter and the state key.
+        allow_nonfinite: extra allowlist rules for legitimate non-finite values, ``"MODULE:OP"``
+            or ``"MODULE:OP:-inf"`` (fnmatch patterns, see :class:`nanreplay.core.allowlist.AllowRule`),
+            on top of the default rules for -Inf attention masks; stored in the bundle
+            (``meta["replay_options"]``) for later replays.
+        diagnose_timeout: seconds the in-process diagnosis may take (``None``: no cap). The
+            bundle is written before the diagnosis starts, so a diagnosis cut short loses
+            nothing: the bundle then says the diagnosis timed out, and ``nanreplay replay``
+            runs it out of process with no cap.
+        dump_on_explosion: also write a bundle on a step whose gradients are all finite but
+            whose 2-norm overflows float32 (an exploding step). By default such a step is
+            logged as a warning with the grad-norm history and training goes on; the bundle is
+            written at the first truly non-finite gradient, whose history then shows the
+            explosion.
+    """
+
+    action: str = "raise"
+    capacity: int = 4
+    snapshot_every: int = 0
+    memory_budget: int = 2 << 30
+    out_dir: Union[str, Path] = "nanreplay_bundles"
+    bundle_format: str = "h5"
+    max_consecutive: int = 3
+    max_dumps: int = 1
+    diagnose: bool = True
+    copy_batch: Optional[bool] = None
+    capture_cotangent: bool = True
+    check_loss: bool = True
+    check_in_optimizer_step: bool = True
+    origin_hook: bool = True
+    min_scale: float = 1.0
+    max_scaler_skips: int = 10
+    check_every: int = 1
+    check_update: bool = False
+    allow_nonfinite: tuple = ()
+    diagnose_timeout: Optional[float] = 120.0
+    dump_on_explosion: bool = False
+
+    def __post_init__(self) -> None:
+        from ..core.allowlist import AllowRule
+
+        self.allow_nonfinite = tuple(self.allow_nonfinite)
+        for r in self.allow_nonfinite:
+            if not isinstance(r, AllowRule):
+                AllowRule.parse(str(r))  # raises ValueError naming the bad rule
+        if self.action not in ACTIONS:
+            raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1 step, got {self.capacity}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 = off), got {self.snapshot_every}")
+        if self.memory_budget < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes, got {self.memory_budget}")
+        if self.bundle_format not in ("h5", "safetensors"):
+            raise ValueError(f"bundle_format must be 'h5' or 'safetensors', got {self.bundle_format!r}")
+        if self.max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be >= 1, got {self.max_consecutive}")
+        if self.max_scaler_skips < 1:
+            raise ValueError(f"max_scaler_skips must be >= 1, got {self.max_scaler_skips}")
+        if not self.min_scale >= 0:
+            raise ValueError(f"min_scale must be a loss scale >= 0, got {self.min_scale}")
+        if self.check_every < 1:
+            raise ValueError(f"check_every must be >= 1 step (1 = check on the host every step), got {self.check_every}")
+        if self.diagnose_timeout is not None and not self.diagnose_timeout > 0:
+            raise ValueError(f"diagnose_timeout must be a number of seconds > 0, or None for no cap; got {self.diagnose_timeout}")

@@ -1,0 +1,186 @@
+"""Seeing every call of the model's top-level forward, eagerly, whatever wraps or compiles it.
+
+The Recorder needs each forward's inputs before it runs and its outputs after (to keep the
+cotangent). Module hooks do that on an eager model. On a compiled model, hooks traced by
+TorchDynamo break the graph (they read Python and NumPy RNG states, which Dynamo refuses to trace),
+so the tap attaches where the call is still eager:
+
+* ``Recorder(torch.compile(model))``: hooks on the ``OptimizedModule`` wrapper, whose ``__call__``
+  runs eagerly around the compiled forward (0 graph breaks);
+* ``model.compile()`` (before or after the Recorder is built): the module's compiled call is wrapped
+  by an eager function (0 graph breaks); :meth:`ForwardTap.check` notices a later ``compile()``;
+* ``Recorder(model)`` then ``torch.compile(model)``: the hooks are wrapped in
+  ``torch.compiler.disable`` so they still run eagerly; on the first compiled call the tap finds
+  the ``OptimizedModule`` calling the model (a short walk up the Python stack), moves its hooks
+  there and takes its own off the model, so Dynamo recompiles once without them.
+
+Names always come from the unwrapped module (:func:`unwrap_model`): no ``_orig_mod.`` or
+``module.`` prefix, so a bundle replays on a plain model.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["unwrap_model", "ForwardTap"]
+
+
+def _optimized_module_type() -> Optional[type]:
+    """``torch._dynamo.eval_frame.OptimizedModule`` when Dynamo is already imported (a model was
+    compiled), else ``None``: looking it up must not import Dynamo."""
+    mod = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(mod, "OptimizedModule", None) if mod is not None else None
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that holds the parameters under any wrappers: ``DistributedDataParallel.module``,
+    ``DataParallel.module``, ``torch.compile``'s ``OptimizedModule._orig_mod``."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    opt = _optimized_module_type()
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif opt is not None and isinstance(model, opt):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _eager_target(model: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module of the wrapper chain whose ``__call__`` still runs eagerly: the
+    outermost ``OptimizedModule`` when there is one (its ``_orig_mod`` runs compiled), else the
+    unwrapped module."""
+    opt = _optimized_module_type()
+    m = model
+    while True:
+        if opt is not None and isinstance(m, opt):
+            return m
+        if isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            m = m.module
+        else:
+            return m
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` run eagerly even when Dynamo traces its caller (``torch.compiler.disable``)."""
+    try:
+        return torch.compiler.disable(fn)
+    except Exception as e:  # noqa: BLE001 - a torch without a working Dynamo: plain hooks are eager anyway
+        logger.debug("nanreplay: torch.compiler.disable unavailable (%s); forward hooks are plain", e)
+        return fn
+
+
+class ForwardTap:
+    """Calls ``pre(args, kwargs)`` before and ``post(args, kwargs, output)`` after every call of
+    the model's top-level forward, eagerly. A removable handle: :meth:`remove` undoes everything.
+
+    Args:
+        model: what the user gave the Recorder (a module, a DDP/DataParallel wrapper, a compiled
+            ``OptimizedModule``, or a module after ``model.compile()``).
+        pre, post: the callbacks; their return values are ignored.
+    """
+
+    def __init__(self, model: torch.nn.Module, pre: Callable[[tuple, dict], None], post: Callable[[tuple, dict, Any], None]) -> None:
+        self.inner = unwrap_model(model)
+        self._pre_cb, self._post_cb = pre, post
+        self._handles: list[Any] = []
+        self._wrapped: Optional[torch.nn.Module] = None   # a module whose _compiled_call_impl we wrap
+        self._orig_impl: Any = None
+        self._on_wrapper = False
+        target = _eager_target(model)
+        if target is self.inner and getattr(self.inner, "_compiled_call_impl", None) is not None:
+            self._wrap_compiled_call(self.inner)
+        else:
+            self._on_wrapper = target is not self.inner
+            self._hook(target)
+
+    # -- the three ways to attach ----------------------------------------------------------
+    def _hook(self, module: torch.nn.Module) -> None:
+        def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._on_wrapper:
+                self._maybe_move_to_caller()
+            self._pre_cb(args, kwargs)
+
+        def post(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            self._post_cb(args, kwargs, out)
+
+        self._handles.append(module.register_forward_pre_hook(_eager(pre), with_kwargs=True))
+        self._handles.append(module.register_forward_hook(_eager(post), with_kwargs=True))
+
+    def _wrap_compiled_call(self, module: torch.nn.Module) -> None:
+        impl = module._compiled_call_impl
+
+        def eager_call(*args: Any, **kwargs: Any) -> Any:
+            self._pre_cb(args, kwargs)
+            out = impl(*args, **kwargs)
+            self._post_cb(args, kwargs, out)
+            return out
+
+        self._wrapped, self._orig_impl = module, impl
+        module._compiled_call_impl = eager_call
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _maybe_move_to_caller(self) -> None:
+        """Inside a forward of the unwrapped model: when an ``OptimizedModule`` wrapping it is the
+        caller (the model was compiled after the Recorder attached), move the hooks there."""
+        opt = _optimized_module_type()
+        if opt is None:
+            return
+        f = sys._getframe(2)
+        for _ in range(16):
+            if f is None:
+                return
+            owner = f.f_locals.get("self") if f.f_code.co_name == "_call_impl" else None
+            if isinstance(owner, opt) and unwrap_model(owner) is self.inner:
+                self._unhook()
+                self._on_wrapper = True
+                self._hook_wrapper_post_only_now(owner)
+                logger.info("nanreplay: the model was compiled after the Recorder attached; its forward hooks moved to the "
+                            "compiled wrapper so they run outside the compiled region")
+                return
+            f = f.f_back
+
+    def _hook_wrapper_post_only_now(self, wrapper: torch.nn.Module) -> None:
+        """Hooks on ``wrapper``; its pre hook is skipped for the call in progress (whose inputs the
+        model's own pre hook is capturing right now), its post hook runs when that call returns."""
+        skip = [True]
+
+        def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if skip[0]:
+                skip[0] = False
+                return
+            self._pre_cb(args, kwargs)
+
+        def post(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            skip[0] = False
+            self._post_cb(args, kwargs, out)
+
+        self._handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(wrapper.register_forward_hook(post, with_kwargs=True))
+
+    # -- per step and at the end -----------------------------------------------------------
+    def check(self) -> None:
+        """Called once per step from eager code: a ``model.compile()`` done after the Recorder
+        attached moves the tap to the compiled call."""
+        if self._wrapped is None and not self._on_wrapper and getattr(self.inner, "_compiled_call_impl", None) is not None:
+            self._unhook()
+            self._wrap_compiled_call(self.inner)
+            logger.info("nanreplay: model.compile() was called after the Recorder attached; its forward capture now wraps the compiled call")
+
+    def remove(self) -> None:
+        """Take every hook and wrapper off. Idempotent."""
+        self._unhook()
+        if self._wrapped is not None:
+            if self._wrapped.__dict__.get("_compiled_call_impl") is not None:
+                self._wrapped._compiled_call_impl = self._orig_impl
+            self._wrapped = None
