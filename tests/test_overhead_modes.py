@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import models
-from nanreplay import NonFiniteGradientError, Recorder, open_bundle
+from nanreplay import replay, NonFiniteGradientError, Recorder, open_bundle
 
 _HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
@@ -129,8 +129,8 @@ def test_sync_free_mode_bundles_the_failing_steps_own_state(out_dir):
         grads = b.grads()
         assert grads and any(not torch.isfinite(g).all() for g in grads.values())
     # the replay of step 5 from that evidence reproduces the recorded gradients
-    assert err.diagnosis is not None
-    assert err.diagnosis["reproduction"]["verdict"].startswith("reproduced")
+    assert err.diagnosis is not None and err.diagnosis["phase"] == "input"  # answered in process without a replay
+    assert replay(err.bundle_path, model=models.make_dropout_mlp())["reproduction"]["verdict"].startswith("reproduced")
     # "raise" leaves the live model at step 5's pre-step weights and optimizer state
     for nm, p in model.named_parameters():
         assert torch.equal(p, seen["params"][nm]), nm

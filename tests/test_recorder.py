@@ -308,7 +308,7 @@ class ImageBatch:
 def test_dataclass_batch_tensors_are_copied_and_sliced_like_any_other(out_dir):
     """pytree sees a dataclass as one opaque leaf: capture must still copy its tensors once the
     loop is seen reusing buffers, and per-sample replay must slice them."""
-    from nanreplay.diagnosis.blame import take_rows
+    from nanreplay.core.batch import take_rows
 
     model = models.make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -1,8 +1,21 @@
-"""The diagnosis entry points: :func:`replay` (a bundle file, in a new process) and
-:func:`diagnose_live` (the recorder's in-process diagnosis right after detection)."""
+"""The diagnosis entry points: :func:`replay` (a bundle file, often in a new process) and
+:func:`diagnose_live` (the recorder's in-process diagnosis right after detection), and
+:func:`diagnose`, which turns one replay into the diagnosis dict (fields in ``docs/report.md``).
+
+The flow: the cheap cases are read off the bundle (non-finite step-start weights, a non-finite
+batch: no monitored replay is needed); otherwise one replay under the op monitor finds the births
+and which of them reach what the step produces; the origin rule
+(:mod:`nanreplay.diagnosis.origin`) names one; counterfactual replays run only where they can
+change the cause verdict (:func:`nanreplay.diagnosis.classify.needs_wide_replay`,
+:func:`~nanreplay.diagnosis.classify.needs_perturbed_replay`); the samples rule
+(:mod:`nanreplay.diagnosis.samples`) names the samples; the cause rule
+(:mod:`nanreplay.diagnosis.classify`) gives the verdict; the summary sentence is built from the
+dict (:mod:`nanreplay.report.summary`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -11,38 +24,287 @@ import torch
 
 from ..core.allowlist import Allowlist
 from ..core.callables import import_callable
+from ..core.numerics import is_float
 from ..core.state import load_buffers
+from ..engine.compare import compare_grads, compare_loss
+from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline
-from ..engine.run import StepInputs, preserve_live, run_step
+from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
 from ..engine.state import build_model, load_state, recorded_device
 from ..format.bundle import Bundle, open_bundle
 from ..format.records import BundleContent
-from .attribution import attribute
-from .origin import diagnose
+from ..report.summary import kinds_of, summary_sentence
+from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
+from .evidence import grad_norm_history
+from .optimizer import replay_optimizer_update, weights_evidence
+from .origin import find_origin, health_json
+from .samples import samples_for, step_batch_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay", "replay_step", "diagnose_live"]
-
+__all__ = ["replay", "replay_step", "diagnose", "diagnose_live", "Progress"]
 
 #: ``progress(message)``: told what the diagnosis is doing, for work that takes more than a moment
 Progress = Callable[[str], None]
+
+#: the ``cause`` sentence of each phase
+PHASE_SENTENCES = {
+    "input": "the recorded batch already holds non-finite values",
+    "weights": "the step-start weights are already non-finite",
+    "forward": "a non-finite value is born in the forward pass",
+    "loss": "the non-finite value is born in the loss, after the model's forward pass",
+    "backward": "the forward pass and the loss are finite; the non-finite value is born in the backward pass",
+    "optimizer": "the gradients are finite; the non-finite value is born in the optimizer update",
+    "none": "no non-finite value in the replay",
+}
 
 
 def _silent(message: str) -> None:
     return None
 
 
-def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
-                progress: Optional[Progress] = None) -> dict:
-    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict, with
-    the exact attribution of :func:`nanreplay.diagnosis.attribution.attribute` (source line, autograd node,
-    causal chain, samples, optimizer update, cause verdict)."""
+def _event_json(e: dict) -> dict:
+    return {k: health_json(v) for k, v in e.items() if k not in ("operands", "birth")}
+
+
+def _compact(b: dict) -> dict:
+    return {"phase": b["phase"], "op": b["op"], "node": b.get("node"), "module": b.get("module"), "source": b.get("source"),
+            "kinds": kinds_of(b.get("output")), "op_index": b.get("op_index")}
+
+
+def _health_table(result: ReplayResult, origin: Optional[dict], rows: int = 8) -> list[dict]:
+    """The forward module events around the origin, with each module's role: ``producer``
+    (non-finite output from finite inputs), ``contains producer``, ``propagator``."""
+    fwd = [e for e in result.modules.events if e["phase"] == "forward"]
+    idx = 0
+    if origin and origin.get("module") is not None:
+        idx = next((i for i, e in enumerate(fwd) if e["module"] == origin["module"]), 0)
+    lo = max(0, idx - rows // 2)
+    roles, born_before = [], []
+    for e in fwd:  # forwards complete children first: a parent of an earlier producer only contains it
+        out = e["output"]
+        if e["born"]:
+            inside = any(m == e["module"] or m.startswith(e["module"] + ".") or e["module"] == "" for m in born_before)
+            roles.append("contains producer" if inside else "producer")
+            born_before.append(e["module"])
+        else:
+            roles.append("propagator" if out is not None and (out["nan"] or out["posinf"] or out["neginf"]) else "")
+    return [{"index": i, "module": e["module"], "class": e["class"], "role": roles[i], "inputs_finite": e["inputs_finite"], "output": e["output"]}
+            for i, e in enumerate(fwd[lo: lo + rows], start=lo)]
+
+
+def _grads_nonfinite(grads: dict[str, torch.Tensor]) -> bool:
+    return any(is_float(g) and not bool(torch.isfinite(g).all()) for g in grads.values())
+
+
+def _products_nonfinite(result: ReplayResult) -> bool:
+    return any(h is not None and not h.finite for h in list(result.losses) + list(result.outputs)) or _grads_nonfinite(result.grads)
+
+
+def cheap_origin(inp: StepInputs) -> bool:
+    """Whether the bundle alone shows the origin: non-finite step-start weights, or a batch that
+    already holds NaN or +Inf."""
+    if nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, ""):
+        return True
+    trees = inp.record.batches if inp.uses_loss else [fw.inputs for fw in inp.record.forwards]
+    return any(x["health"].nan or x["health"].posinf for t in trees for x in nonfinite_leaves(t, ""))
+
+
+class _NoModules:
+    """The module events of a step that was not replayed."""
+
+    events: list = []
+
+    def close(self) -> None:
+        return None
+
+
+def _unreplayed(inp: StepInputs) -> ReplayResult:
+    """A replay result holding only what the bundle shows without replaying."""
+    rec = inp.record
+    weights = nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
+    if inp.uses_loss:
+        mode = "loss_fn"
+        inputs = [x for i, b in enumerate(rec.batches) for x in nonfinite_leaves(b, f"batch[{i}]" if len(rec.batches) > 1 else "batch")]
+    else:
+        mode = "cotangent" if rec.forwards and all(fw.cotangent is not None for fw in rec.forwards) else "forward-only"
+        inputs = [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, f"inputs[{i}]")]
+    return ReplayResult(mode, _NoModules(), None, [], [], inputs, weights, {}, [])  # type: ignore[arg-type]
+
+
+def diagnose(
+    result: ReplayResult,
+    inp: StepInputs,
+    model: torch.nn.Module,
+    *,
+    device: Optional[torch.device] = None,
+    samples: bool = True,
+    counterfactuals: bool = True,
+    replayed: bool = True,
+    progress: Optional[Progress] = None,
+) -> dict:
+    """Turn one replay into the diagnosis dict (fields in ``docs/report.md``).
+
+    Args:
+        result: the replay of the step (:func:`~nanreplay.engine.run.run_step`).
+        inp: what the replay ran on; ``model`` holds the step-start weights.
+        samples: allow per-sample replays when the birth op's output does not show the samples.
+        counterfactuals: allow the float64 and perturbed-weights replays that tell underflow and
+            bad input data from numerics, and the repeated replays that tell a transient fault.
+        replayed: ``False`` when ``result`` comes from the bundle alone (the cheap cases).
+    """
     say = progress or _silent
+    if replayed:
+        repro = compare_grads(inp.recorded_grads, result.grads)
+        compare_loss(repro, inp.record.loss, result.loss_values)
+    else:
+        repro = {"verdict": "not replayed", "max_abs_diff": None, "detail": "the recorded data shows the cause; nanreplay replay verifies it"}
+    cache: dict[str, Any] = {}
+
+    def optimizer_replay() -> Optional[dict]:
+        if "opt" not in cache:
+            say("replaying the optimizer update")
+            cache["opt"] = replay_optimizer_update(inp.state, inp.recorded_grads, inp.optimizer_info, device=device, allow=inp.allow)
+        return cache["opt"]
+
+    found = find_origin(result, inp, model, optimizer_replay=optimizer_replay)
+    phase = found.phase if found is not None else "none"
+    origin = dict(found.origin) if found is not None else None
+    history = grad_norm_history(inp.history, inp.record.step) if inp.history else None
+    birth = found.birth if found is not None else None
+    f = Features(phase=phase, origin=origin or {}, birth=birth, history=history,
+                 optimizer=found.extra.get("optimizer") if found is not None else None,
+                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")))
+    if phase == "weights" and origin is not None:
+        f.weights = weights_evidence(inp, origin["tensor"], is_param=origin.get("kind") == "parameter")
+    if counterfactuals and replayed:
+        _counterfactuals(f, model, inp, device, say)
+        if phase == "none" and repro["verdict"] == "not reproduced" and _grads_nonfinite(inp.recorded_grads):
+            say("replaying the step again (determinism check)")
+            f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
+            f.transient = f.repeats == 3
+            repro["repeats"] = f.repeats
+    cls = classify(f)
+    smp = None
+    if found is not None:
+        smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
+        if smp is not None and phase != "input":
+            origin["samples"] = smp["indices"] or None
+    births = result.births
+    ob = birth
+    chain = [_compact(b) for b in births if ob is None or b["op_index"] <= ob["op_index"]]
+    if origin is not None and birth is not None:
+        origin["operands"] = birth.get("operands")
+    if origin is not None and phase == "backward" and "first_nonfinite_gradient" not in origin:
+        bad = next((e for e in result.modules.events if e["phase"] == "backward" and e.get("output")
+                    and (e["output"]["nan"] or e["output"]["posinf"] or e["output"]["neginf"])), None)
+        if bad is not None:
+            origin["first_nonfinite_gradient"] = bad.get("param") or f"cotangent at {bad['module'] or '(model output)'}"
+    if origin is not None and origin.get("micro_batch") is None:
+        origin.pop("micro_batch", None)
+    if origin is not None and len(inp.record.batches if inp.uses_loss else inp.record.forwards) <= 1:
+        origin.pop("micro_batch", None)
+    forward_finite = bool(result.outputs) and all(h is not None and h.finite for h in result.outputs)
+    diag = {
+        "step": inp.record.step,
+        "phase": phase,
+        "origin": origin,
+        "cause": _phase_sentence(phase, result, forward_finite, f),
+        "classification": {k: v for k, v in cls.items() if k != "rule"},
+        "summary": "",
+        "mode": result.mode,
+        "reproduction": repro,
+        "forward_finite": forward_finite,
+        "chain": chain[:16],
+        "births": [_event_json(b) for b in births[:16]],
+        "allowed_births": len(result.ops.allowed) if result.ops is not None else None,
+        "allowlist": result.ops.allow.to_json() if result.ops is not None else None,
+        "propagated_ops": result.ops.propagated if result.ops is not None else None,
+        "samples": smp,
+        "optimizer": f.optimizer,
+        "history": history,
+        "health": _health_table(result, origin),
+        "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
+        "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
+        "loss": [health_json(h) for h in result.losses],
+        "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed},
+        "warnings": list(result.warnings) + list((smp or {}).get("warnings", [])),
+    }
+    diag["summary"] = summary_sentence(diag)
+    return diag
+
+
+def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: Features) -> str:
+    if phase == "loss":
+        if f.origin.get("loss_replayed") is False:
+            return "the non-finite value is born in the loss, which was not replayed (the recorded gradient w.r.t. the model output is non-finite)"
+        return ("the model's forward pass is finite; " if forward_finite else "") + PHASE_SENTENCES["loss"]
+    if phase == "optimizer" and f.optimizer:
+        return f.optimizer.get("detail") or PHASE_SENTENCES["optimizer"]
+    return PHASE_SENTENCES.get(phase, PHASE_SENTENCES["none"])
+
+
+def _fresh(model: torch.nn.Module, inp: StepInputs) -> None:
+    """Put back the step-start buffers after a replay (BatchNorm stats moved)."""
+    load_buffers(model, inp.state.buffers)
+
+
+def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
+    if needs_wide_replay(f):
+        say("replaying the step in float64 (is the zero an underflow?)")
+        try:
+            f.wide_finite = not replay_wide(model, inp, device=device)
+        except Exception as e:  # an op without a float64 kernel: the counterfactual is simply absent
+            if type(e).__name__ == "DiagnosisTimeout":
+                raise
+            logger.info("nanreplay: the float64 replay could not run (%s: %s)", type(e).__name__, e)
+        finally:
+            _fresh(model, inp)
+    if needs_perturbed_replay(f) and f.wide_finite is not True:
+        say("replaying the step with perturbed weights (do the weights decide it?)")
+        try:
+            sigs = replay_perturbed(model, inp, device=device)
+            f.persists_perturbed = birth_signature(f.birth or {}) in sigs
+        except Exception as e:
+            if type(e).__name__ == "DiagnosisTimeout":
+                raise
+            logger.info("nanreplay: the perturbed replay could not run (%s: %s)", type(e).__name__, e)
+        finally:
+            _fresh(model, inp)
+
+
+def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], times: int) -> int:
+    """How many of ``times`` plain replays of the step are finite."""
+    n = 0
+    for _ in range(times):
+        _fresh(model, inp)
+        res = run_step(model, dataclasses.replace(inp, recorded_grads={}), ops=False, device=device)
+        n += not _products_nonfinite(res)
+    _fresh(model, inp)
+    return n
+
+
+def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
+                progress: Optional[Progress] = None, quick: bool = False) -> dict:
+    """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict.
+
+    Args:
+        ops: run the op monitor (births, source lines, provenance; slower).
+        quick: when the bundle alone shows the origin (non-finite weights or batch), answer
+            without replaying (the in-process diagnosis); else such steps get one plain replay
+            that verifies the reproduction.
+    """
+    say = progress or _silent
+    if cheap_origin(inp):
+        if quick:
+            return diagnose(_unreplayed(inp), inp, model, device=device, samples=False, counterfactuals=False, replayed=False, progress=say)
+        say(f"replaying step {inp.record.step} (the recorded data already shows the cause)")
+        result = run_step(model, inp, ops=False, device=device)
+        return diagnose(result, inp, model, device=device, samples=False, counterfactuals=False, progress=say)
     say(f"replaying step {inp.record.step}" + (" under the op monitor" if ops else ""))
     result = run_step(model, inp, ops=ops, device=device)
-    diag = diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
-    return attribute(diag, result, model, inp, device=device, samples=samples, progress=say)
+    _fresh(model, inp)
+    return diagnose(result, inp, model, device=device, samples=samples, counterfactuals=ops, progress=say)
 
 
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
@@ -50,7 +312,8 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
     (``content.steps[-1]``) on the live ``model``, whose weights are still the pre-step weights,
     then puts back the live gradients, buffers, module modes and RNG states, so training can
-    continue unchanged. The caller keeps its own hooks quiet meanwhile.
+    continue unchanged. The caller keeps its own hooks quiet meanwhile. The cheap cases
+    (non-finite weights or batch) are answered without replaying.
 
     Args:
         model: the live model (the one the recorder hooks, unwrapped from DDP).
@@ -73,7 +336,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
     )
     with deadline(timeout), preserve_live(model):
         load_buffers(model, content.state.buffers)
-        return replay_step(model, inp, progress=progress)
+        return replay_step(model, inp, progress=progress, quick=True)
 
 
 def replay(
@@ -100,19 +363,19 @@ def replay(
             with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
         device: where to replay (default: the recorded parameters' device when present here,
             else CPU).
-        ops: run the op-level monitor (slower, names the aten op, the source line, the autograd
-            node; runs under anomaly mode).
+        ops: run the op-level monitor (names the aten op, the source line, the autograd node and
+            the provenance of its operands; runs under anomaly mode).
         allow: extra allowlist rules ``"MODULE:OP[:-inf]"`` for legitimate non-finite values, on
             top of those recorded in the bundle (``RecorderConfig.allow_nonfinite``).
         default_allow: keep the default rules (-Inf written by attention masking).
-        samples: find the samples to blame by per-sample replay where the producer's output
-            does not show them directly (extra forward/backward passes, see
-            :func:`nanreplay.diagnosis.blame.samples_to_blame`).
+        samples: find the samples to blame by per-sample replay where the birth op's output does
+            not show them directly (extra forward/backward passes, see
+            :func:`nanreplay.diagnosis.samples.per_sample_replay`).
         progress: ``progress(message)`` is told what the replay is doing (rebuilding the model,
-            replaying the step, each per-sample replay), for a status line.
+            replaying the step, each extra replay), for a status line.
 
     Returns:
-        the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
+        the diagnosis dict (``docs/report.md``), with ``bundle`` and ``device`` added.
 
     Raises:
         FileNotFoundError, BundleFormatError: unreadable bundle.
@@ -150,3 +413,4 @@ def replay(
     finally:
         if own:
             b.close()
+

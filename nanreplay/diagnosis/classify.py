@@ -1,90 +1,308 @@
-"""The cause verdict of a diagnosis, with its evidence."""
+"""The cause verdict of a diagnosis, with its evidence.
+
+:data:`RULES` is the decision as a table: each row is a cause, the condition on the origin's
+:class:`Features` under which it holds, and how its detail and evidence read; the first row whose
+condition holds decides. Causes:
+
+* ``bad input data``: the batch already holds NaN/Inf, or the op's offending operand (a zero
+  divisor, an empty selection, a fully masked row, a reduction over too few elements, a loss whose
+  every target is ignored) derives only from the batch, or derives from batch and weights but the
+  birth persists when the weights are perturbed;
+* ``optimizer update``: the update from finite gradients, or weights an earlier update corrupted;
+* ``explosion``: values grew step over step (grad-norm history, learning-rate spike) past the range;
+* ``overflow``: a value out of its dtype's range that is finite in a wider dtype;
+* ``underflow``: a value that rounded to 0 (or onto a domain boundary) in its dtype, where the
+  step replayed in float64 is finite;
+* ``numerics``: the op outside its mathematical domain on values from the weights or the code;
+* ``transient``: the recorded gradients are non-finite and every replay is finite (suspect the
+  hardware or nondeterminism, as Megatron-LM's rerun state machine classifies);
+* ``unknown``: nothing above can be shown.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
-from ..core.numerics import Health
-from ..engine.probes import node_forward_op
-from .evidence import domain_explanation
+from ..report.summary import kinds_of
+from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
-__all__ = ["CAUSES", "classify"]
+__all__ = ["CAUSES", "Features", "RULES", "classify"]
 
-#: the cause verdicts, in the order they are tested
-CAUSES = ("bad input data", "optimizer update", "explosion", "overflow", "numerics", "unknown")
+CAUSES = ("bad input data", "optimizer update", "explosion", "overflow", "underflow", "numerics", "transient", "unknown")
 
 
-def classify(phase: str, origin_birth: Optional[dict], history: Optional[dict], *, optimizer: Optional[dict] = None,
-             input_leaf: Optional[str] = None) -> dict:
-    """One cause verdict from :data:`CAUSES`, with the evidence for it.
+@dataclass
+class Features:
+    """What the cause rules look at."""
 
-    Args:
-        phase: the diagnosis phase (``input``, ``weights``, ``forward``, ``loss``, ``backward``,
-            ``optimizer``, ``none``).
-        origin_birth: the op-level birth taken as the origin (a dict from the op monitor), if any.
-        history: :func:`grad_norm_history` of the ring buffer.
-        optimizer: the optimizer-update replay's result, for ``phase == "optimizer"``.
+    phase: str
+    origin: dict
+    birth: Optional[dict] = None
+    history: Optional[dict] = None
+    optimizer: Optional[dict] = None          # the optimizer-update replay
+    weights: Optional[dict] = None            # weights_evidence for a weights origin
+    wide_finite: Optional[bool] = None        # the step in float64 is finite (None: not tried)
+    persists_perturbed: Optional[bool] = None  # the birth persists with perturbed weights (None: not tried)
+    transient: bool = False                   # recorded non-finite, every replay finite
+    repeats: int = 0
+    batch_size: Optional[int] = None
+    evidence: list[str] = field(default_factory=list)
 
-    Returns:
-        ``{"cause": str, "detail": str, "evidence": [str, ...]}``.
-    """
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def operand(self) -> Optional[dict]:
+        return offending_operand(self.birth) if self.birth else None
+
+    @property
+    def sources(self) -> dict:
+        return sources(self.operand)
+
+    @property
+    def domain_kind(self) -> Optional[str]:
+        d = domain_of(self.birth) if self.birth else None
+        return d[1].kind if d else None
+
+    @property
+    def overflow(self) -> bool:
+        w = (self.birth or {}).get("wider")
+        return bool(w and w.get("finite"))
+
+    @property
+    def exploding(self) -> bool:
+        h = self.history or {}
+        return bool(h.get("exploding") or h.get("lr_spike"))
+
+    @property
+    def zero_domain(self) -> bool:
+        """The birth is a domain error at 0 (log(0), x/0, rsqrt(0), a zero-vector derivative)
+        with exact zeros in the operand at fault."""
+        op = self.operand
+        return self.domain_kind in ("zero", "negative") and bool(op and op.get("zeros"))
+
+    @property
+    def from_batch(self) -> bool:
+        """The operand at fault derives from the batch and the weights do not decide it."""
+        src = self.sources
+        if not src["batch"] and self.domain_kind != "ignored":
+            return False
+        if self.domain_kind == "ignored":
+            return any((o.get("prov") or []) and any(p.startswith("batch:") for p in o["prov"]) for o in ((self.birth or {}).get("operands") or {}).get("tensors", []))
+        return not src["weights"] or self.persists_perturbed is True
+
+
+def _g(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _field(h: object, key: str) -> object:
+    """A field of a health record, whether a :class:`~nanreplay.core.numerics.Health` or its JSON dict."""
+    return h.get(key) if isinstance(h, dict) else getattr(h, key, None)
+
+
+# -- details and evidence, one per cause -----------------------------------------------------
+
+def _input(f: Features) -> tuple[str, list[str]]:
+    o = f.origin
+    return (f"non-finite value in the recorded batch at {o.get('leaf')}",
+            [f"the batch leaf {o.get('leaf')} holds {o.get('nonfinite') or 'non-finite values'} before any op runs"
+             + (f", in samples {o.get('samples')}" if o.get("samples") else "")])
+
+
+def _optimizer(f: Features) -> tuple[str, list[str]]:
+    res = f.optimizer or {}
+    ev = list(res.get("evidence", []))
+    return res.get("detail") or "the update", ev or ["the gradients are finite, the updated weights or optimizer state are not"]
+
+
+def _weights(f: Features) -> tuple[str, list[str]]:
+    w = f.weights or {}
+    return w.get("detail", "the step-start weights are already non-finite"), list(w.get("evidence", []))
+
+
+def _explosion_grad_norm(f: Features) -> tuple[str, list[str]]:
+    o = f.origin
+    return ("every gradient is finite but their float32 2-norm overflows",
+            [f"the largest gradient ({_g(o.get('largest_gradient'))}) is in {o.get('param')}"] + _history_evidence(f))
+
+
+def _transient(f: Features) -> tuple[str, list[str]]:
+    return ("the recorded gradients are non-finite but the step replays finite: suspect the hardware or nondeterminism "
+            "(same device: a transient fault; another device: compare there)",
+            [f"{f.repeats} replay(s) of the step, with the recorded batch, weights and RNG states, are all finite",
+             "the recorded gradients hold non-finite values the replay does not produce"])
+
+
+def _unknown(f: Features) -> tuple[str, list[str]]:
+    if f.phase == "none":
+        return "no non-finite value in the replay", []
+    if f.origin.get("loss_replayed") is False:
+        return ("the loss was not replayed (no loss function): the recorded gradient w.r.t. the model output is already non-finite, "
+                "so the op is in code the replay did not run; pass --loss-fn to name it"), _history_evidence(f)
+    return "no op-level birth was recorded (the op monitor was off)", _history_evidence(f)
+
+
+def _op_evidence(f: Features) -> list[str]:
+    """What the birth op's operands showed, true by construction."""
+    b = f.birth or {}
     ev: list[str] = []
-    if phase == "input":
-        return {"cause": "bad input data", "detail": f"non-finite value in the recorded batch at {input_leaf}", "evidence": [f"the batch leaf {input_leaf} is non-finite before any op runs"]}
-    if phase in ("optimizer", "weights"):
-        if optimizer:
-            ev.extend(optimizer.get("evidence", []))
-        detail = (optimizer or {}).get("detail") or ("the step-start weights are already non-finite" if phase == "weights" else "the update")
-        return {"cause": "optimizer update", "detail": detail, "evidence": ev or ["the gradients are finite, the updated weights or optimizer state are not"]}
-    if phase == "none":
-        return {"cause": "unknown", "detail": "no non-finite value in the replay", "evidence": []}
-    explode = bool(history and (history.get("exploding") or history.get("lr_spike")))
-    if history and history.get("exploding"):
-        ev.append(f"grad norm rose to {history['grad_norms'][-1][1]:.4g} at step {history['grad_norms'][-1][0]}, "
-                  f"{float(history['growth']):.3g}x the median of the earlier steps in the ring buffer")
-    if history and history.get("lr_spike"):
-        sp = history["lr_spike"]
+    op = f.operand
+    if op is not None:
+        where = f"operand {op.get('name') or ''} ({op.get('dtype')} {op.get('shape')})".replace("  ", " ")
+        counts = [f"{op[k]} {label}" for k, label in (("zeros", "zeros"), ("negatives", "negatives"), ("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
+                  if op.get(k)]
+        if counts:
+            ev.append(f"{where} holds {', '.join(counts)} of {op.get('numel')}")
+        ev.append(f"{where} derives from {describe_sources(f.sources)}" + (f", last made by {op.get('producer')}" if op.get("producer") else ""))
+    expl = explanation(b) if b else None
+    if expl:
+        ev.append(f"{'backward of ' + (b.get('forward_op') or b['op']) if b.get('phase') == 'backward' else b['op']}: {expl}")
+    return ev
+
+
+def _history_evidence(f: Features) -> list[str]:
+    h = f.history or {}
+    ev = []
+    if h.get("exploding") and h.get("grad_norms"):
+        last = h["grad_norms"][-1]
+        ev.append(f"grad norm rose to {last[1]:.4g} at step {last[0]}, {float(h['growth']):.3g}x the median of the earlier steps in the ring buffer")
+    if h.get("lr_spike"):
+        sp = h["lr_spike"]
         ev.append(f"learning rate {float(sp['lr']):.4g} at step {sp['step']}, vs {sp['min_lr']:.4g} in the ring buffer")
-    if origin_birth is None:
-        if explode:
-            return {"cause": "explosion", "detail": "gradients grew across steps", "evidence": ev}
-        why = (
-            "the loss was not replayed (no loss function): the recorded gradient w.r.t. the model output is already "
-            "non-finite, so the op is in code nanreplay did not run; pass --loss-fn to name it"
-            if phase == "loss"
-            else "no op-level birth was recorded (the op monitor was off, or the value was born in code the replay did not run)"
-        )
-        return {"cause": "unknown", "detail": why, "evidence": ev}
-    b = origin_birth
-    out_h = b.get("output")
-    out_h = out_h.to_json() if isinstance(out_h, Health) else out_h
-    in_h = b.get("inputs")
-    in_h = in_h.to_json() if isinstance(in_h, Health) else in_h
-    wide = b.get("wider")
-    backward = b.get("phase") == "backward"
-    dom = domain_explanation(b["op"], backward=backward, node=b.get("node"))
-    kinds = [n for n, k in (("NaN", "nan"), ("+Inf", "posinf"), ("-Inf", "neginf")) if out_h and out_h.get(k)]
-    dtype = (out_h or {}).get("dtype")
-    if wide is not None and wide["finite"]:
-        fmax = torch.finfo(getattr(torch, dtype)).max if dtype and hasattr(torch, dtype) else None
-        ev.append(
-            f"{b['op']} gives {' and '.join(kinds)} in {dtype} but is finite in {wide['dtype']} (largest magnitude {wide['absmax']:.4g}"
-            + (f", past the {dtype} maximum {fmax:.4g})" if fmax else ")")
-        )
-        if in_h and in_h.get("absmax") is not None:
-            ev.append(f"its inputs reach magnitude {in_h['absmax']:.4g}")
-        if explode:
-            return {"cause": "explosion", "detail": f"values grew past the {dtype} range", "evidence": ev}
-        return {"cause": "overflow", "detail": f"{b['op']} overflows {dtype}", "evidence": ev}
-    if wide is not None:
-        ev.append(f"{b['op']} is non-finite in {wide['dtype']} too: a domain error, not a range problem")
-    zeros = b.get("input_zeros")
-    if zeros and any(zeros):
-        ev.append("exact zeros in its inputs: " + ", ".join(f"{z} in input {i}" for i, z in enumerate(zeros) if z))
-    if dom:
-        ev.append(f"{'backward of ' + (node_forward_op(b.get('node')) or b['op']) if backward else b['op']}: {dom}")
-    if explode and not dom:
-        return {"cause": "explosion", "detail": "values grew across steps", "evidence": ev}
-    return {"cause": "numerics", "detail": dom or f"{b['op']} outside its domain", "evidence": ev}
+    return ev
+
+
+def _overflow_evidence(f: Features) -> list[str]:
+    b = f.birth or {}
+    w = b.get("wider") or {}
+    out = b.get("output")
+    dtype = _field(out, "dtype")
+    fmax = torch.finfo(getattr(torch, dtype)).max if isinstance(dtype, str) and getattr(torch, dtype, None) is not None and getattr(torch, dtype).is_floating_point else None
+    absmax = w.get("absmax")
+    line = f"{b['op']} gives {kinds_of(out)} in {dtype} but is finite in {w.get('dtype')}"
+    if absmax is not None and fmax is not None:
+        line += (f" (largest magnitude {absmax:.4g}, past the {dtype} maximum {fmax:.4g})" if absmax > fmax
+                 else f" (largest output magnitude {absmax:.4g}, within {dtype}'s range: an intermediate of the op overflows)")
+    ev = [line]
+    in_max = _field(b.get("inputs"), "absmax")
+    if in_max is not None:
+        ev.append(f"its inputs reach magnitude {in_max:.4g}")
+    return ev
+
+
+def _overflow(f: Features) -> tuple[str, list[str]]:
+    b = f.birth or {}
+    return f"{b.get('op')} overflows {_field(b.get('output'), 'dtype')}", _overflow_evidence(f)
+
+
+def _explosion(f: Features) -> tuple[str, list[str]]:
+    if f.overflow:
+        b = f.birth or {}
+        return f"values grew past the {_field(b.get('output'), 'dtype')} range", _history_evidence(f) + _overflow_evidence(f)
+    return "values grew across steps", _history_evidence(f) + _op_evidence(f)
+
+
+def _underflow(f: Features) -> tuple[str, list[str]]:
+    b = f.birth or {}
+    op = f.operand or {}
+    dtype = op.get("dtype")
+    made = f" by {op.get('producer')}" if op.get("producer") and op.get("producer") not in ("const",) else ""
+    return (f"{b.get('forward_op') or b.get('op')} of a value that rounded to 0 in {dtype}{made}",
+            _op_evidence(f) + ["the step replayed in float64 (every down-cast kept wide) is finite: the zero is a rounding of a "
+                               f"non-zero value in {dtype}, not a true zero"])
+
+
+def _batch_detail(f: Features) -> str:
+    b = f.birth or {}
+    op = f.operand or {}
+    kind = f.domain_kind
+    src = describe_sources(f.sources)
+    scal = (b.get("operands") or {}).get("scalars") or {}
+    if kind == "masked":
+        m = (b.get("operands") or {}).get("masked_rows") or {}
+        rows = m.get("rows")
+        return (f"{m.get('count', '?')} row(s) of the {b['op']} input have every position masked (-Inf)"
+                + (f", in sample(s) {rows}" if rows else "") + f": the mask comes from {src}")
+    if kind == "ignored":
+        tgt = next((o for o in (b.get("operands") or {}).get("tensors", []) if o.get("name") == "target"), {})
+        return (f"every target of {', '.join(sources(tgt)['batch']) or 'the batch'} is ignore_index ({scal.get('ignore_index')}): "
+                "the mean is over 0 targets")
+    if kind == "empty":
+        return f"{b['op']} over an empty selection (0 elements): the selection comes from {src}"
+    if kind == "count":
+        n_in = op.get("numel") or 0
+        n_out = _field(b.get("output"), "numel") or 1
+        per = n_in // max(n_out, 1) if n_in else 0
+        corr = scal.get("correction", scal.get("unbiased"))
+        if b["op"].strip("_") in ("std", "var", "std_mean", "var_mean"):
+            return (f"{b['op']} with correction {1 if corr in (None, True) else corr} over {per} element(s) per output"
+                    + (f" (a batch of {f.batch_size})" if f.batch_size is not None and per <= 1 else "") + f": the values come from {src}")
+        return f"{explanation(b)}: the values come from {src}"
+    if kind in ("zero", "negative") and op.get("zeros"):
+        name = "divisor" if op.get("name") == "other" and b["op"].strip("_") == "div" else f"operand {op.get('name') or ''}".strip()
+        return (f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and derives from {src}"
+                + ("" if not f.sources["weights"] else " (with perturbed weights it is still 0)") + ": the batch makes it 0")
+    return f"{explanation(b) or b.get('op')} on values from {src}"
+
+
+def _bad_input(f: Features) -> tuple[str, list[str]]:
+    ev = _op_evidence(f)
+    if f.persists_perturbed:
+        ev.append("with every weight perturbed by 1% of its spread, the same op still gives a non-finite value: the weights do not decide it")
+    return _batch_detail(f), ev
+
+
+def _numerics(f: Features) -> tuple[str, list[str]]:
+    b = f.birth or {}
+    ev = _op_evidence(f)
+    w = b.get("wider")
+    if w is not None and not w.get("finite"):
+        ev.append(f"{b['op']} is non-finite in {w.get('dtype')} too: a domain error, not a range problem")
+    if f.wide_finite is False:
+        ev.append("the step replayed in float64 fails the same way")
+    if f.persists_perturbed is False:
+        ev.append("with the weights perturbed by 1% of their spread the op is finite: these weights put it outside its domain")
+    return explanation(b) or f"{b.get('op')} outside its domain", ev
+
+
+Rule = tuple[str, Callable[[Features], bool], Callable[[Features], tuple[str, list[str]]]]
+
+#: the cause rule: the first row whose condition holds decides
+RULES: tuple[Rule, ...] = (
+    ("bad input data", lambda f: f.phase == "input", _input),
+    ("optimizer update", lambda f: f.phase == "optimizer", _optimizer),
+    ("optimizer update", lambda f: f.phase == "weights" and f.origin.get("kind") == "parameter", _weights),
+    ("numerics", lambda f: f.phase == "weights", _weights),
+    ("explosion", lambda f: f.origin.get("kind") == "explosion", _explosion_grad_norm),
+    ("transient", lambda f: f.phase == "none" and f.transient, _transient),
+    ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
+    ("explosion", lambda f: f.overflow and f.exploding, _explosion),
+    ("overflow", lambda f: f.overflow, _overflow),
+    ("underflow", lambda f: f.zero_domain and f.wide_finite is True, _underflow),
+    ("bad input data", lambda f: f.domain_kind is not None and f.from_batch, _bad_input),
+    ("explosion", lambda f: f.exploding and f.sources["weights"], _explosion),
+    ("numerics", lambda f: True, _numerics),
+)
+
+
+def classify(f: Features) -> dict:
+    """``{"cause": one of CAUSES, "detail": str, "evidence": [str], "rule": int}`` by :data:`RULES`."""
+    for i, (cause, holds, describe) in enumerate(RULES):
+        if holds(f):
+            detail, ev = describe(f)
+            return {"cause": cause, "detail": detail, "evidence": ev + f.evidence, "rule": i}
+    raise AssertionError("the last rule always holds")  # pragma: no cover
+
+
+def needs_wide_replay(f: Features) -> bool:
+    """Whether the float64 replay can change the verdict: a domain error at 0 that is not an overflow."""
+    return f.birth is not None and not f.overflow and f.zero_domain
+
+
+def needs_perturbed_replay(f: Features) -> bool:
+    """Whether the perturbed-weights replay can change the verdict: an operand from batch and weights."""
+    src = f.sources
+    return f.birth is not None and not f.overflow and f.domain_kind is not None and bool(src["batch"]) and src["weights"]
+

@@ -1,79 +1,195 @@
-"""Interpreting the evidence of a birth: what an op's mathematical domain is (the domain table)
-and what the ring buffer's grad norms and learning rates say about the steps before it."""
+"""Interpreting what was observed at a birth: the op's mathematical domain (a table), which of its
+operands put it outside that domain and where that operand came from, and what the ring buffer's
+grad norms, losses and learning rates say about the steps before it."""
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..core.jsonable import fnum
 from ..engine.probes import node_forward_op
 
-__all__ = ["domain_explanation", "grad_norm_history"]
+__all__ = ["Domain", "DOMAIN", "domain_of", "offending_operand", "sources", "describe_sources", "grad_norm_history", "POSITIVE_OPS"]
 
 
-_DOMAIN = {
-    # forward op -> (forward explanation, backward explanation)
-    "log": ("log of zero or of a negative value", "log derivative at 0 (1/x)"),
-    "log2": ("log2 of zero or of a negative value", "log2 derivative at 0"),
-    "log10": ("log10 of zero or of a negative value", "log10 derivative at 0"),
-    "log1p": ("log1p at or below -1", "log1p derivative at -1"),
-    "xlogy": ("xlogy with y <= 0", "xlogy derivative at y = 0"),
-    "sqrt": ("sqrt of a negative value", "sqrt derivative at 0"),
-    "rsqrt": ("rsqrt of zero or of a negative value", "rsqrt derivative at 0"),
-    "div": ("division by zero (x/0 is Inf, 0/0 is NaN)", "division by zero in the derivative of a division"),
-    "reciprocal": ("reciprocal of zero", "reciprocal derivative at 0"),
-    "pow": ("pow of zero to a negative power, or of a negative base to a fractional power", "pow derivative at a zero base"),
-    "acos": ("acos outside [-1, 1]", "acos derivative at +-1"),
-    "asin": ("asin outside [-1, 1]", "asin derivative at +-1"),
-    "atanh": ("atanh at or outside +-1", "atanh derivative at +-1"),
-    "acosh": ("acosh below 1", "acosh derivative at 1"),
-    "softmax": ("softmax of a row that is entirely -Inf (every position masked)", "softmax derivative of a fully masked row"),
-    "_softmax": ("softmax of a row that is entirely -Inf (every position masked)", "softmax derivative of a fully masked row"),
-    "log_softmax": ("log_softmax of a row that is entirely -Inf", "log_softmax derivative of a fully masked row"),
-    "_log_softmax": ("log_softmax of a row that is entirely -Inf", "log_softmax derivative of a fully masked row"),
-    "linalg_vector_norm": ("norm of an infinite vector", "norm derivative at the zero vector (0/0)"),
-    "norm": ("norm of an infinite vector", "norm derivative at the zero vector (0/0)"),
-    "std": ("std with a non-positive correction count", "std derivative with zero variance"),
-    "var": ("var with a non-positive correction count", "var derivative"),
-    "mean": ("mean of an empty tensor (0/0)", "mean derivative"),
-    "exp": ("exp of a large value", "exp derivative of a large value"),
-    "mul": ("0 * Inf", "0 * Inf in a derivative"),
-    "sub": ("Inf - Inf", "Inf - Inf in a derivative"),
-    "add": ("Inf + (-Inf)", "Inf + (-Inf) in a derivative"),
+@dataclass(frozen=True)
+class Domain:
+    """What puts one op outside its domain.
+
+    Attributes:
+        forward, backward: the explanation in the forward pass, and for the op's derivative.
+        kind: ``zero`` (undefined at 0: log, division, rsqrt, pow of 0 to a negative power...),
+            ``negative`` (sqrt of x < 0), ``bound`` (acos outside [-1, 1]), ``empty`` (a mean over
+            0 elements), ``masked`` (a softmax row with every position -Inf), ``count`` (var/std
+            over too few elements), ``ignored`` (a loss whose every target is ignored), ``large``
+            (exp of a large value), ``inf`` (Inf - Inf, 0 * Inf).
+        operand: the schema name of the operand at fault (``other`` is the divisor of ``div``);
+            ``None`` when any operand may be.
+    """
+
+    forward: str
+    backward: str
+    kind: str
+    operand: Optional[str] = "self"
+
+
+_D = Domain
+#: op name (aten overload packet, without underscores at the ends) -> its domain
+DOMAIN: dict[str, Domain] = {
+    "log": _D("log of zero or of a negative value", "log derivative at 0 (1/x)", "zero"),
+    "log2": _D("log2 of zero or of a negative value", "log2 derivative at 0", "zero"),
+    "log10": _D("log10 of zero or of a negative value", "log10 derivative at 0", "zero"),
+    "log1p": _D("log1p at or below -1", "log1p derivative at -1", "bound"),
+    "xlogy": _D("xlogy with y <= 0", "xlogy derivative at y = 0", "zero", "other"),
+    "sqrt": _D("sqrt of a negative value", "sqrt derivative at 0", "negative"),
+    "rsqrt": _D("rsqrt of zero or of a negative value", "rsqrt derivative at 0", "zero"),
+    "div": _D("division by zero (x/0 is Inf, 0/0 is NaN)", "division by zero in the derivative of a division", "zero", "other"),
+    "reciprocal": _D("reciprocal of zero", "reciprocal derivative at 0", "zero"),
+    "pow": _D("pow of zero to a negative power, or of a negative base to a fractional power", "pow derivative at a zero base", "zero"),
+    "acos": _D("acos outside [-1, 1]", "acos derivative at +-1", "bound"),
+    "asin": _D("asin outside [-1, 1]", "asin derivative at +-1", "bound"),
+    "atanh": _D("atanh at or outside +-1", "atanh derivative at +-1", "bound"),
+    "acosh": _D("acosh below 1", "acosh derivative at 1", "bound"),
+    "angle": _D("angle of a complex value", "angle derivative at 0 (1/|z|^2)", "zero"),
+    "abs": _D("abs", "abs derivative of a complex 0 (z/|z|)", "zero"),
+    "softmax": _D("softmax of a row that is entirely -Inf (every position masked)", "softmax derivative of a fully masked row", "masked"),
+    "safe_softmax": _D("softmax of a row that is entirely -Inf (every position masked)", "softmax derivative of a fully masked row", "masked"),
+    "log_softmax": _D("log_softmax of a row that is entirely -Inf", "log_softmax derivative of a fully masked row", "masked"),
+    "linalg_vector_norm": _D("norm of an infinite vector", "norm derivative at the zero vector (0/0)", "zero"),
+    "norm": _D("norm of an infinite vector", "norm derivative at the zero vector (0/0)", "zero"),
+    "cdist": _D("cdist", "cdist derivative at zero distance", "zero"),
+    "std": _D("std with no more elements than its correction", "std derivative with zero variance", "count"),
+    "var": _D("var with no more elements than its correction", "var derivative", "count"),
+    "std_mean": _D("std with no more elements than its correction", "std derivative with zero variance", "count"),
+    "var_mean": _D("var with no more elements than its correction", "var derivative", "count"),
+    "mean": _D("mean of an empty tensor (0/0)", "mean derivative of an empty tensor", "empty"),
+    "nll_loss": _D("a mean over zero targets (every target is ignore_index)", "nll_loss derivative with no target", "ignored", "target"),
+    "nll_loss_forward": _D("a mean over zero targets (every target is ignore_index)", "nll_loss derivative with no target", "ignored", "target"),
+    "nll_loss2d_forward": _D("a mean over zero targets (every target is ignore_index)", "nll_loss derivative with no target", "ignored", "target"),
+    "ctc_loss": _D("a CTC target that no alignment of the input can produce (target longer than the input)", "CTC derivative of an impossible alignment", "count", None),
+    "exp": _D("exp of a large value", "exp derivative of a large value", "large"),
+    "mul": _D("0 * Inf", "0 * Inf in a derivative", "inf", None),
+    "sub": _D("Inf - Inf", "Inf - Inf in a derivative", "inf", None),
+    "add": _D("Inf + (-Inf)", "Inf + (-Inf) in a derivative", "inf", None),
 }
 
+#: ops whose output is mathematically positive for finite inputs: an exact 0 there is an underflow
+POSITIVE_OPS = frozenset({"exp", "exp2", "softmax", "sigmoid", "softplus", "cosh"})
 
-def domain_explanation(op: str, *, backward: bool, node: Optional[str] = None) -> Optional[str]:
-    """A short description of the mathematical domain error of ``op`` (an aten op name, or in
-    the backward pass the forward op of ``node``); ``None`` when none is known."""
-    key = node_forward_op(node) if backward and node else None
-    for k in (key, op, op.rstrip("_")):
-        if k and k in _DOMAIN:
-            return _DOMAIN[k][1 if backward and k == key else 0]
+
+def _bare(op: Optional[str]) -> str:
+    return (op or "").strip("_")
+
+
+def domain_of(birth: dict) -> Optional[tuple[str, Domain]]:
+    """(op name, :class:`Domain`) of a birth: in the backward pass, the forward op of its autograd
+    node when the table knows it (``SqrtBackward0`` -> ``sqrt``), else the op itself."""
+    keys = []
+    if birth.get("phase") == "backward":
+        keys.append(_bare(birth.get("forward_op") or node_forward_op(birth.get("node"))))
+    keys.append(_bare(birth.get("op")))
+    for k in keys:
+        if k in DOMAIN:
+            return k, DOMAIN[k]
     return None
 
 
+def explanation(birth: dict) -> Optional[str]:
+    """The domain error in words, for the pass the birth happened in."""
+    d = domain_of(birth)
+    if d is None:
+        return None
+    name, dom = d
+    return dom.backward if birth.get("phase") == "backward" and name == _bare(birth.get("forward_op")) else dom.forward
+
+
+def offending_operand(birth: dict) -> Optional[dict]:
+    """The operand that put the op outside its domain: by the domain table's operand name where
+    it holds the tell-tale values (zeros for a ``zero`` domain, an empty tensor for ``empty``,
+    negatives for ``negative``...), else the first operand that does; ``None`` when no operand shows it."""
+    ops = ((birth.get("operands") or {}).get("tensors") or [])
+    if not ops:
+        return None
+    d = domain_of(birth)
+    kind = d[1].kind if d else None
+
+    def telling(o: dict) -> bool:
+        if kind in ("zero",):
+            return bool(o.get("zeros"))
+        if kind == "negative":
+            return bool(o.get("negatives")) or bool(o.get("zeros"))
+        if kind == "empty":
+            return o.get("numel") == 0
+        if kind == "masked":
+            return bool(o.get("neginf"))
+        if kind == "inf":
+            return bool(o.get("posinf") or o.get("neginf"))
+        return True
+
+    named = [o for o in ops if d is not None and d[1].operand is not None and o.get("name") == d[1].operand]
+    for o in named + [o for o in ops if o not in named]:
+        if telling(o):
+            return o
+    return named[0] if named else None
+
+
+def sources(operand: Optional[dict]) -> dict:
+    """Where an operand's values come from, from its provenance: ``batch`` (leaf paths),
+    ``weights`` (bool), ``buffers`` (FQNs), ``const``, ``rng`` (bools)."""
+    prov = (operand or {}).get("prov") or []
+    return {
+        "batch": sorted(p[len("batch:"):] for p in prov if p.startswith("batch:")),
+        "weights": "weights" in prov,
+        "buffers": sorted(p[len("buffer:"):] for p in prov if p.startswith("buffer:")),
+        "const": "const" in prov,
+        "rng": "rng" in prov,
+    }
+
+
+def describe_sources(src: dict) -> str:
+    """``derives from batch['y'] and the weights``, in words."""
+    parts = [", ".join(src["batch"])] if src["batch"] else []
+    if src["weights"]:
+        parts.append("the weights")
+    if src["buffers"]:
+        parts.append("buffer" + ("s " if len(src["buffers"]) > 1 else " ") + ", ".join(src["buffers"]))
+    if src["rng"]:
+        parts.append("random draws")
+    if not parts and src["const"]:
+        parts.append("constants of the code")
+    return " and ".join(parts) if parts else "unknown sources"
+
+
 def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float = 10.0) -> Optional[dict]:
-    """Explosion evidence from the ring buffer: the finite grad norms of the steps before the
-    failing one, and whether the latest is at least ``ratio`` times the median of the earlier
-    ones, or the learning rate jumped by ``ratio`` within the window.
+    """Explosion evidence from the ring buffer: the grad norms of the steps before the failing one
+    (finite ones; a step whose float32 2-norm overflowed keeps its float64 norm), whether the
+    latest is at least ``ratio`` times the median of the earlier ones, the losses, and whether the
+    learning rate jumped by ``ratio`` within the window or was non-finite.
 
     Args:
-        steps: ring-buffer records with ``step``, ``grad_norm`` (float or None) and ``lrs``.
+        steps: ring-buffer records with ``step``, ``grad_norm`` and ``loss`` (float or None) and ``lrs``.
+
+    Returns:
+        ``{"grad_norms": [[step, norm]], "losses": [[step, loss]], "lrs": [[step, max lr]],
+        "growth", "exploding", "lr_spike", "nonfinite_lr"}``.
     """
     prior = [s for s in steps if s.step < failing_step]
     norms = [(s.step, float(s.grad_norm)) for s in prior if s.grad_norm is not None and math.isfinite(float(s.grad_norm))]
-    lrs = [(s.step, max(s.lrs)) for s in steps if s.lrs]
-    out: dict = {"grad_norms": [[k, v] for k, v in norms], "lrs": [[k, fnum(v)] for k, v in lrs], "exploding": False, "lr_spike": None}
+    losses = [[s.step, fnum(s.loss)] for s in steps if s.loss is not None]
+    lrs = [(s.step, max(s.lrs, key=lambda v: v if math.isfinite(v) else math.inf)) for s in steps if s.lrs]
+    bad_lr = next(([k, fnum(v)] for k, v in lrs if not math.isfinite(v)), None)
+    out: dict = {"grad_norms": [[k, v] for k, v in norms], "losses": losses, "lrs": [[k, fnum(v)] for k, v in lrs], "exploding": False,
+                 "lr_spike": None, "nonfinite_lr": bad_lr}
     if len(norms) >= 2:
         base = statistics.median(v for _, v in norms[:-1])
         out["growth"] = norms[-1][1] / base if base > 0 else math.inf
         out["exploding"] = bool(out["growth"] >= ratio)
     if len(lrs) >= 2:
-        vals = [v for _, v in lrs]
-        lo = min(vals)
+        finite = [v for _, v in lrs if math.isfinite(v)]
+        lo = min(finite) if finite else math.nan
         hi_step, hi = max(lrs, key=lambda kv: kv[1] if math.isfinite(kv[1]) else math.inf)
         if lo > 0 and (not math.isfinite(hi) or hi / lo >= ratio):
             out["lr_spike"] = {"step": hi_step, "lr": fnum(hi), "min_lr": lo}

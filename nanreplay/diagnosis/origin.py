@@ -1,148 +1,207 @@
-"""From one replay to the diagnosis: where the first non-finite value was born (phase and
-origin), the health table of the modules around it and the reproduction verdict."""
+"""The one rule for the origin of a non-finite step.
+
+The origin is the **first birth, in execution order, of a non-finite value that is not
+allowlisted and that reaches what the step produces** (its losses, model outputs and gradients,
+or the weights it updates). Execution order starts with what exists before any op runs (the
+step-start weights, then the batch), goes through the ops of the forward pass, the loss and the
+backward pass, and ends with the optimizer update. The phase and the place follow from where the
+birth ran (:meth:`nanreplay.engine.monitors.OpMonitor.where`).
+
+:data:`STAGES` is that order as a table: the first stage that finds a birth names the origin.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.numerics import Health
-from ..engine.compare import compare_grads, compare_loss
-from ..engine.run import ReplayResult
-from ..report.summary import summary_sentence
+from ..core.numerics import Health, is_float
+from ..engine.run import ReplayResult, StepInputs
+from ..report.summary import kinds_of
 
-__all__ = ["diagnose"]
-
-
-def _h(h: Optional[Health]) -> Optional[dict]:
-    return h.to_json() if h is not None else None
+__all__ = ["Found", "STAGES", "find_origin", "health_json"]
 
 
-def _event_json(e: dict) -> dict:
-    return {k: (_h(v) if isinstance(v, Health) else v) for k, v in e.items()}
+@dataclass
+class Found:
+    """An origin: its phase, the report's ``origin`` dict and, from the op monitor, the birth."""
+
+    phase: str
+    origin: dict
+    birth: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
 
 
-def diagnose(
-    result: ReplayResult,
-    *,
-    step: int,
-    recorded_grads: dict[str, torch.Tensor],
-    recorded_loss: Optional[float] = None,
-    table_rows: int = 8,
-) -> dict:
-    """Turn a replay into the diagnosis (a JSON-able dict; field names documented in
-    ``docs/report.md``): ``phase`` of birth (``weights``, ``input``, ``forward``, ``loss``,
-    ``backward``, or ``none``), ``origin`` (module FQN and class, op when known), the
-    ``summary`` sentence, the ``health`` table around the origin and the ``reproduction`` verdict."""
-    repro = compare_grads(recorded_grads, result.grads)
-    compare_loss(repro, recorded_loss, result.losses)
-    fwd = [e for e in result.modules.events if e["phase"] == "forward"]
-    bwd = [e for e in result.modules.events if e["phase"] == "backward"]
-    births = result.ops.births if result.ops is not None else []
-    origin: Optional[dict] = None
-    phase = "none"
-    cause = ""
-    model_out_bad = any(h is not None and not h.finite for h in result.outputs)
-    loss_bad = any(h is not None and not h.finite for h in result.losses)
-    cot_bad = any(h is not None and not h.finite for h in result.cotangents)
-    fwd_births = [b for b in births if b["phase"] == "forward"]
+@dataclass
+class Context:
+    result: ReplayResult
+    inp: StepInputs
+    model: torch.nn.Module
+    classes: dict[str, str]
+    optimizer_replay: Callable[[], Optional[dict]]
 
-    def op_in(module: Optional[str], ph: str) -> Optional[dict]:
-        for b in births:
-            m = b["module"]
-            if b["phase"] == ph and m is not None and (module is None or module == "" or m == module or m.startswith(module + ".")):
-                return b
+
+def health_json(h: Any) -> Optional[dict]:
+    """A :class:`Health` (or an already plain dict) as JSON."""
+    return h.to_json() if isinstance(h, Health) else h
+
+
+def _tensor_path(leaf: str) -> tuple[str, str]:
+    """``"['params']['fc.weight']"`` -> ``("params", "fc.weight")``."""
+    parts = [p.strip("'\"") for p in leaf.strip("[]").split("][")]
+    return (parts[0], parts[1]) if len(parts) >= 2 else ("params", leaf)
+
+
+def _weights(c: Context) -> Optional[Found]:
+    if not c.result.weights:
         return None
+    params = [w for w in c.result.weights if _tensor_path(w["leaf"])[0] == "params"]
+    w = (params or c.result.weights)[0]
+    kind, fqn = _tensor_path(w["leaf"])
+    owner = fqn.rpartition(".")[0]
+    origin = {"module": owner, "class": c.classes.get(owner), "kind": "parameter" if kind == "params" else "buffer", "tensor": fqn,
+              "nonfinite": w["health"].kinds(), "tensors": [_tensor_path(x["leaf"])[1] for x in c.result.weights[:8]]}
+    return Found("weights", origin)
 
-    if result.weights:
-        w = result.weights[0]
-        phase, cause = "weights", "the step-start weights were already non-finite (an earlier optimizer update corrupted them)"
-        leaf = w["leaf"]
-        fqn = leaf.split("'")[3] if leaf.count("'") >= 4 else leaf
-        origin = {"module": fqn.rpartition(".")[0], "tensor": fqn, "kind": "producer"}
-    elif any(x["health"].nan or x["health"].posinf for x in result.inputs):
-        x = next(x for x in result.inputs if x["health"].nan or x["health"].posinf)
-        phase, cause = "input", f"the recorded batch already holds {x['health'].kinds()} at {x['leaf']}"
-        origin = {"module": None, "leaf": x["leaf"], "samples": x["samples"], "kind": "bad input data"}
-    elif model_out_bad:
-        prod = next((e for e in fwd if e["born"]), None)
-        phase = "forward"
-        if prod is not None:
-            origin = {"module": prod["module"], "class": prod["class"], "kind": "producer"}
-            op = op_in(prod["module"], "forward")
-        else:
-            op = fwd_births[0] if fwd_births else None
-            origin = {"module": op["module"] if op else "", "class": None, "kind": "producer"}
-        if op:
-            origin["op"] = op["op"]
-            origin["op_index"] = op["op_index"]
-        cause = "a non-finite value is born in the forward pass"
-    elif loss_bad or (result.mode == "cotangent" and cot_bad):
-        phase = "loss"
-        op = next((b for b in births if b["phase"] == "loss"), None) if result.mode == "loss_fn" else None
-        origin = {"module": None, "class": None, "kind": "outside the model"}
-        if op:
-            origin["op"] = op["op"]
-            origin["op_index"] = op["op_index"]
-        cause = (
-            "the model's forward pass is finite; the non-finite value is born outside the model, in the loss"
-            + (" function" if result.mode == "loss_fn" else " (the recorded gradient w.r.t. the model output is non-finite)")
-        )
-    else:
-        bop = next((b for b in births if b["phase"] == "backward"), None)
-        first_bad = next((e for e in bwd if e["output"] is not None and not e["output"].finite), None)
-        if bop is not None or first_bad is not None:
-            phase = "backward"
-            module = bop["module"] if bop is not None else first_bad["module"]
-            cls = dict(result.modules.fqn_class).get(module) if hasattr(result.modules, "fqn_class") else None
-            origin = {"module": module, "class": cls, "kind": "producer"}
-            if bop is not None:
-                origin["op"] = bop["op"]
-                origin["op_index"] = bop["op_index"]
-            cause = "the forward pass and the loss are finite; the non-finite value is born in the backward pass"
-            if first_bad is not None:
-                origin["first_nonfinite_gradient"] = first_bad.get("param") or f"cotangent at {first_bad['module'] or '(model output)'}"
-    classes = {e["module"]: e["class"] for e in fwd}
-    if origin is not None and origin.get("module") is not None and origin.get("class") is None:
-        origin["class"] = classes.get(origin["module"])
-    table = _table(fwd, origin, table_rows)
-    diag = {
-        "step": step,
-        "phase": phase,
-        "origin": origin,
-        "cause": cause,
-        "summary": "",
-        "mode": result.mode,
-        "reproduction": repro,
-        "health": table,
-        "births": [_event_json(b) for b in births[:16]],
-        "propagated_ops": result.ops.propagated if result.ops is not None else None,
-        "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
-        "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
-        "loss": [_h(h) for h in result.losses],
-        "warnings": result.warnings,
+
+def _input(c: Context) -> Optional[Found]:
+    bad = [x for x in c.result.inputs if x["health"].nan or x["health"].posinf]  # -Inf alone may be a mask the model expects
+    if not bad:
+        return None
+    x = bad[0]
+    origin = {"module": None, "class": None, "kind": "bad input data", "leaf": x["leaf"], "samples": x["samples"],
+              "nonfinite": x["health"].kinds()}
+    return Found("input", origin, extra={"leaves": bad})
+
+
+def origin_of_birth(b: dict, classes: dict[str, str]) -> dict:
+    """The report's ``origin`` for an op birth."""
+    module = b.get("module")
+    if module is None and b.get("method_of") is not None:
+        module = b["method_of"]  # a method of a model module called by the loss, e.g. model.compute_loss(...)
+    out_h, in_h = b.get("output"), b.get("inputs")
+    return {
+        "module": module, "class": classes.get(module) if module is not None else None, "kind": "producer",
+        "op": b["op"], "aten": b.get("aten"), "op_index": b.get("op_index"), "node": b.get("node"), "forward_op": b.get("forward_op"),
+        "source": b.get("source"), "nonfinite": kinds_of(out_h), "dtype": getattr(out_h, "dtype", None), "shape": getattr(out_h, "shape", None),
+        "inputs": health_json(in_h), "output": health_json(out_h), "micro_batch": b.get("micro_batch"),
     }
-    diag["summary"] = summary_sentence(diag)
-    return diag
 
 
-def _table(fwd: list[dict], origin: Optional[dict], rows: int) -> list[dict]:
-    """The first ``rows`` module events around the origin (or the first ones), as JSON."""
-    idx = 0
-    if origin and origin.get("module") is not None:
-        idx = next((i for i, e in enumerate(fwd) if e["module"] == origin["module"]), 0)
-    lo = max(0, idx - rows // 2)
-    roles, born_before = [], []
-    for e in fwd:  # forwards complete children first: a parent of an earlier producer only contains it
-        if e["born"]:
-            inside = any(m == e["module"] or m.startswith(e["module"] + ".") or e["module"] == "" for m in born_before)
-            roles.append("contains producer" if inside else "producer")
-            born_before.append(e["module"])
-        else:
-            roles.append("propagator" if e["output"] is not None and not e["output"].finite else "")
-    out = []
-    for i, e in enumerate(fwd[lo : lo + rows], start=lo):
-        role = roles[i]
-        out.append({"index": i, "module": e["module"], "class": e["class"], "role": role, "inputs": _h(e["inputs"]), "output": _h(e["output"])})
-    return out
+def _first_reaching(c: Context, phases: tuple[str, ...]) -> Optional[Found]:
+    births = c.result.births
+    if c.result.ops is None or not births:
+        return None
+    reaching = c.result.reaching or frozenset()
+    first = next((b for b in births if b.get("birth") in reaching and b["phase"] in phases), None)
+    return Found(first["phase"], origin_of_birth(first, c.classes), birth=first) if first is not None else None
+
+
+def _forward_ops(c: Context) -> Optional[Found]:
+    """The first birth in the forward pass or the loss whose values reach the step's products."""
+    return _first_reaching(c, ("forward", "loss"))
+
+
+def _backward_ops(c: Context) -> Optional[Found]:
+    """The first birth in the backward pass whose values reach the gradients."""
+    return _first_reaching(c, ("backward",))
+
+
+def _any_birth(c: Context) -> Optional[Found]:
+    """The products are non-finite but no birth's values traceably reach them (a path the taint
+    lost, e.g. an op that rebuilt a tensor from a non-finite one): the first birth."""
+    births = c.result.births
+    if c.result.ops is None or not births or not _products_nonfinite(c.result):
+        return None
+    return Found(births[0]["phase"], origin_of_birth(births[0], c.classes), birth=births[0])
+
+
+def _modules(c: Context) -> Optional[Found]:
+    """Without the op monitor: the first module whose output turned non-finite from finite inputs."""
+    if c.result.ops is not None:
+        return None
+    fwd = [e for e in c.result.modules.events if e["phase"] == "forward"]
+    prod = next((e for e in fwd if e["born"]), None)
+    if prod is not None:
+        return Found("forward", {"module": prod["module"], "class": prod["class"], "kind": "producer"})
+    if any(h is not None and not h.finite for h in c.result.losses):
+        return Found("loss", {"module": None, "class": None, "kind": "outside the model"})
+    bad = next((e for e in c.result.modules.events if e["phase"] == "backward" and e.get("output") and (e["output"]["nan"] or e["output"]["posinf"] or e["output"]["neginf"])), None)
+    if bad is not None:
+        return Found("backward", {"module": bad["module"], "class": c.classes.get(bad["module"]), "kind": "producer",
+                                  "first_nonfinite_gradient": bad.get("param") or f"cotangent at {bad['module'] or '(model output)'}"})
+    return None
+
+
+def _cotangent(c: Context) -> Optional[Found]:
+    """The loss was not replayed and the recorded gradient w.r.t. the model's output is already
+    non-finite: the value was born in the loss, in code the replay did not run."""
+    if c.result.mode != "cotangent" or not any(h is not None and not h.finite for h in c.result.cotangents):
+        return None
+    bad = [h for h in c.result.cotangents if h is not None and not h.finite]
+    return Found("loss", {"module": None, "class": None, "kind": "outside the model", "loss_replayed": False, "nonfinite": bad[0].kinds()})
+
+
+def _explosion(c: Context) -> Optional[Found]:
+    """Every recorded gradient is finite, but the recorder saw their float32 2-norm overflow."""
+    grads = c.inp.recorded_grads
+    reason = c.inp.reason
+    gn = reason.get("grad_norm")
+    overflowed = bool(reason.get("explosion")) or (gn is not None and math.isinf(float(gn)))
+    local = (reason.get("distributed") or {}).get("grads") == "local"  # DDP: the norm is of reduced grads, these are local
+    if not grads or not overflowed or local or not _grads_finite(grads):
+        return None
+    fqn, g = max(grads.items(), key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
+    owner = fqn.rpartition(".")[0]
+    return Found("backward", {"module": owner, "class": c.classes.get(owner), "kind": "explosion", "param": fqn,
+                              "largest_gradient": float(g.detach().abs().max().double())})
+
+
+def _optimizer(c: Context) -> Optional[Found]:
+    grads = c.inp.recorded_grads
+    if not grads or not _grads_finite(grads) or _products_nonfinite(c.result):
+        return None
+    res = c.optimizer_replay()
+    if not res or not res.get("nonfinite"):
+        return None
+    first = res["param"]
+    owner = first.rpartition(".")[0]
+    origin = {"module": owner, "class": c.classes.get(owner), "kind": "optimizer update", "param": first, "state_key": res["state_key"],
+              "optimizer": res["class"], "op": res["births"][0]["op"] if res["births"] else None}
+    return Found("optimizer", origin, extra={"optimizer": res})
+
+
+#: the origin rule, in execution order: the first stage that finds a birth names the origin
+STAGES: tuple[tuple[str, Callable[[Context], Optional[Found]]], ...] = (
+    ("step-start weights", _weights),
+    ("batch", _input),
+    ("ops of the forward pass and the loss", _forward_ops),
+    ("loss not replayed", _cotangent),
+    ("ops of the backward pass", _backward_ops),
+    ("modules (op monitor off)", _modules),
+    ("any birth", _any_birth),
+    ("grad norm overflow", _explosion),
+    ("optimizer update", _optimizer),
+)
+
+
+def find_origin(result: ReplayResult, inp: StepInputs, model: torch.nn.Module, *, optimizer_replay: Callable[[], Optional[dict]]) -> Optional[Found]:
+    """The origin by :data:`STAGES`, or ``None`` when the replay produced no non-finite value."""
+    c = Context(result, inp, model, {n: type(m).__name__ for n, m in model.named_modules()}, optimizer_replay)
+    for _, stage in STAGES:
+        found = stage(c)
+        if found is not None:
+            return found
+    return None
+
+
+def _grads_finite(grads: dict[str, torch.Tensor]) -> bool:
+    return all(not (is_float(g) and not bool(torch.isfinite(g).all())) for g in grads.values())
+
+
+def _products_nonfinite(result: ReplayResult) -> bool:
+    hs = [h for h in list(result.losses) + list(result.outputs) if h is not None]
+    return any(not h.finite for h in hs) or not _grads_finite(result.grads)

@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 
 from ..core.jsonable import fnum
-from ..core.numerics import Health, is_float
+from ..core.numerics import is_float
 
 __all__ = ["VERDICTS", "compare_grads", "common_factor", "compare_loss"]
 
-VERDICTS = ("reproduced exactly", "reproduced", "not reproduced")
+VERDICTS = ("reproduced exactly", "reproduced", "not reproduced", "not replayed")
 
 
 def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> dict:
@@ -130,15 +130,29 @@ def common_factor(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
     return c
 
 
-def compare_loss(repro: dict, recorded: Optional[float], replayed: list[Optional[Health]]) -> None:
+def compare_loss(repro: dict, recorded: Optional[float], replayed: list[float]) -> None:
     """Fold the loss into the verdict: a recorded non-finite loss that replays finite (or the
-    reverse) means the failure was not reproduced, whatever the gradients say."""
-    hs = [h for h in replayed if h is not None]
-    if recorded is None or not hs:
+    reverse) means the failure was not reproduced, whatever the gradients say.
+
+    ``replayed`` holds one value per micro-batch. A loop under gradient accumulation may log only
+    the last micro-batch's loss, or their sum or mean: the recorded value is compared with each of
+    those, and agrees when one of them has its finiteness (and its value, within float32 rounding,
+    when both are finite)."""
+    if recorded is None or not replayed:
         return
-    rec_bad = not math.isfinite(recorded)
-    rep_bad = any(not h.finite for h in hs)
     repro["loss_recorded"] = fnum(recorded)
+    total = math.fsum(replayed) if all(math.isfinite(v) for v in replayed) else sum(replayed)
+    candidates = {"the last micro-batch's": replayed[-1], "the sum of the micro-batches'": total, "the mean of the micro-batches'": total / len(replayed)}
+    rec_bad = not math.isfinite(recorded)
+
+    def agrees(v: float) -> bool:
+        if rec_bad or not math.isfinite(v):
+            return rec_bad == (not math.isfinite(v))
+        return abs(v - recorded) <= 1e-3 * max(abs(v), abs(recorded)) + 1e-6
+
+    if any(agrees(v) for v in candidates.values()):
+        return
+    rep_bad = any(not math.isfinite(v) for v in replayed)
     if rec_bad != rep_bad:
         repro["verdict"] = "not reproduced"
         msg = f"recorded loss {recorded} but the replayed loss is {'non-finite' if rep_bad else 'finite'}"

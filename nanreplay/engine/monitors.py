@@ -1,90 +1,179 @@
 """The replay's monitors: what each module and each aten op did with non-finite values.
 
-* :class:`ModuleMonitor`: module hooks (``register_forward_pre_hook`` / ``register_forward_hook``
-  on every module) record each module's input and output health in execution order, and in the
-  backward pass the cotangent at each module's output and each parameter's gradient. A module is
-  the *producer* when NaN appears in its output while none of its inputs holds NaN, or ±Inf
-  appears while all its inputs are finite (:func:`born`); the others only propagate.
-* :class:`OpMonitor`: a ``TorchDispatchMode`` with ``torch.utils.module_tracker.ModuleTracker``
-  for the module context checks every aten op's floating outputs in the forward pass, the loss
-  and the backward pass, and records each *birth* by the same rule, with the evidence observed at
-  that moment (:mod:`nanreplay.engine.probes`).
+* :class:`OpMonitor`: a ``TorchDispatchMode`` that sees every aten op of the replayed step
+  (forward, loss, backward kernels and the optimizer update), with
+  ``torch.utils.module_tracker.ModuleTracker`` for the module context in both passes. For each
+  op it keeps, per output tensor, a few *facts* (:class:`Facts`): whether it holds NaN or Inf,
+  its provenance (which sources it derives from: batch leaves by path, weights, buffers by FQN,
+  constants, RNG), the op that produced it, and its taint (the births its non-finite values come
+  from). An op whose output holds a non-finite value its inputs do not explain is a *birth*: NaN
+  in the output while no input holds NaN, or Inf while every input is finite (:func:`born`);
+  the evidence is observed at that moment (:mod:`nanreplay.engine.probes`).
+* :class:`ModuleMonitor`: module hooks record each module's output in forward completion order
+  (finite or the NaN/Inf counts, and the largest finite magnitude), and in the backward pass the
+  cotangent at each module's output and each parameter's gradient.
+
+Both are lean on the common path: one ``abs().amax()`` reduction per floating output gives
+finiteness and magnitude at once, and a tensor's flags are computed once and cached; the full
+counts (:class:`~nanreplay.core.numerics.Health`) are computed only where a value is born.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import itertools
+import math
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import Health, any_nonfinite, is_float, tensor_health
+from ..core.numerics import is_float, tensor_health
 from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
 
-__all__ = ["born", "ModuleMonitor", "OpMonitor"]
+__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "flags_of"]
+
+# ops whose output is uninitialised memory: never a birth, never checked
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
+# ops that draw from a random generator (besides any op whose schema takes a Generator)
+_RANDOM = frozenset({"native_dropout", "bernoulli", "bernoulli_", "rand", "randn", "randint", "randperm", "normal", "normal_", "uniform_",
+                     "multinomial", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "rand_like", "randn_like",
+                     "randint_like", "poisson", "_fused_dropout", "_standard_gamma"})
 
 
-def born(inputs: Optional[Health], output: Optional[Health]) -> bool:
-    """The producer rule: NaN in the output with no NaN in the inputs, or ±Inf in the output
-    with all inputs finite."""
-    if output is None or output.finite:
-        return False
-    if inputs is None:
-        return True
-    if output.nan and not inputs.nan:
-        return True
-    return (output.posinf or output.neginf) > 0 and inputs.finite
+def born(in_nan: bool, in_nonfinite: bool, out_nan: bool, out_inf: bool) -> bool:
+    """The producer rule: NaN in the output while no input holds NaN, or Inf (either sign) in the
+    output while every input is finite."""
+    return (out_nan and not in_nan) or (out_inf and not out_nan and not in_nonfinite)
+
+
+def flags_of(t: torch.Tensor) -> tuple[bool, bool, float]:
+    """``(has_nan, has_inf, absmax)`` of a tensor with one reduction and one host read: the
+    largest magnitude is NaN when any element is NaN and Inf when any is infinite (``has_inf`` is
+    only known when there is no NaN). Non-float tensors are finite; ``absmax`` is 0 for them."""
+    if not is_float(t) or t.numel() == 0:
+        return False, False, 0.0
+    m = float(t.detach().abs().amax())
+    return math.isnan(m), math.isinf(m), m
+
+
+class Fact:
+    """What the op monitor knows about one tensor of the replay."""
+
+    __slots__ = ("nan", "inf", "absmax", "prov", "producer", "taint", "allowed")
+
+    def __init__(self, nan: bool, inf: bool, absmax: float, prov: frozenset, producer: str, taint: frozenset = frozenset(),
+                 allowed: bool = False) -> None:
+        self.nan, self.inf, self.absmax = nan, inf, absmax
+        self.prov = prov            # sources: "batch:<path>", "weights", "buffer:<fqn>", "const", "rng"
+        self.producer = producer    # the op (or source) that made it
+        self.taint = taint          # birth indices its non-finite values come from
+        self.allowed = allowed      # its non-finite values were written on purpose (allowlisted)
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nan or self.inf
+
+
+class Facts:
+    """Facts of the replay's tensors, keyed weakly by tensor (a tensor freed by the replay leaves
+    the table)."""
+
+    def __init__(self) -> None:
+        self._d: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def seed(self, t: torch.Tensor, source: str) -> None:
+        """Declare ``t`` a source (a batch leaf, a weight, a buffer)."""
+        nan, inf, m = flags_of(t)
+        self._d[t] = Fact(nan, inf, m, frozenset((source,)), source)
+
+    def get(self, t: torch.Tensor) -> Fact:
+        """The facts of ``t``; a tensor never seen before (a constant built outside the replay's
+        ops, e.g. a plain tensor attribute of a module) is computed now and counted a constant."""
+        f = self._d.get(t)
+        if f is None:
+            nan, inf, m = flags_of(t)
+            f = Fact(nan, inf, m, frozenset(("const",)), "const")
+            self._d[t] = f
+        return f
+
+    def peek(self, t: torch.Tensor) -> Optional[Fact]:
+        return self._d.get(t)
+
+    def set(self, t: torch.Tensor, fact: Fact) -> None:
+        self._d[t] = fact
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors of an op's args/kwargs/outputs (tuples, lists and dicts, as aten passes them),
+    without the general pytree walk."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
 
 
 class ModuleMonitor:
-    """Forward health of every module, in execution order (completion order of forwards), and
-    backward events: the cotangent at each module's output and each parameter's gradient."""
+    """Forward outputs of every module, in completion order, and backward events: the cotangent
+    at each module's output and each parameter's gradient. Each event holds ``summary`` (a small
+    dict: ``nan``, ``posinf``, ``neginf``, ``numel``, ``absmax`` of the finite values, ``dtype``,
+    ``shape``); counts are computed only for non-finite tensors."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, backward: bool = True) -> None:
         self.fqn = {id(m): n for n, m in model.named_modules()}
+        self.classes = {n: type(m).__name__ for n, m in model.named_modules()}
         self.events: list[dict] = []
-        self._stack: list[Optional[Health]] = []
+        self._stack: list[bool] = []
         self._handles: list[Any] = []
         self.phase = "forward"
         for name, m in model.named_modules():
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                owner = name.rpartition(".")[0]
-                self._handles.append(p.register_post_accumulate_grad_hook(self._param_hook(name, owner)))
+        if backward:
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._param_hook(name, name.rpartition(".")[0])))
+        self._backward = backward
 
     def _pre(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self._stack.append(tensor_health(tensor_leaves((args, kwargs))))
+        self._stack.append(all(not _nonfinite(t) for t in _tensors((args, kwargs))))
 
     def _post(self, mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         check_deadline()
-        h_in = self._stack.pop() if self._stack else None
-        h_out = tensor_health(tensor_leaves(out))
+        inputs_finite = self._stack.pop() if self._stack else True
+        outs = [t for t in tensor_leaves(out) if is_float(t)]
+        summary = _summary(outs)
         name = self.fqn.get(id(mod), "?")
-        self.events.append(
-            {"phase": self.phase, "module": name, "class": type(mod).__name__, "inputs": h_in, "output": h_out, "born": born(h_in, h_out)}
-        )
-        for t in tensor_leaves(out):
-            if t.requires_grad and is_float(t):
-                t.register_hook(self._cot_hook(name, type(mod).__name__))
+        self.events.append({"phase": self.phase, "module": name, "class": type(mod).__name__, "inputs_finite": inputs_finite,
+                            "output": summary, "born": inputs_finite and summary is not None and _summary_nonfinite(summary)})
+        if self._backward:
+            for t in outs:
+                if t.requires_grad:
+                    t.register_hook(self._cot_hook(name, type(mod).__name__))
 
     def _cot_hook(self, name: str, cls: str) -> Callable:
         def hook(g: torch.Tensor) -> None:
-            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls, "output": tensor_health([g])})
+            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls, "output": _summary([g])})
 
         return hook
 
     def _param_hook(self, pname: str, owner: str) -> Callable:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname, "output": tensor_health([p.grad])})
+                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname, "output": _summary([p.grad])})
 
         return hook
+
+    def forward_events(self) -> list[dict]:
+        return [e for e in self.events if e["phase"] == "forward"]
 
     def close(self) -> None:
         for h in self._handles:
@@ -92,91 +181,191 @@ class ModuleMonitor:
         self._handles.clear()
 
 
-class OpMonitor(TorchDispatchMode):
-    """Checks every aten op's floating outputs during replay. Records each *birth* (an op whose
-    output holds a non-finite value its inputs did not explain, by the producer rule) with its
-    phase, op name and innermost module FQN, plus a count of ops that propagated non-finite values.
-    Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
-    hooks miss; ``ModuleTracker`` supplies the module context in both passes."""
+def _nonfinite(t: torch.Tensor) -> bool:
+    nan, inf, _ = flags_of(t)
+    return nan or inf
 
-    def __init__(self, tracker: ModuleTracker, root_class: str, *, max_births: int = 32, allow: Optional[Allowlist] = None) -> None:
+
+def _summary(ts: list[torch.Tensor]) -> Optional[dict]:
+    """The small health summary of module events: counts only when something is non-finite."""
+    ts = [t for t in ts if isinstance(t, torch.Tensor) and is_float(t)]
+    if not ts:
+        return None
+    absmax, bad = 0.0, False
+    for t in ts:
+        nan, inf, m = flags_of(t)
+        if nan or inf:
+            bad = True
+        else:
+            absmax = max(absmax, m)
+    if not bad:
+        return {"nan": 0, "posinf": 0, "neginf": 0, "numel": sum(t.numel() for t in ts), "absmax": absmax,
+                "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
+    h = tensor_health(ts)
+    assert h is not None
+    return {"nan": h.nan, "posinf": h.posinf, "neginf": h.neginf, "numel": h.numel, "absmax": h.absmax, "dtype": h.dtype, "shape": h.shape}
+
+
+def _summary_nonfinite(s: dict) -> bool:
+    return bool(s["nan"] or s["posinf"] or s["neginf"])
+
+
+class OpMonitor(TorchDispatchMode):
+    """Watches every aten op of a replay and records each birth of a non-finite value.
+
+    Args:
+        tracker: the ``ModuleTracker`` entered around the replay (module context).
+        model: the replayed model (module FQNs; the root module's forward tells the forward pass
+            from the loss computed around it).
+        allow: legitimate non-finite values (default: -Inf written by attention masking).
+        max_births: births recorded in full (the rest are counted).
+
+    Attributes:
+        births: one dict per birth, in execution order (see ``docs/report.md``, "A birth").
+        allowed: births the allowlist matched (never the origin, never a taint).
+        propagated: ops that only passed non-finite values on.
+        facts: the per-tensor :class:`Facts`.
+        run_phase: set by the replay: ``forward`` (the model's forward calls), ``loss_fn`` (the
+            user's loss function, the model's forward inside it), ``backward``, ``optimizer``.
+        micro_batch: which recorded batch / forward call is replaying.
+
+    Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
+    hooks miss; ``ModuleTracker`` supplies the module context in both passes.
+    """
+
+    def __init__(self, tracker: ModuleTracker, model: Optional[torch.nn.Module], *, allow: Optional[Allowlist] = None, max_births: int = 32) -> None:
         super().__init__()
         self.tracker = tracker
-        self.root = root_class
-        self.births: list[dict] = []
-        self.allowed: list[dict] = []    # births matched by the allowlist (legitimate -Inf masks)
-        self.propagated = 0
-        self.max_births = max_births
         self.allow = allow if allow is not None else Allowlist()
-        self.phase = "forward"
+        self.max_births = max_births
+        self.births: list[dict] = []
+        self.allowed: list[dict] = []
+        self.propagated = 0
+        self.facts = Facts()
+        self.run_phase = "forward"
+        self.micro_batch: Optional[int] = None
         self.index = 0
-        self.micro_batch: Optional[int] = None  # which recorded batch / forward call is replaying
+        self._root = type(model).__name__ if model is not None else None
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._ids: dict[int, str] = {}
+        if model is not None:
+            self._modules = {n: m for n, m in model.named_modules()}
+            self._ids = {id(m): n for n, m in self._modules.items()}
+            try:  # name every module by its FQN now, whatever runs first (the loss may call a submodule first)
+                tracker._get_mod_name(model)
+            except Exception:  # noqa: BLE001 - a ModuleTracker without the private namer: names come on first call
+                pass
+        self._n_births = itertools.count()
 
-    def module(self) -> Optional[str]:
-        """FQN of the innermost module running now; ``""`` for the root, ``None`` outside the model."""
-        names = [p for p in self.tracker.parents if p != "Global"]
-        if not names:
-            return None
-        inner = max(names, key=lambda n: n.count("."))
-        head, _, rest = inner.partition(".")
-        return rest if head == self.root else inner
+    # -- where an op runs -----------------------------------------------------------------
+    def _active(self) -> list[str]:
+        """FQNs of the model's modules running now (forward, or backward in the backward pass),
+        outermost first; names of modules outside the model are kept as their class names."""
+        out = []
+        for p in self.tracker.parents:
+            if p == "Global":
+                continue
+            head, _, rest = p.partition(".")
+            out.append(rest if head == self._root and rest else ("" if p == self._root else p))
+        return sorted(out, key=lambda n: -1 if n == "" else n.count("."))
 
-    # ops whose output is uninitialised memory: never a birth, never checked
-    _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
+    def where(self) -> tuple[str, Optional[str]]:
+        """(phase, module FQN) of the op running now. Phase: ``optimizer``, ``backward``,
+        ``forward`` (inside the model's forward call) or ``loss`` (the loss function's own code,
+        including submodules of the model it calls, e.g. ``model.criterion(...)``, and any
+        ``torch.nn`` loss module). Module: the innermost model module running, ``""`` for the
+        root, ``None`` outside every model module."""
+        if self.run_phase == "optimizer":
+            return "optimizer", None
+        active = self._active()
+        model_mods = [n for n in active if n in self._modules]
+        inner = max(model_mods, key=lambda n: -1 if n == "" else n.count("."), default=None)
+        if self.run_phase == "backward" or self.tracker.is_bw:
+            return "backward", inner
+        loss_module = any(isinstance(self._modules.get(n), torch.nn.modules.loss._Loss) for n in active) or any(
+            n not in self._modules and n.endswith("Loss") for n in active)
+        in_forward = self._root is not None and "" in active
+        if loss_module or (self.run_phase == "loss_fn" and not in_forward):
+            return "loss", inner
+        return "forward", inner
 
+    # -- the op hook ------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         check_deadline()
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        if name in self._UNINITIALISED:
+        if name in _UNINITIALISED:
             return func(*args, **kwargs)
-        # in-place and out= ops overwrite an input: take the inputs' health before the op runs
-        mutating = func._schema.is_mutable if hasattr(func, "_schema") else False
-        h_in_before = tensor_health(tensor_leaves((args, kwargs))) if mutating else None
+        facts = self.facts
+        ins = [t for t in _tensors((args, kwargs))]
+        in_facts = [facts.get(t) for t in ins]  # before the op: an in-place op overwrites its input
+        mutating = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
+        before = [(f.nan, f.inf) for f in in_facts] if mutating else None
         out = func(*args, **kwargs)
         self.index += 1
-        outs = tensor_leaves(out)
-        if not outs or not any_nonfinite(outs):
+        outs = list(_tensors(out))
+        if not outs:
             return out
-        h_in = h_in_before if mutating else tensor_health(tensor_leaves((args, kwargs)))
-        h_out = tensor_health(outs)
-        if born(h_in, h_out):
-            self._record_birth(func, name, args, kwargs, outs, h_in, h_out, mutating)
-        else:
-            self.propagated += 1
+        prov: frozenset = frozenset().union(*(f.prov for f in in_facts)) if in_facts else frozenset(("const",))
+        if name in _RANDOM or any("Generator" in str(a.type) for a in getattr(getattr(func, "_schema", None), "arguments", ())):
+            prov = prov | {"rng"}
+        in_nan = any(f.nan for f in in_facts) if before is None else any(n for n, _ in before)
+        in_bad = any(f.nonfinite for f in in_facts) if before is None else any(n or i for n, i in before)
+        taint = frozenset().union(*(f.taint for f in in_facts if f.nonfinite)) if in_bad else frozenset()
+        out_flags = [flags_of(t) for t in outs]
+        out_nan = any(n for n, _, _ in out_flags)
+        out_inf = any(i for _, i, _ in out_flags)
+        allowed = False
+        if out_nan or out_inf:
+            if born(in_nan, in_bad, out_nan, out_inf):
+                b = self._record_birth(func, name, args, kwargs, ins, in_facts, outs, mutating)
+                if b is None:  # allowlisted: non-finite on purpose, taints nothing
+                    allowed = True
+                else:
+                    taint = taint | {b}
+            else:
+                self.propagated += 1
+                allowed = bool(in_facts) and all(f.allowed for f in in_facts if f.nonfinite)
+        for t, (n, i, m) in zip(outs, out_flags):
+            facts.set(t, Fact(n, i, m, prov, name, taint if (n or i) else frozenset(), allowed and (n or i)))
         return out
 
-    def _phase_now(self, module: Optional[str]) -> str:
-        if self.phase == "optimizer":
-            return "optimizer"
-        if self.phase == "backward" or self.tracker.is_bw:
-            return "backward"
-        return "loss" if (self.phase == "loss_fn" and module is None) else "forward"
-
-    def _record_birth(self, func: Any, name: str, args: tuple, kwargs: dict, outs: list, h_in: Optional[Health], h_out: Health, mutating: bool) -> None:
-        """Describe one birth: where (phase, module, source line, autograd node and its forward
-        source), what (health, dtype, shape, non-finite rows) and why (wider-dtype recomputation,
-        zeros in the inputs). Allowed births (legitimate -Inf masks) are kept apart."""
-        module = self.module()
-        phase = self._phase_now(module)
+    def _record_birth(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
+                      outs: list[torch.Tensor], mutating: bool) -> Optional[int]:
+        """Describe one birth and return its index, or ``None`` when the allowlist matches it."""
+        phase, module = self.where()
+        h_out = tensor_health(outs)
         rule = self.allow.match(module, name, h_out)
         if rule is not None:
             if len(self.allowed) < self.max_births:
                 self.allowed.append({"phase": phase, "op": name, "module": module, "op_index": self.index, "rule": str(rule), "output": h_out})
-            return
+            return None
+        k = next(self._n_births)
         if len(self.births) >= self.max_births:
-            return
-        b: dict = {"phase": phase, "op": name, "aten": str(func), "module": module, "op_index": self.index, "inputs": h_in, "output": h_out,
-                   "micro_batch": self.micro_batch}
+            return k
+        b: dict = {"birth": k, "phase": phase, "op": name, "aten": str(func), "module": module, "op_index": self.index,
+                   "micro_batch": self.micro_batch, "inputs": tensor_health(ins), "output": h_out}
         if phase == "backward":
             node, fwd_src = probes.current_node()
             b["node"] = node
             b["forward_op"] = probes.node_forward_op(node)
             b["source"] = fwd_src
         else:
-            b["node"] = None
+            b["node"] = b["forward_op"] = None
             b["source"] = probes.user_frame_now()
+        if module is None and phase in ("loss", "forward"):
+            b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
-        b["input_zeros"] = probes.zero_counts(tensor_leaves((args, kwargs)))
+        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer) for f in in_facts])
         b["rows"] = probes.nonfinite_rows(outs)
         self.births.append(b)
+        return k
+
+    def taint_of(self, tensors: Iterable[torch.Tensor]) -> frozenset:
+        """The births the non-finite values of ``tensors`` come from."""
+        out: frozenset = frozenset()
+        for t in tensors:
+            f = self.facts.peek(t)
+            if f is not None and f.nonfinite:
+                out = out | f.taint
+        return out

@@ -16,6 +16,7 @@ Techniques and where they come from:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import sys
@@ -29,7 +30,8 @@ from ..core.numerics import is_float
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["user_frame_now", "user_frame_of_traceback", "current_node", "node_forward_op", "wider_recompute", "zero_counts", "nonfinite_rows"]
+__all__ = ["user_frame_now", "user_frame_of_traceback", "current_node", "node_forward_op", "wider_recompute", "nonfinite_rows",
+           "calling_module", "operands"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the nanreplay package
@@ -145,11 +147,6 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
     return {"dtype": str(wide).replace("torch.", ""), "finite": finite, "absmax": absmax}
 
 
-def zero_counts(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Exact zeros in each floating input: the usual suspect of a domain error."""
-    return [int((t.detach() == 0).sum()) for t in tensors if isinstance(t, torch.Tensor) and is_float(t)]
-
-
 def nonfinite_rows(outs: Sequence[torch.Tensor], limit: int = 64) -> Optional[dict]:
     """Indices along dim 0 of the first output that hold a non-finite value, and that dim's size."""
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
@@ -157,3 +154,106 @@ def nonfinite_rows(outs: Sequence[torch.Tensor], limit: int = 64) -> Optional[di
         return None
     bad = ~torch.isfinite(t.detach().reshape(t.shape[0], -1)).all(dim=1)
     return {"size": int(t.shape[0]), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+
+
+def calling_module(module_ids: dict[int, str], depth: int = 40) -> Optional[str]:
+    """FQN of the innermost model module whose *method* is on the Python stack now (``self`` of a
+    frame is a module of the model), e.g. ``""`` for ``model.compute_loss(...)`` called from the
+    loss function; ``None`` when no frame belongs to one. ``module_ids``: ``id(module) -> FQN``."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return None
+        if "self" in f.f_code.co_varnames[:1]:
+            owner = f.f_locals.get("self")
+            name = module_ids.get(id(owner))
+            if name is not None:
+                return name
+        f = f.f_back
+    return None
+
+
+def _schema_names(func: Any, args: tuple, kwargs: dict) -> tuple[list[Optional[str]], dict[str, Any]]:
+    """Names of the op's positional args (from its schema) and its non-tensor arguments by name."""
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    pos = [names[i] if i < len(names) else None for i in range(len(args))]
+    scalars: dict[str, Any] = {}
+    for n, v in list(zip(pos, args)) + list(kwargs.items()):
+        if n is None or isinstance(v, torch.Tensor):
+            continue
+        if v is None or isinstance(v, (bool, int, str)):
+            scalars[n] = v
+        elif isinstance(v, float):
+            scalars[n] = v if math.isfinite(v) else repr(v)
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, bool)) for x in v) and len(v) <= 16:
+            scalars[n] = list(v)
+    return pos, scalars
+
+
+def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: str) -> dict:
+    d = t.detach()
+    out: dict[str, Any] = {"name": name, "shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", ""), "numel": d.numel(),
+                           "prov": sorted(prov), "producer": producer}
+    if d.numel() == 0:
+        return out
+    if d.is_complex():
+        mag = d.abs()
+        out["zeros"] = int((mag == 0).sum())
+        out["nonfinite"] = int((~torch.isfinite(d)).sum())
+        return out
+    if d.is_floating_point():
+        fin = torch.isfinite(d)
+        out["zeros"] = int((d == 0).sum())
+        out["negatives"] = int((d < 0).sum())
+        out["nan"] = int(torch.isnan(d).sum())
+        out["posinf"] = int(torch.isposinf(d).sum())
+        out["neginf"] = int(torch.isneginf(d).sum())
+        if bool(fin.any()):
+            v = d[fin]
+            out["min"], out["max"] = float(v.min()), float(v.max())
+            out["absmin_nonzero"] = float(v[v != 0].abs().min()) if bool((v != 0).any()) else None
+        return out
+    if d.dtype == torch.bool:
+        out["true"] = int(d.sum())
+        return out
+    vals = torch.unique(d)
+    out["distinct"] = [int(x) for x in vals[:9].tolist()] if vals.numel() <= 8 else None
+    out["min"], out["max"] = int(d.min()), int(d.max())
+    return out
+
+
+def _masked_rows(t: torch.Tensor, dim: int) -> Optional[dict]:
+    """Slices of ``t`` along ``dim`` that are entirely -Inf (every position masked), by row of dim 0."""
+    if not t.is_floating_point() or t.dim() == 0 or t.numel() == 0:
+        return None
+    full = torch.isneginf(t.detach()).all(dim=dim)
+    n = int(full.sum())
+    if not n:
+        return {"count": 0, "of": full.numel()}
+    rows = sorted({int(i) for i in full.reshape(full.shape[0], -1).any(dim=1).nonzero().flatten().tolist()}) if full.dim() else []
+    return {"count": n, "of": full.numel(), "rows": rows[:64], "rows_of": int(full.shape[0]) if full.dim() else 1}
+
+
+def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor], facts: Sequence[tuple[frozenset, str]]) -> dict:
+    """What an op's inputs held when it gave birth to a non-finite value: for each tensor input,
+    its shape, dtype, counts of zeros / negatives / non-finite values, finite range, provenance
+    (``prov``: ``batch:<path>``, ``weights``, ``buffer:<fqn>``, ``const``, ``rng``), the op that
+    produced it (``producer``) and, for small integer tensors, its distinct values; the op's
+    non-tensor arguments by schema name (``scalars``: ``dim``, ``correction``, ``ignore_index``...);
+    and for softmax-like ops the rows whose every position is -Inf (``masked_rows``)."""
+    pos, scalars = _schema_names(func, args, kwargs)
+    names: list[Optional[str]] = []
+    for n, a in zip(pos, args):  # which schema name each tensor input came from (lists of tensors share one)
+        if isinstance(a, torch.Tensor):
+            names.append(n)
+        elif isinstance(a, (list, tuple)):
+            names.extend(n for x in a if isinstance(x, torch.Tensor))
+    names.extend(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    names += [None] * (len(tensors) - len(names))
+    ops = [_operand(t, n, p, prod) for t, n, (p, prod) in zip(tensors, names, facts)]
+    out: dict[str, Any] = {"tensors": ops, "scalars": scalars}
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if name.lstrip("_").rstrip("_") in ("softmax", "log_softmax", "safe_softmax") and tensors and isinstance(scalars.get("dim"), int):
+        out["masked_rows"] = _masked_rows(tensors[0], scalars["dim"])
+    return out

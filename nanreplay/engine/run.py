@@ -2,14 +2,16 @@
 recorded batch (or forward inputs and cotangents), run forward, the loss and backward under the
 monitors (:mod:`nanreplay.engine.monitors`), with deterministic algorithms where torch has them.
 
-The result is plain data (:class:`ReplayResult`): module events, op births, losses and gradients.
-The diagnosis (:mod:`nanreplay.diagnosis`) interprets it.
+The result is plain data (:class:`ReplayResult`): module events, op births, which births reach
+what the step produces, losses and gradients. The diagnosis (:mod:`nanreplay.diagnosis`)
+interprets it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -29,8 +31,7 @@ from .state import replay_scaler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live"]
-
+__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves"]
 
 
 @dataclass
@@ -48,21 +49,46 @@ class StepInputs:
     history: list = field(default_factory=list)  # ring-buffer StepRecords up to the failing step
     reason: dict = field(default_factory=dict)   # why the recorder dumped (meta["reason"])
 
+    @property
+    def uses_loss(self) -> bool:
+        """Whether the replay runs the loss function (it needs one and a recorded batch)."""
+        return self.loss_fn is not None and bool(self.record.batches)
+
 
 @dataclass
 class ReplayResult:
-    """The outcome of one replay, turned into the diagnosis dict by :func:`diagnose`."""
+    """The outcome of one replay, turned into the diagnosis dict by :mod:`nanreplay.diagnosis`.
 
-    mode: str                                    # "loss_fn" | "cotangent" | "forward-only"
+    Attributes:
+        mode: ``"loss_fn"`` (the whole step), ``"cotangent"`` (the model driven by the recorded
+            output gradient) or ``"forward-only"``.
+        modules: the module monitor's events.
+        ops: the op monitor (births, allowed births, propagated count), or ``None`` when off.
+        losses: health of each replayed loss (one per micro-batch), ``loss_values`` their floats.
+        cotangents, outputs: health of the recorded cotangents fed and of the model's outputs.
+        inputs, weights: non-finite batch leaves and step-start tensors (``leaf``, ``health``,
+            ``samples``).
+        grads: the replayed gradients, FQN -> tensor.
+        reaching: indices of the births whose non-finite values reach what the step produces
+            (losses, model outputs, gradients); ``None`` without the op monitor.
+    """
+
+    mode: str
     modules: ModuleMonitor
     ops: Optional[OpMonitor]
     losses: list[Optional[Health]]
     cotangents: list[Optional[Health]]
-    inputs: list[dict]                           # non-finite input leaves
-    weights: list[dict]                          # non-finite step-start params/buffers
+    inputs: list[dict]
+    weights: list[dict]
     grads: dict[str, torch.Tensor]
     outputs: list[Optional[Health]]
     warnings: list[str] = field(default_factory=list)
+    loss_values: list[float] = field(default_factory=list)
+    reaching: Optional[frozenset] = None
+
+    @property
+    def births(self) -> list[dict]:
+        return self.ops.births if self.ops is not None else []
 
 
 @contextlib.contextmanager
@@ -73,7 +99,9 @@ def _deterministic() -> Iterator[None]:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     try:
-        yield
+        with warnings.catch_warnings():  # ops without a deterministic kernel warn once each: not the user's business here
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
+            yield
     finally:
         torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
         torch.backends.cudnn.benchmark = prev_bench
@@ -98,18 +126,30 @@ def _to_device(tree: Any, device: Optional[torch.device]) -> Any:
     return map_tensors(lambda x: x.to(device), tree)
 
 
-def _nonfinite_leaves(tree: Any, root: str) -> list[dict]:
-    """The non-finite float leaves of ``tree`` (dataclass and namedtuple fields included), each
-    with its path under ``root`` (e.g. ``batch.image``), health and the dim-0 rows holding them."""
+def _leaves_with_paths(tree: Any, root: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``tree`` (dataclass and namedtuple fields included) with its path under
+    ``root``, e.g. ``batch['image']``."""
+    return [(root + pytree.keystr(path), leaf) for path, leaf in pytree.tree_flatten_with_path(to_typed(tree))[0] if isinstance(leaf, torch.Tensor)]
+
+
+def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
+    """The non-finite float leaves of ``tree``, each with its path under ``root``, health and the
+    dim-0 rows holding them."""
     out = []
-    for path, leaf in pytree.tree_flatten_with_path(to_typed(tree))[0]:
-        if isinstance(leaf, torch.Tensor) and is_float(leaf) and leaf.numel():
+    for path, leaf in _leaves_with_paths(tree, root):
+        if is_float(leaf) and leaf.numel():
             h = tensor_health([leaf])
             if h is not None and not h.finite:
                 bad = (~torch.isfinite(leaf.detach())).nonzero()
                 samples = sorted({int(i) for i in bad[:, 0].tolist()})[:16] if leaf.dim() else []
-                out.append({"leaf": root + pytree.keystr(path), "health": h, "samples": samples})
+                out.append({"leaf": path, "health": h, "samples": samples})
     return out
+
+
+def _batch_root(rec: StepRecord, uses_loss: bool, i: int) -> str:
+    if uses_loss:
+        return f"batch[{i}]" if len(rec.batches) > 1 else "batch"
+    return f"inputs[{i}]"
 
 
 def _rng_restorer(rec: StepRecord) -> Callable:
@@ -130,108 +170,161 @@ def _rng_restorer(rec: StepRecord) -> Callable:
     return hook
 
 
+class _Run:
+    """One replay in progress: the monitors, the phase bookkeeping and what was collected."""
+
+    def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device]) -> None:
+        self.model, self.inp, self.device = model, inp, device
+        self.mon = ModuleMonitor(model)
+        self.tracker = ModuleTracker()
+        self.opmon = OpMonitor(self.tracker, model, allow=inp.allow) if ops else None
+        self.losses: list[Optional[Health]] = []
+        self.loss_values: list[float] = []
+        self.cots: list[Optional[Health]] = []
+        self.outs: list[Optional[Health]] = []
+        self.products: list[torch.Tensor] = []   # what the step produces: losses, outputs driven by cotangents
+        self.warnings: list[str] = []
+
+    def phase(self, phase: str, micro_batch: Optional[int] = None) -> None:
+        self.mon.phase = "backward" if phase == "backward" else "forward"
+        if self.opmon is not None:
+            self.opmon.run_phase = phase
+            if micro_batch is not None:
+                self.opmon.micro_batch = micro_batch
+
+    def seed(self, tree: Any, root: str) -> Any:
+        """Move a recorded batch to the replay device and declare its leaves sources."""
+        moved = _to_device(tree, self.device)
+        if self.opmon is not None:
+            for path, leaf in _leaves_with_paths(moved, root):
+                self.opmon.facts.seed(leaf, f"batch:{path}")
+        return moved
+
+    def with_loss(self, scaler: Any, autocast: Any) -> None:
+        """The whole step: the loss function on each recorded batch, then backward."""
+        rec = self.inp.record
+        for i, b in enumerate(rec.batches):
+            self.phase("loss_fn", i)
+            n0 = len(self.mon.events)
+            with autocast:
+                loss = self.inp.loss_fn(self.model, self.seed(b, _batch_root(rec, True, i)))
+            top = [e for e in self.mon.events[n0:] if e["module"] == ""]
+            self.outs.append(_as_health(top[-1]["output"]) if top else None)
+            if not isinstance(loss, torch.Tensor):
+                raise ReplayError(f"the loss function returned {type(loss).__name__}, expected a scalar tensor")
+            self.losses.append(tensor_health([loss]))
+            self.loss_values.append(float(loss.detach().float().sum()) if loss.numel() else math.nan)
+            self.products.append(loss)
+            self.phase("backward")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def with_cotangent(self, autocast: Any, mode: str) -> None:
+        """The model's forward calls, then backward seeded with the recorded output gradients."""
+        rec = self.inp.record
+        pending = []
+        for i, fw in enumerate(rec.forwards):
+            self.phase("forward", i)
+            args, kwargs = self.seed(fw.inputs, _batch_root(rec, False, i))
+            with autocast:
+                out = self.model(*args, **kwargs)
+            self.outs.append(tensor_health(tensor_leaves(out)))
+            self.products.extend(tensor_leaves(out))
+            if mode == "cotangent":
+                pending.append((i, out, _to_device(fw.cotangent, self.device)))
+        # backward after all forwards: each micro-batch's graph is independent
+        for i, out, cot in pending:
+            self.phase("backward", i)
+            o_leaves = flatten_typed(out)[0]
+            c_leaves = pytree.tree_leaves(to_typed(cot), is_leaf=lambda x: x is None)
+            pairs = [(o, c) for o, c in zip(o_leaves, c_leaves) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) and o.requires_grad]
+            self.cots.append(tensor_health([c for _, c in pairs]))
+            if pairs:
+                # The recorded cotangent of an output is the *total* gradient there. When one
+                # output also feeds another inside the model, autograd would add that internal
+                # path on top of the seed: pin each output's gradient to its recorded value.
+                pins = [o.register_hook(lambda g, c=c: c) for o, c in pairs] if len(pairs) > 1 else []
+                try:
+                    torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+                finally:
+                    for h in pins:
+                        h.remove()
+        if mode == "forward-only":
+            self.warnings.append("no cotangent and no loss function: only the forward pass was replayed")
+
+
+def _as_health(summary: Optional[dict]) -> Optional[Health]:
+    """A module event's summary as a :class:`Health` (its finite min/max/mean are not kept)."""
+    if summary is None:
+        return None
+    return Health(nan=summary["nan"], posinf=summary["posinf"], neginf=summary["neginf"], numel=summary["numel"], min=None, max=None,
+                  mean=None, absmax=summary.get("absmax"), dtype=summary["dtype"], shape=summary["shape"])
+
+
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
-    step-start state: restore the step's RNG states, run forward (and the loss, or the recorded
-    cotangent) and backward under the monitors. Leaves the replayed gradients in ``.grad``."""
+    step-start state: restore the step's RNG states and module modes, run forward (and the loss,
+    or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
+    ``.grad``.
+
+    Args:
+        ops: run the op monitor (births, provenance, taint; anomaly mode for backward source lines).
+
+    Raises:
+        ReplayError: the step holds no batch and no forward call, or the loss function returned
+            no tensor.
+    """
     rec = inp.record
-    for p in model.parameters():
-        p.grad = None
-    training = set(rec.training)
-    for name, m in model.named_modules():  # each module's recorded mode, exactly (train() would recurse)
-        m.training = name in training
-    weights = _nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
-    use_loss = inp.loss_fn is not None and bool(rec.batches)
-    if use_loss:
-        mode = "loss_fn"
-        inputs = [x for i, b in enumerate(rec.batches) for x in _nonfinite_leaves(b, f"batch[{i}]" if len(rec.batches) > 1 else "batch")]
-    else:
-        have_cot = bool(rec.forwards) and all(fw.cotangent is not None for fw in rec.forwards)
-        mode = "cotangent" if have_cot else "forward-only"
-        inputs = [x for i, fw in enumerate(rec.forwards) for x in _nonfinite_leaves(fw.inputs, f"inputs[{i}]")]
     if not rec.batches and not rec.forwards:
         raise ReplayError(
             f"step {rec.step} has no recorded batch or forward call; the recorder saw no grad-enabled forward "
             "of the model in that step. Call Recorder.record(batch) in the loop."
         )
+    for p in model.parameters():
+        p.grad = None
+    training = set(rec.training)
+    for name, m in model.named_modules():  # each module's recorded mode, exactly (train() would recurse)
+        m.training = name in training
+    weights = nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
+    if inp.uses_loss:
+        mode = "loss_fn"
+        inputs = [x for i, b in enumerate(rec.batches) for x in nonfinite_leaves(b, _batch_root(rec, True, i))]
+    else:
+        mode = "cotangent" if rec.forwards and all(fw.cotangent is not None for fw in rec.forwards) else "forward-only"
+        inputs = [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, _batch_root(rec, False, i))]
     dev = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
-    rng_hook = model.register_forward_pre_hook(_rng_restorer(rec))
-    mon = ModuleMonitor(model)
-    tracker = ModuleTracker()
-    opmon = OpMonitor(tracker, type(model).__name__, allow=inp.allow) if ops else None
-    losses: list[Optional[Health]] = []
-    cots: list[Optional[Health]] = []
-    outs: list[Optional[Health]] = []
-    warnings: list[str] = []
+    run = _Run(model, inp, ops, device)
     if rec.stale_inputs:
-        warnings.append(
+        run.warnings.append(
             f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "
             "the replay feeds values the step did not see; record with copy_batch=True"
         )
+    if run.opmon is not None:
+        for n, p in model.named_parameters():
+            run.opmon.facts.seed(p, "weights")
+        for n, b in model.named_buffers():
+            run.opmon.facts.seed(b, f"buffer:{n}")
+    rng_hook = model.register_forward_pre_hook(_rng_restorer(rec))
     try:
-        with _deterministic(), _anomaly(ops), tracker, (opmon if opmon is not None else contextlib.nullcontext()):
+        with _deterministic(), _anomaly(ops), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
             rec.rng.restore()
-            if use_loss:
-                for i, b in enumerate(rec.batches):
-                    mon.phase = "forward"
-                    if opmon:
-                        opmon.phase, opmon.micro_batch = "loss_fn", i
-                    n0 = len(mon.events)
-                    with autocast:
-                        loss = inp.loss_fn(model, _to_device(b, device))
-                    top = [e for e in mon.events[n0:] if e["module"] == ""]
-                    outs.append(top[-1]["output"] if top else None)
-                    if not isinstance(loss, torch.Tensor):
-                        raise ReplayError(f"the loss function returned {type(loss).__name__}, expected a scalar tensor")
-                    losses.append(tensor_health([loss]))
-                    mon.phase = "backward"
-                    if opmon:
-                        opmon.phase = "backward"
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
+            if mode == "loss_fn":
+                run.with_loss(scaler, autocast)
             else:
-                pending = []
-                for i, fw in enumerate(rec.forwards):
-                    mon.phase = "forward"
-                    if opmon:
-                        opmon.phase, opmon.micro_batch = "forward", i
-                    args, kwargs = _to_device(fw.inputs, device)
-                    with autocast:
-                        out = model(*args, **kwargs)
-                    outs.append(tensor_health(tensor_leaves(out)))
-                    if mode == "cotangent":
-                        pending.append((out, _to_device(fw.cotangent, device)))
-                # backward after all forwards: each micro-batch's graph is independent
-                for i, (out, cot) in enumerate(pending):
-                    mon.phase = "backward"
-                    if opmon:
-                        opmon.phase, opmon.micro_batch = "backward", i
-                    o_leaves = flatten_typed(out)[0]
-                    c_leaves = pytree.tree_leaves(to_typed(cot), is_leaf=lambda x: x is None)
-                    pairs = [(o, c) for o, c in zip(o_leaves, c_leaves) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) and o.requires_grad]
-                    cots.append(tensor_health([c for _, c in pairs]))
-                    if pairs:
-                        # The recorded cotangent of an output is the *total* gradient there. When one
-                        # output also feeds another inside the model, autograd would add that internal
-                        # path on top of the seed: pin each output's gradient to its recorded value.
-                        pins = [o.register_hook(lambda g, c=c: c) for o, c in pairs] if len(pairs) > 1 else []
-                        try:
-                            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
-                        finally:
-                            for h in pins:
-                                h.remove()
-                if mode == "forward-only":
-                    warnings.append("no cotangent and no loss function: only the forward pass was replayed")
+                run.with_cotangent(autocast, mode)
             if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only":
                 # the recorded gradients were unscaled by the scaler: unscale the replayed ones the same way
                 scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
     finally:
-        mon.close()
+        run.mon.close()
         rng_hook.remove()
+    live_grads = [p.grad for p in model.parameters() if p.grad is not None]
+    reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return ReplayResult(mode, mon, opmon, losses, cots, inputs, weights, grads, outs, warnings)
+    return ReplayResult(mode, run.mon, run.opmon, run.losses, run.cots, inputs, weights, grads, run.outs, run.warnings,
+                        loss_values=run.loss_values, reaching=reaching)
 
 
 @contextlib.contextmanager

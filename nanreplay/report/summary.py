@@ -1,15 +1,27 @@
-"""The one sentence a diagnosis leads with, built from the diagnosis dict alone (no torch)."""
+"""The one sentence a diagnosis leads with, built from the diagnosis dict alone (no torch).
+
+The sentence is: what was born and where (:data:`HEADS`, by phase and origin kind), the step, the
+micro-batch and samples, what the rest of the step did (:data:`TAILS`), the cause verdict with its
+detail, and the reproduction verdict (:func:`verdict_phrase`). Every part reads a field of the
+dict; nothing is decided here.
+
+>>> summary_sentence({"phase": "loss", "step": 3, "origin": {"module": None, "op": "div", "nonfinite": "NaN"},
+...                   "classification": {"cause": "bad input data", "detail": "the divisor is 0"},
+...                   "reproduction": {"verdict": "reproduced exactly"}, "forward_finite": True})
+'NaN born in the loss, outside the model, in op div, step 3; the model\\'s forward pass was finite; cause: bad input data (the divisor is 0); reproduced exactly.'
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Optional
 
-__all__ = ["summary_sentence", "verdict_phrase", "kinds_of"]
+__all__ = ["summary_sentence", "verdict_phrase", "kinds_of", "HEADS", "TAILS"]
 
 
 def kinds_of(h: Any) -> str:
-    """'NaN', '+Inf', '-Inf' or a combination, of a health dict (or an object with ``to_json``)."""
+    """'NaN', '+Inf', '-Inf' or a combination (``NaN and +Inf``), of a health dict (or an object
+    with ``to_json``); ``non-finite value`` when unknown."""
     if h is None:
         return "non-finite value"
     h = h.to_json() if hasattr(h, "to_json") else h
@@ -17,14 +29,45 @@ def kinds_of(h: Any) -> str:
     return " and ".join(parts) or "non-finite value"
 
 
-def _where_src(src: Optional[dict]) -> Optional[str]:
-    return f"{os.path.basename(src['file'])}:{src['line']}" if src else None
+def _where_src(src: Optional[dict]) -> str:
+    return f" at {os.path.basename(src['file'])}:{src['line']}" if src else ""
+
+
+def _in_module(o: dict) -> str:
+    mod = o.get("module")
+    if mod is None:
+        return ""
+    return f" in module {mod or '(root module)'}" + (f" ({o['class']})" if o.get("class") else "")
+
+
+#: how the sentence opens, by (phase, origin kind); the first key that matches (kind, then None)
+HEADS: dict[tuple[str, Optional[str]], str] = {
+    ("input", None): "non-finite value in the input data at {leaf}",
+    ("weights", "buffer"): "non-finite buffer before the step ({tensor}){in_module}",
+    ("weights", None): "non-finite weights before the step ({tensor}){in_module}",
+    ("optimizer", None): "{kinds} born in the optimizer update ({optimizer}) of parameter {param}{state}{in_module}",
+    ("backward", "explosion"): ("gradients exploded in backward: every gradient is finite but their float32 2-norm overflows; "
+                                "the largest ({largest}) is in {param}{in_module}"),
+    ("backward", None): "{kinds} born in backward of {forward_op}{node}{at}{in_module}",
+    ("loss", "outside the model"): "{kinds} born in the loss, outside the model, which was not replayed (no loss function)",
+    ("loss", None): "{kinds} born in the loss{outside}{op}{at}{in_module}",
+    ("forward", None): "{kinds} born in the forward pass{op}{at}{in_module}",
+    ("none", "transient"): "step {step}: the recorded gradients are non-finite, but {repeats} replays of the step are finite",
+    ("none", None): "step {step}: the replay produced no non-finite value",
+}
+
+#: what the rest of the step did, by phase (each a condition on the dict and its phrase)
+TAILS: dict[str, tuple[tuple[str, str], ...]] = {
+    "backward": (("masked_forward", "forward had {masked} that was masked before the output"), ("forward_finite", "forward was finite")),
+    "loss": (("forward_finite", "the model's forward pass was finite"),),
+}
 
 
 def verdict_phrase(repro: dict) -> str:
     """The reproduction verdict as the summary says it: ``reproduced exactly``, ``reproduced (max
     abs difference X)``, ``reproduced up to one gradient factor C that the loop applied after
-    backward`` (see :func:`nanreplay.engine.compare.common_factor`), ``not reproduced``."""
+    backward`` (see :func:`nanreplay.engine.compare.common_factor`), ``not reproduced``, or
+    ``not replayed`` (the in-process diagnosis answered from the recorded data alone)."""
     v = repro.get("verdict", "")
     if v == "reproduced" and repro.get("grad_factor") == "nan":
         return "reproduced (the loop then made every gradient NaN, as clip_grad_norm_ does with a non-finite total norm)"
@@ -32,55 +75,56 @@ def verdict_phrase(repro: dict) -> str:
         return f"reproduced up to one gradient factor {repro['grad_factor']} that the loop applied after backward"
     if v == "reproduced" and repro.get("max_abs_diff") is not None:
         return f"reproduced (max abs difference {repro['max_abs_diff']})"
+    if v == "not replayed":
+        return "not replayed (the recorded data shows the cause; nanreplay replay verifies it)"
     return v
+
+
+def _fields(diag: dict) -> dict:
+    o = diag.get("origin") or {}
+    chain = diag.get("chain") or []
+    fwd = next((c for c in chain if c.get("phase") in ("forward", "loss")), None)
+    return {
+        "step": diag.get("step"),
+        "leaf": o.get("leaf"),
+        "tensor": o.get("tensor"),
+        "kinds": o.get("nonfinite") or "non-finite value",
+        "optimizer": o.get("optimizer"),
+        "param": o.get("param"),
+        "state": f", state {o['state_key']}" if o.get("state_key") else "",
+        "largest": f"{o['largest_gradient']:.4g}" if isinstance(o.get("largest_gradient"), (int, float)) else "?",
+        "forward_op": o.get("forward_op") or o.get("op") or "an op",
+        "node": f" ({o['node']})" if o.get("node") else (f" (op {o['op']})" if o.get("op") and not o.get("forward_op") else ""),
+        "op": f" in op {o['op']}" if o.get("op") else "",
+        "at": _where_src(o.get("source")),
+        "in_module": _in_module(o),
+        "outside": ", outside the model," if o.get("module") is None else "",
+        "repeats": (diag.get("reproduction") or {}).get("repeats", 1),
+        "masked": (f"{fwd['kinds']} born in {fwd['op']}" + _where_src(fwd.get("source"))) if fwd else "",
+        "masked_forward": fwd is not None and diag.get("phase") == "backward",
+        "forward_finite": bool(diag.get("forward_finite")),
+    }
 
 
 def summary_sentence(diag: dict) -> str:
     """The one actionable sentence, e.g. ``NaN born in backward of sqrt (SqrtBackward0) at
     model.py:41 in module encoder.norm, step 4711, samples [17]; forward was finite; cause:
     numerics (sqrt derivative at 0); reproduced exactly.``"""
-    phase, step, o = diag["phase"], diag["step"], diag.get("origin") or {}
-    v = verdict_phrase(diag.get("reproduction") or {})
-    if phase == "none":
-        return f"step {step}: the replay produced no non-finite value; {v}."
+    phase = diag.get("phase") or "none"
+    o = diag.get("origin") or {}
     cls = diag.get("classification") or {}
-    kinds = o.get("nonfinite") or "non-finite value"
-    src = _where_src(o.get("source"))
-    mod = o.get("module")
-    in_mod = f" in module {mod or '(root module)'}" + (f" ({o['class']})" if o.get("class") else "") if mod is not None else ""
-    smp = o.get("samples")
-    parts = []
-    if phase == "input":
-        parts.append(f"non-finite value in the input data at {o.get('leaf')}")
-    elif phase == "weights":
-        parts.append(f"non-finite weights before the step ({o.get('tensor')})")
-    elif phase == "optimizer":
-        parts.append(f"{kinds if o.get('nonfinite') else 'non-finite value'} born in the optimizer update ({o.get('optimizer')}) of parameter {o.get('param')}"
-                     + (f", state {o['state_key']}" if o.get("state_key") else ""))
-    elif phase == "backward" and o.get("kind") == "explosion":
-        parts.append(f"gradients exploded in backward: every gradient is finite but their 2-norm overflows float32; the largest "
-                     f"({o['largest_gradient']:.4g}) is in {o['param']}" + in_mod)
-    elif phase == "backward":
-        fop = o.get("forward_op") or o.get("op")
-        parts.append(f"{kinds} born in backward of {fop}" + (f" ({o['node']})" if o.get("node") else f" (op {o['op']})" if o.get("op") else "")
-                     + (f" at {src}" if src else "") + in_mod)
-    elif phase == "loss":
-        parts.append(f"{kinds} born in the loss, outside the model" + (f", in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else ""))
-    else:
-        parts.append(f"{kinds} born in the {phase} pass" + (f" in op {o['op']}" if o.get("op") else "") + (f" at {src}" if src else "") + in_mod)
-    mb = o.get("micro_batch")
-    head = parts[0] + f", step {step}" + (f", micro-batch {mb}" if mb is not None else "") + (f", samples {smp}" if smp else "")
-    tail = []
-    if phase == "backward" and o.get("kind") != "explosion":
-        fwd = [c for c in diag.get("chain", []) if c["phase"] in ("forward", "loss")]
-        if fwd:
-            c = fwd[0]
-            tail.append(f"forward had {c['kinds']} born in {c['op']}" + (f" at {_where_src(c['source'])}" if c.get("source") else "")
-                        + " that was masked before the output")
-        else:
-            tail.append("forward was finite")
-    elif phase == "loss":
-        tail.append("the model's forward pass was finite")
+    f = _fields(diag)
+    kind = "transient" if cls.get("cause") == "transient" else o.get("kind")
+    head = HEADS.get((phase, kind)) or HEADS.get((phase, None)) or HEADS[("none", None)]
+    parts = [head.format(**f)]
+    if phase != "none":
+        mb = o.get("micro_batch")
+        smp = o.get("samples")
+        parts[0] += f", step {f['step']}" + (f", micro-batch {mb}" if mb is not None else "") + (f", samples {smp}" if smp else "")
+    for cond, phrase in TAILS.get(phase, ()):
+        if f.get(cond) and o.get("kind") != "explosion":
+            parts.append(phrase.format(**f))
+            break
     if cls:
-        tail.append(f"cause: {cls['cause']} ({cls['detail']})")
-    return "; ".join([head] + tail) + f"; {v}."
+        parts.append(f"cause: {cls['cause']} ({cls['detail']})")
+    return "; ".join(parts) + f"; {verdict_phrase(diag.get('reproduction') or {})}."

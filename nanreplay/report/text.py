@@ -97,11 +97,11 @@ def render_report(diag: dict, *, rows: int = 8) -> str:
     if table:
         lines.append("")
         lines.append("  forward health by module (execution order):")
-        lines.append(f"    {'#':>3}  {'module':<28} {'class':<18} {'role':<11} {'inputs':<22} {'output':<22} {'min':>10} {'max':>10}")
+        lines.append(f"    {'#':>3}  {'module':<28} {'class':<18} {'role':<17} {'inputs':<10} {'output':<24} {'max |finite|':>12}")
         for e in table[:rows]:
             out = e.get("output") or {}
             lines.append(
-                f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {e['role']:<11} "
-                f"{fmt_health(e.get('inputs')):<22.22} {fmt_health(out):<22.22} {_num(out.get('min')):>10} {_num(out.get('max')):>10}"
+                f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {e['role']:<17} "
+                f"{('finite' if e.get('inputs_finite') else 'non-finite'):<10} {fmt_health(out):<24.24} {_num(out.get('absmax')):>12}"
             )
     return "\n".join(lines)

@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional, Sequence, TypeVar, Union
 
@@ -39,10 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.jsonable import fnum
 from ..format.bundle import Bundle, open_bundle
-from ..format.records import ForwardRecord, Snapshot, StepRecord
+from ..format.records import Snapshot, StepRecord
 from ..errors import ReplayError
 from ..core.numerics import fused_norm, is_float
-from ..diagnosis.blame import batch_coupled, take_rows
+from ..core.batch import batch_coupled, batch_size, take_rows
 from ..core.tree import flatten_typed, map_tensors
 from ..core.callables import import_callable
 from ..engine.run import StepInputs, run_step
@@ -692,24 +691,18 @@ def _bisect_steps(ctx: _Ctx, threshold: float, min_history: int = 2) -> dict:
 # ---------------------------------------------------------------------------------------------
 # --over samples
 # ---------------------------------------------------------------------------------------------
-def _batch_size(tree: Any) -> Optional[int]:
-    """The most common dim-0 size among the tensor leaves with at least one dimension."""
-    sizes = Counter(t.shape[0] for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() >= 1)
-    return sizes.most_common(1)[0][0] if sizes else None
-
-
 def _bisect_samples(ctx: _Ctx) -> dict:
     model, F, state, rec = ctx.model, ctx.bundle.failing_step, ctx.state, ctx.failing
     use_loss = ctx.loss_fn is not None and bool(rec.batches)
     parts = rec.batches if use_loss else [fw.inputs for fw in rec.forwards]
     if not parts:
         raise ReplayError(f"step {F} holds no recorded batch or forward inputs; bisect --over samples has nothing to slice. Call Recorder.record(batch) in the loop.")
-    sizes = [_batch_size(p) for p in parts]
+    sizes = [batch_size(p) for p in parts]
     if any(s is None for s in sizes):
         raise ReplayError(f"step {F}: a recorded batch has no tensor with a batch dimension (dim 0); bisect --over samples cannot split it")
     # samples are (micro-batch, row) pairs, so gradient accumulation is covered
     samples = [(j, i) for j, s in enumerate(sizes) for i in range(s)]
-    coupled = batch_coupled(model, rec)
+    coupled = batch_coupled(model, rec.training)
     if coupled:
         ctx.warnings.append(
             f"batch-coupled layers in training mode ({', '.join(coupled[:4])}{'...' if len(coupled) > 4 else ''}): a sample's output depends "
@@ -732,8 +725,8 @@ def _bisect_samples(ctx: _Ctx) -> dict:
         if use_loss:
             return dataclasses.replace(rec, batches=[take_rows(parts[j], by[j], sizes[j]) for j in keep])
         fws = [
-            ForwardRecord(inputs=take_rows(rec.forwards[j].inputs, by[j], sizes[j]),
-                          cotangent=take_rows(rec.forwards[j].cotangent, by[j], sizes[j]) if rec.forwards[j].cotangent is not None else None)
+            dataclasses.replace(rec.forwards[j], inputs=take_rows(rec.forwards[j].inputs, by[j], sizes[j]),
+                                cotangent=take_rows(rec.forwards[j].cotangent, by[j], sizes[j]) if rec.forwards[j].cotangent is not None else None)
             for j in keep
         ]
         return dataclasses.replace(rec, forwards=fws)

@@ -1,0 +1,246 @@
+"""The optimizer's part in a non-finite step.
+
+* :func:`replay_optimizer_update` rebuilds the optimizer from the bundle (class path, param groups
+  by FQN, ``state_dict()``), applies the recorded (finite) gradients to copies of the pre-step
+  weights, runs ``optimizer.step()`` under the op monitor, and names the parameter FQN, the
+  optimizer state key and the hyperparameter that make the update non-finite. The live model and
+  optimizer are never touched.
+* :func:`weights_evidence` explains weights that are already non-finite at step start, from the
+  bundle alone: which parameter, the step whose update did it (the last step whose check
+  passed), the optimizer state keys that are non-finite, and the hyperparameters that are 0,
+  Inf or NaN once cast to the parameter's dtype, or learning rates that were non-finite.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+from torch.utils.module_tracker import ModuleTracker
+
+from ..core.allowlist import Allowlist
+from ..core.numerics import is_float
+from ..engine.monitors import OpMonitor
+from ..engine.run import StepInputs
+from ..engine.state import optimizer_from_info
+from ..errors import DiagnosisTimeout
+from ..format.records import Snapshot
+from .evidence import DOMAIN
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["replay_optimizer_update", "weights_evidence"]
+
+
+def _build_optimizer(info: dict, state: Snapshot, device: Optional[torch.device], sd: dict) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """The recorded optimizer over fresh copies of the bundle's pre-step parameters."""
+    params: dict[str, torch.nn.Parameter] = {}
+    for f in (f for fqns in info["param_groups_fqns"] for f in fqns):
+        if f not in state.params:
+            raise KeyError(f"the optimizer's parameter {f!r} is not among the bundle's weights")
+        t = state.params[f].detach().clone()
+        params[f] = torch.nn.Parameter(t.to(device) if device is not None else t)
+    return optimizer_from_info(info, params, copy.deepcopy(sd)), params
+
+
+def _step(info: dict, state: Snapshot, grads: dict[str, torch.Tensor], device: Optional[torch.device], sd: dict, monitor: Optional[Any] = None) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    opt, params = _build_optimizer(info, state, device, sd)
+    for f, p in params.items():
+        g = grads.get(f)
+        p.grad = g.detach().clone().to(p.device, p.dtype) if g is not None else None
+    if monitor is not None:
+        with monitor:
+            opt.step()
+    else:
+        opt.step()
+    return opt, params
+
+
+def _nonfinite(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and is_float(t) and t.numel() > 0 and not bool(torch.isfinite(t).all())
+
+
+def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], info: Optional[dict], *, device: Optional[torch.device] = None,
+                            allow: Optional[Allowlist] = None) -> Optional[dict]:
+    """Replay ``optimizer.step()`` from the bundle's pre-step state and recorded gradients.
+
+    Args:
+        state: pre-step weights and optimizer ``state_dict()`` (``state.optimizer``).
+        grads: the step's gradients, FQN -> tensor (finite: otherwise the update is not at fault).
+        info: the bundle's ``meta["optimizer"]``: ``class`` (import path), ``param_groups_fqns``.
+
+    Returns:
+        ``None`` when the optimizer cannot be rebuilt (no state, no class), else a dict:
+        ``nonfinite`` (bool), ``param`` (first non-finite parameter FQN), ``state_key`` (the
+        optimizer state key at fault), ``params`` (every non-finite parameter, up to 16),
+        ``state`` (FQN -> non-finite state keys), ``group`` (param group index),
+        ``hyperparameters`` (that group's scalar settings), ``births`` (op births during the
+        step), ``detail`` and ``evidence`` (strings), ``class``.
+    """
+    if state.optimizer is None or not info or not info.get("class") or not info.get("param_groups_fqns"):
+        return None
+    sd = state.optimizer
+    mon = OpMonitor(ModuleTracker(), None, allow=allow)
+    mon.run_phase = "optimizer"
+    try:
+        opt, params = _step(info, state, grads, device, sd, mon)
+    except DiagnosisTimeout:
+        raise
+    except Exception as e:
+        logger.warning("nanreplay: could not replay the optimizer update: %s: %s", type(e).__name__, e)
+        return {"nonfinite": False, "error": f"{type(e).__name__}: {e}"}
+    fqn_of = {id(p): f for f, p in params.items()}
+    bad_params: list[str] = []
+    bad_state: dict[str, list[str]] = {}
+    group_of: dict[str, int] = {}
+    for gi, g in enumerate(opt.param_groups):
+        for p in g["params"]:
+            f = fqn_of[id(p)]
+            group_of[f] = gi
+            keys = [k for k, v in opt.state.get(p, {}).items() if _nonfinite(v)]
+            if keys:
+                bad_state[f] = keys
+            if _nonfinite(p.detach()):
+                bad_params.append(f)
+    out: dict = {"class": info["class"], "nonfinite": bool(bad_params or bad_state), "params": bad_params[:16], "state": bad_state,
+                 "births": [_birth_json(b) for b in mon.births[:8]], "param": None, "state_key": None, "group": None,
+                 "hyperparameters": None, "detail": None, "evidence": []}
+    if not out["nonfinite"]:
+        return out
+    first = bad_params[0] if bad_params else next(iter(bad_state))
+    gi = group_of[first]
+    hp = {k: v for k, v in sd["param_groups"][gi].items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
+    out.update(param=first, group=gi, hyperparameters={k: (_json_hyper(v)) for k, v in hp.items()})
+    ev = out["evidence"]
+    bad_hp = [k for k, v in hp.items() if isinstance(v, float) and not math.isfinite(v)]
+    zero_hp = [k for k, v in hp.items() if isinstance(v, float) and v == 0.0 and k not in ("weight_decay", "momentum", "dampening")]
+    for k in bad_hp:
+        ev.append(f"{k}={hp[k]} in param group {gi}")
+    if bad_state.get(first):
+        out["state_key"] = bad_state[first][0]
+        ev.append(f"optimizer state {', '.join(bad_state[first])} of {first} becomes non-finite")
+    # counterfactual: which state tensor, zero where the update became non-finite, makes the
+    # update finite when its zeros are replaced by the dtype's smallest normal value
+    p_new = params[first].detach()
+    mask = ~torch.isfinite(p_new)
+    pid = sd["param_groups"][gi]["params"][info["param_groups_fqns"][gi].index(first)]
+    pre = sd["state"].get(pid, {})
+    zero_keys = [k for k, v in pre.items() if isinstance(v, torch.Tensor) and is_float(v) and v.shape == p_new.shape and bool((v.to(mask.device)[mask] == 0).any())]
+    blamed = []
+    for k in zero_keys:
+        sd2 = copy.deepcopy(sd)
+        v = sd2["state"][pid][k]
+        sd2["state"][pid][k] = torch.where(v == 0, torch.full_like(v, torch.finfo(v.dtype).tiny), v)
+        try:
+            _, params2 = _step(info, state, grads, device, sd2)
+        except Exception:
+            continue
+        if bool(torch.isfinite(params2[first].detach()).all()):
+            blamed.append(k)
+    if blamed and out["state_key"] is None:
+        out["state_key"] = blamed[0]
+        ev.append(f"{blamed[0]} of {first} is 0 where the update became non-finite; with those zeros replaced by a tiny positive value the update is finite")
+    elif zero_keys:
+        ev.append(f"state {', '.join(zero_keys)} of {first} is 0 where the update became non-finite")
+    else:  # first step: no pre-step state to vary; name the post-step state that is 0 there
+        p_obj = params[first]
+        post_zero = [k for k, v in opt.state.get(p_obj, {}).items() if isinstance(v, torch.Tensor) and v.shape == p_new.shape and bool((v[mask] == 0).any())]
+        if post_zero:
+            out["zero_state"] = post_zero
+            ev.append(f"state {', '.join(post_zero)} of {first} is 0 after the step where the update became non-finite (first step: no earlier state)")
+    if zero_hp:
+        ev.append(f"zero-valued hyperparameters in param group {gi}: {', '.join(f'{k}=0' for k in zero_hp)}")
+    for b in mon.births[:1]:
+        d = DOMAIN.get(b["op"].replace("_foreach_", "").replace("addcdiv", "div").strip("_"))
+        dom = d.forward if d is not None else None
+        ev.append(f"first non-finite value born in op {b['op']} of {info['class']}.step" + (f" ({dom})" if dom else ""))
+    if bad_hp:
+        out["detail"] = f"{bad_hp[0]}={hp[bad_hp[0]]} in param group {gi} makes the update of {first} non-finite"
+    elif out["state_key"]:
+        out["detail"] = f"optimizer state {out['state_key']} of {first} makes its update non-finite" + (
+            f" ({', '.join(f'{k}=0' for k in zero_hp)})" if zero_hp else "")
+    else:
+        out["detail"] = f"the update of {first} is non-finite although its gradient is finite"
+    return out
+
+
+def _json_hyper(v: Any) -> Any:
+    """Hyperparameters for strict JSON: non-finite floats as strings."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return [_json_hyper(x) for x in v]
+    return v
+
+
+def _birth_json(b: dict) -> dict:
+    return {k: (v.to_json() if hasattr(v, "to_json") else v) for k, v in b.items() if k != "operands"}
+
+
+def _param_ids(info: Optional[dict]) -> dict[str, int]:
+    """FQN -> the integer key of its state in ``optimizer.state_dict()["state"]`` (params are
+    numbered in param-group order)."""
+    fqns = [f for group in (info or {}).get("param_groups_fqns", []) for f in group]
+    return {f: i for i, f in enumerate(fqns)}
+
+
+def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
+    """Why the step-start tensor ``tensor`` (an FQN) is already non-finite, from the bundle alone.
+
+    Returns:
+        ``{"detail", "evidence": [str], "state_keys": [str], "update_step": int | None,
+        "hyperparameters": [str], "nonfinite_lr": [step, lr] | None}``.
+    """
+    ev: list[str] = []
+    out: dict[str, Any] = {"state_keys": [], "update_step": None, "hyperparameters": [], "nonfinite_lr": None}
+    if not is_param:
+        out["detail"] = (f"buffer {tensor} is non-finite at the step's start; no optimizer updates a buffer, so the model's code "
+                         "(a running statistic, a weight computed from data) or the code that set it made it non-finite")
+        out["evidence"] = [f"buffer {tensor} holds non-finite values before any op of step {inp.record.step} runs"]
+        return out
+    history = [r for r in inp.history if r.step < inp.record.step]
+    passed = [r for r in history if r.finite]
+    if passed:
+        out["update_step"] = passed[-1].step
+        ev.append(f"the last step whose check passed is {passed[-1].step}: its optimizer update made {tensor} non-finite "
+                  "(check_update=True catches this at that update)")
+    for r in history:
+        bad = [lr for lr in r.lrs if lr is not None and not math.isfinite(lr)]
+        if bad:
+            out["nonfinite_lr"] = [r.step, repr(bad[0])]
+            ev.append(f"the learning rate was {bad[0]!r} at step {r.step} (recorded in the ring buffer)")
+            break
+    sd = inp.state.optimizer or {}
+    pid = _param_ids(inp.optimizer_info).get(tensor)
+    st = (sd.get("state") or {}).get(pid, (sd.get("state") or {}).get(str(pid), {})) if pid is not None else {}
+    keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() and not bool(torch.isfinite(v).all())]
+    out["state_keys"] = keys
+    if keys:
+        ev.append(f"optimizer state {', '.join(keys)} of {tensor} is non-finite too")
+    param = inp.state.params.get(tensor)
+    group = next((g for g in sd.get("param_groups", []) if pid is not None and pid in g.get("params", [])), None)
+    if group is not None and param is not None and param.is_floating_point():
+        for k, v in group.items():
+            if k == "params" or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            cast = float(torch.tensor(float(v), dtype=torch.float64).to(param.dtype))
+            if not math.isfinite(float(v)):
+                out["hyperparameters"].append(f"{k}={v!r}")
+                ev.append(f"hyperparameter {k}={v!r} in its param group")
+            elif v != 0 and cast == 0:
+                out["hyperparameters"].append(f"{k}={v!r} is 0 in {str(param.dtype).replace('torch.', '')}")
+                ev.append(f"hyperparameter {k}={v!r} rounds to 0 in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
+            elif not math.isfinite(cast):
+                out["hyperparameters"].append(f"{k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}")
+                ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
+    grads_finite = all(not (is_float(g) and not bool(torch.isfinite(g).all())) for g in inp.recorded_grads.values())
+    ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
+    where = f"the update of step {out['update_step']}" if out["update_step"] is not None else "an earlier optimizer update"
+    why = out["hyperparameters"][0] if out["hyperparameters"] else (f"learning rate {out['nonfinite_lr'][1]} at step {out['nonfinite_lr'][0]}"
+                                                                     if out["nonfinite_lr"] else None)
+    out["detail"] = f"{tensor} is non-finite before the step: {where} corrupted it" + (f" ({why})" if why else "")
+    out["evidence"] = ev
+    return out

@@ -1,0 +1,124 @@
+"""Counterfactual replays: the failing step again with one thing changed, to learn what the birth
+depends on. Each leaves the model as it found it (weights, dtypes, gradients).
+
+* :func:`replay_wide`: the whole step in float64 (complex128): weights, buffers and batch upcast,
+  and every down-cast the step makes (autocast, ``.half()``, ``.float()``) kept wide by a dispatch
+  mode. A birth that disappears there was a precision problem (a value that underflowed to 0, or
+  rounded onto a domain boundary, in the narrower dtype).
+* :func:`replay_perturbed`: the step with every floating weight nudged by a small relative amount
+  (seeded, from a private generator). A birth that persists does not depend on the exact weights:
+  the batch (or a constant) put the op outside its domain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core.tree import map_tensors
+from .run import StepInputs, run_step
+
+__all__ = ["replay_wide", "replay_perturbed", "birth_signature"]
+
+_WIDE = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64, torch.complex64: torch.complex128}
+_NARROW = {torch.float16, torch.bfloat16, torch.float32, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@contextlib.contextmanager
+def _params_as(model: torch.nn.Module, change: Callable[[torch.Tensor], torch.Tensor], *, buffers: bool) -> Iterator[None]:
+    """Within the block the model runs with ``change(t)`` in place of every floating parameter
+    (and buffer, with ``buffers``): new leaf tensors (``requires_grad`` as the originals) swapped
+    in by module reparametrization, the mechanism of ``torch.func.functional_call``. The live
+    parameters are never touched: their data, dtype, gradients and the hooks on their gradient
+    accumulators (DDP's, the user's) stay as they are."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    new: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.is_floating_point() or p.is_complex():
+                new[n] = change(p.detach()).detach().requires_grad_(p.requires_grad)
+        if buffers:
+            for n, b in model.named_buffers():
+                if b.is_floating_point() or b.is_complex():
+                    new[n] = change(b.detach()).detach()
+    with _reparametrize_module(model, new, tie_weights=True):
+        yield
+
+
+class _KeepWide(TorchDispatchMode):
+    """Keeps every float64/complex128 tensor wide: a cast of one to a narrower dtype (autocast,
+    ``.half()``, ``.float()``, ``.to(dtype)``) returns it in its wide dtype instead."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+        if name in ("_to_copy", "to", "_autocast_to_reduced_precision") and kwargs.get("dtype") in _NARROW:
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if src is not None and src.dtype in (torch.float64, torch.complex128):
+                kwargs["dtype"] = src.dtype
+        return func(*args, **kwargs)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(_WIDE.get(t.dtype, t.dtype))
+
+
+def replay_wide(model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None) -> bool:
+    """Replay the step in float64 and say whether what it produces (losses, gradients, model
+    outputs) is still non-finite. No monitors: one plain replay at float64 speed.
+
+    Raises:
+        ReplayError: as :func:`~nanreplay.engine.run.run_step`.
+    """
+    rec = inp.record
+    wide_rec = dataclasses.replace(
+        rec,
+        batches=[map_tensors(_wide, b) for b in rec.batches],
+        forwards=[dataclasses.replace(fw, inputs=map_tensors(_wide, fw.inputs),
+                                      cotangent=map_tensors(_wide, fw.cotangent) if fw.cotangent is not None else None) for fw in rec.forwards],
+        autocast=None,
+    )
+    sub = dataclasses.replace(inp, record=wide_rec, recorded_grads={}, scaler=None)
+    with _params_as(model, _wide, buffers=True), torch.autocast(device.type if device is not None else "cpu", enabled=False), _KeepWide():
+        res = run_step(model, sub, ops=False, device=device)
+        bad = _products_nonfinite(res)
+    return bad
+
+
+def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None, scale: float = 1e-2,
+                     seed: int = 0) -> list[tuple]:
+    """Replay the step under the op monitor with every floating weight ``w`` replaced by
+    ``w + scale * std(w) * noise`` (noise from a private generator seeded with ``seed``), and
+    return the signatures (:func:`birth_signature`) of the births that reach what it produces."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def nudge(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0:
+            return t.clone()
+        spread = t.detach().float().std() if t.numel() > 1 else t.detach().float().abs()
+        spread = spread if bool(torch.isfinite(spread)) and float(spread) > 0 else torch.tensor(1.0)
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device)
+        return (t.float() + scale * spread.to(t.device) * noise).to(t.dtype)
+
+    sub = dataclasses.replace(inp, recorded_grads={})
+    with _params_as(model, nudge, buffers=False):
+        res = run_step(model, sub, ops=True, device=device)
+    reaching = res.reaching or frozenset()
+    return [birth_signature(b) for b in res.births if b.get("birth") in reaching]
+
+
+def birth_signature(b: dict) -> tuple:
+    """What identifies a birth across replays: phase, op, autograd node, module."""
+    return (b.get("phase"), b.get("op"), b.get("node"), b.get("module"))
+
+
+def _products_nonfinite(res: Any) -> bool:
+    hs = [h for h in list(res.losses) + list(res.outputs) if h is not None]
+    if any(not h.finite for h in hs):
+        return True
+    return any((g.is_floating_point() or g.is_complex()) and not bool(torch.isfinite(g).all()) for g in res.grads.values())
