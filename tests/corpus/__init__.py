@@ -1,0 +1,1 @@
+"""A corpus of small reproductions of real NaN/Inf bugs, and the runner that records them."""

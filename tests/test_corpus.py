@@ -1,0 +1,137 @@
+"""The corpus of real NaN/Inf bugs (tests/corpus/cases/, one reproduction per file).
+
+Each case is recorded under a Recorder (``diagnose=False``) and its bundle replayed in process
+with ``nanreplay.replay``:
+
+* ``test_report_invariants`` checks what must hold whatever the diagnosis says (the report is
+  coherent with itself and with the model);
+* ``test_diagnosis_fields`` (marker ``corpus``, select with ``-m corpus``) checks the six EXPECTED
+  fields of each case (step, phase, module, op, samples, cause) with ``runner.field_matches``;
+  the diagnosis is being fixed to pass it, so it fails on many cases today;
+* ``test_corpus_protocol`` checks the corpus itself: size, SOURCE, EXPECTED, TAGS coverage.
+
+Each case is recorded and replayed once per session (both tests share the result).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from corpus import runner
+
+CASES = {runner.case_name(c): c for c in runner.load_cases()}
+
+#: one tag per category the corpus must cover (see tests/corpus/README.md)
+REQUIRED_TAGS = {
+    # where the value is born, and the cause families
+    "input", "weights", "forward", "loss", "backward", "optimizer", "explosion", "transient",
+    # dtypes
+    "float32", "bfloat16-autocast", "float16-autocast", "half", "complex64", "angle", "stft", "complex-mul",
+    # loop and code shapes
+    "custom-function", "criterion-submodule", "grad-accumulation", "clip-grad-norm", "grad-scaler",
+    "lr-scheduler", "adam-eps",
+    # bug patterns
+    "ignore-index", "masked-attention", "batch-of-one", "dice", "masked-mean", "where-log", "cdist-norm",
+    "acos", "focal", "vae", "attention-overflow", "log-softmax-underflow",
+}
+
+# what a report says when the loss was not replayed: never with mode == "loss_fn"
+_NOT_REPLAYED = re.compile(r"not replayed|no loss function|without (a|the) loss|did not run|--loss-fn", re.I)
+
+_RESULTS: dict[str, tuple] = {}
+
+
+def _register_marker(config) -> None:
+    if not any(str(line).startswith("corpus:") for line in config.getini("markers")):
+        from corpus.conftest import pytest_configure
+
+        pytest_configure(config)
+
+
+def pytest_generate_tests(metafunc):
+    if "case_name" not in metafunc.fixturenames:
+        return
+    _register_marker(metafunc.config)  # tests/corpus/conftest.py is not loaded when only this file is collected
+    marks = [pytest.mark.corpus] if metafunc.function.__name__ == "test_diagnosis_fields" else []
+    metafunc.parametrize("case_name", [pytest.param(n, id=n, marks=marks) for n in sorted(CASES)])
+
+
+def _recorded_and_replayed(name: str, tmp_path_factory) -> tuple[dict, dict]:
+    """(record_case result, in-process diagnosis), computed once per case and session."""
+    if name not in _RESULTS:
+        from nanreplay import replay
+
+        try:
+            rec = runner.record_case(CASES[name], tmp_path_factory.mktemp(name), diagnose=False)
+            _RESULTS[name] = (rec, replay(rec["bundle"]))
+        except Exception as e:  # remembered, so the second test reports the same failure without rerunning
+            _RESULTS[name] = e
+    res = _RESULTS[name]
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def _texts(diag: dict) -> list[str]:
+    cls = diag.get("classification") or {}
+    out = [diag.get("cause"), diag.get("summary"), cls.get("detail")] + list(cls.get("evidence") or [])
+    return [t for t in out if isinstance(t, str)]
+
+
+@pytest.mark.slow
+def test_report_invariants(case_name, tmp_path_factory):
+    case = CASES[case_name]
+    _, diag = _recorded_and_replayed(case_name, tmp_path_factory)
+
+    json.dumps(diag, allow_nan=False)  # non-finite floats are written as strings
+
+    origin = diag.get("origin") or {}
+    op = origin.get("op")
+    if op:
+        birth_ops = {b.get("op") for b in diag.get("births") or []}
+        assert op in birth_ops or runner.norm_op(op) in {runner.norm_op(b) for b in birth_ops}, (
+            f"origin op {op!r} is not among the births {sorted(map(str, birth_ops))}"
+        )
+
+    if diag.get("mode") == "loss_fn":
+        said = [t for t in _texts(diag) if _NOT_REPLAYED.search(t)]
+        assert not said, f"mode is loss_fn (the loss was replayed) but the report says otherwise: {said}"
+
+    module = origin.get("module")
+    if module is not None:
+        modules = dict(case.make_model().named_modules())
+        assert module in modules, f"origin module {module!r} is not a module of the model ({sorted(modules)[:12]}...)"
+
+    summary = diag.get("summary") or ""
+    if op:
+        names = [n for n in (op, origin.get("forward_op"), origin.get("node")) if n]
+        assert any(n in summary for n in names), f"summary does not name the origin op {names}: {summary!r}"
+    if module:
+        named = re.search(rf"(?<![\w.]){re.escape(module)}(?!\w)", summary)
+        assert named, f"summary does not name the origin module {module!r}: {summary!r}"
+    elif module == "":
+        assert "root module" in summary, f"summary does not name the root module: {summary!r}"
+
+
+@pytest.mark.slow
+def test_diagnosis_fields(case_name, tmp_path_factory):
+    case = CASES[case_name]
+    _, diag = _recorded_and_replayed(case_name, tmp_path_factory)
+    matches = runner.field_matches(case.EXPECTED, diag)
+    got = runner.got_fields(diag)
+    wrong = {f: {"expected": case.EXPECTED[f], "got": got[f]} for f, ok in matches.items() if not ok}
+    assert not wrong, f"{case_name}: {wrong}\nsummary: {diag.get('summary')}"
+
+
+def test_corpus_protocol():
+    assert len(CASES) >= 32, f"the corpus has {len(CASES)} cases, expected at least 32"
+    problems = [p for c in CASES.values() for p in runner.validate_expected(c)]
+    assert not problems, "\n".join(problems)
+    tags = set().union(*(set(c.TAGS) for c in CASES.values()))
+    missing = REQUIRED_TAGS - tags
+    assert not missing, f"no case covers: {sorted(missing)}"
+    sources = [c.SOURCE for c in CASES.values()]
+    assert len(set(sources)) >= len(sources) - 3, "most cases should cite their own source"
