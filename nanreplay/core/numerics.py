@@ -18,12 +18,21 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "any_nonfinite"]
+__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "any_nonfinite", "as_real"]
 
 
 def is_float(t: torch.Tensor) -> bool:
     """True for floating and complex tensors, the dtypes that can hold NaN or Inf."""
     return t.is_floating_point() or t.is_complex()
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as a real one with a trailing dimension of 2 (real, imaginary), its
+    conjugate or negative view resolved first; any other tensor unchanged. NaN/Inf counts and
+    comparisons of complex tensors go through it."""
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj().resolve_neg())
+    return t
 
 
 def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[torch.Tensor]:
@@ -64,8 +73,7 @@ def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     """(NaN count, +Inf count, -Inf count) of one tensor; syncs. Zero for non-float dtypes."""
     if not is_float(t) or t.numel() == 0:
         return 0, 0, 0
-    if t.is_complex():
-        t = torch.view_as_real(t)
+    t = as_real(t)
     nan = int(torch.isnan(t).sum())
     pos = int(torch.isposinf(t).sum())
     neg = int(torch.isneginf(t).sum())
@@ -122,8 +130,7 @@ def tensor_health(tensors: Iterable[torch.Tensor]) -> Optional[Health]:
     nan = pos = neg = numel = 0
     lo, hi, total, absmax, nfin = math.inf, -math.inf, 0.0, 0.0, 0
     for t in ts:
-        if t.is_complex():
-            t = torch.view_as_real(t)
+        t = as_real(t)
         numel += t.numel()
         if t.numel() and bool(torch.isfinite(t).all()):  # the common case: no counts, no masked copy
             lo_t, hi_t = torch.aminmax(t)

@@ -5,9 +5,10 @@
 The flow: the cheap cases are read off the bundle (non-finite step-start weights, a non-finite
 batch: no monitored replay is needed); otherwise one replay under the op monitor finds the births
 and which of them reach what the step produces; the origin rule
-(:mod:`nanreplay.diagnosis.origin`) names one; counterfactual replays run only where they can
-change the cause verdict (:func:`nanreplay.diagnosis.classify.needs_wide_replay`,
-:func:`~nanreplay.diagnosis.classify.needs_perturbed_replay`); the samples rule
+(:mod:`nanreplay.diagnosis.origin`) names one; counterfactual replays (perturbed weights,
+float64) run only where they can change the cause verdict
+(:func:`nanreplay.diagnosis.classify.needs_perturbed_replay`,
+:func:`~nanreplay.diagnosis.classify.needs_wide_replay`); the samples rule
 (:mod:`nanreplay.diagnosis.samples`) names the samples; the cause rule
 (:mod:`nanreplay.diagnosis.classify`) gives the verdict; the summary sentence is built from the
 dict (:mod:`nanreplay.report.summary`).
@@ -149,8 +150,9 @@ def diagnose(
         result: the replay of the step (:func:`~nanreplay.engine.run.run_step`).
         inp: what the replay ran on; ``model`` holds the step-start weights.
         samples: allow per-sample replays when the birth op's output does not show the samples.
-        counterfactuals: allow the float64 and perturbed-weights replays that tell underflow and
-            bad input data from numerics, and the repeated replays that tell a transient fault.
+        counterfactuals: allow the perturbed-weights replay that tells a zero the batch carries
+            from the model's own, the float64 replay that tells an underflow from a domain error,
+            and the repeated replays that tell a transient fault.
         replayed: ``False`` when ``result`` comes from the bundle alone (the cheap cases).
     """
     say = progress or _silent
@@ -190,7 +192,7 @@ def diagnose(
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
         if smp is not None and phase != "input":
             origin["samples"] = smp["indices"] or None
-    births = result.births
+    births = list(result.births) + list((f.optimizer or {}).get("births") or [])
     ob = birth
     chain = [_compact(b) for b in births if ob is None or b["op_index"] <= ob["op_index"]]
     if origin is not None and birth is not None:
@@ -250,6 +252,8 @@ def _fresh(model: torch.nn.Module, inp: StepInputs) -> None:
 
 
 def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
+    """The float64 replay first (a zero that is a rounding is an underflow, whoever carried it);
+    then, if the zero is real, the perturbed-weights replay (does the batch or the weights decide it?)."""
     if needs_wide_replay(f):
         say("replaying the step in float64 (is the zero an underflow?)")
         try:
@@ -260,12 +264,11 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             logger.info("nanreplay: the float64 replay could not run (%s: %s)", type(e).__name__, e)
         finally:
             _fresh(model, inp)
-    if needs_perturbed_replay(f) and f.wide_finite is not True:
-        say("replaying the step with perturbed weights (do the weights decide it?)")
+    if f.wide_finite is not True and needs_perturbed_replay(f):
+        say("replaying the step with perturbed weights (do the weights decide the zero?)")
         try:
-            sigs = replay_perturbed(model, inp, device=device)
-            f.persists_perturbed = birth_signature(f.birth or {}) in sigs
-        except Exception as e:
+            f.persists_perturbed = birth_signature(f.birth or {}) in replay_perturbed(model, inp, device=device)
+        except Exception as e:  # a replay that cannot run: the counterfactual is simply absent
             if type(e).__name__ == "DiagnosisTimeout":
                 raise
             logger.info("nanreplay: the perturbed replay could not run (%s: %s)", type(e).__name__, e)

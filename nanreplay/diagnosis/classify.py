@@ -4,10 +4,12 @@
 :class:`Features` under which it holds, and how its detail and evidence read; the first row whose
 condition holds decides. Causes:
 
-* ``bad input data``: the batch already holds NaN/Inf, or the op's offending operand (a zero
-  divisor, an empty selection, a fully masked row, a reduction over too few elements, a loss whose
-  every target is ignored) derives only from the batch, or derives from batch and weights but the
-  birth persists when the weights are perturbed;
+* ``bad input data``: the batch already holds NaN/Inf; or the operand at fault derives only from
+  the batch (labels, masks, lengths: no weight, no random draw); or the batch decided the domain
+  error: a row whose every position a mask from the batch hid, a statistic over too few elements
+  of a batch, an empty selection made by the batch, a loss whose every target the batch marks
+  ignored, or a zero that the batch carries through the model (it derives from batch and weights,
+  and stays 0 when the step is replayed with every weight perturbed);
 * ``optimizer update``: the update from finite gradients, or weights an earlier update corrupted;
 * ``explosion``: values grew step over step (grad-norm history, learning-rate spike) past the range;
 * ``overflow``: a value out of its dtype's range that is finite in a wider dtype;
@@ -76,21 +78,28 @@ class Features:
         return bool(h.get("exploding") or h.get("lr_spike"))
 
     @property
-    def zero_domain(self) -> bool:
-        """The birth is a domain error at 0 (log(0), x/0, rsqrt(0), a zero-vector derivative)
-        with exact zeros in the operand at fault."""
-        op = self.operand
-        return self.domain_kind in ("zero", "negative") and bool(op and op.get("zeros"))
+    def narrow(self) -> bool:
+        """The operand at fault (or the op's output) is in a dtype narrower than float64/complex128."""
+        op = self.operand or {}
+        dtype = op.get("dtype") or _field((self.birth or {}).get("output"), "dtype")
+        return dtype not in (None, "float64", "complex128")
 
     @property
     def from_batch(self) -> bool:
-        """The operand at fault derives from the batch and the weights do not decide it."""
+        """The batch decided the domain error (see the module docstring)."""
+        op = self.operand or {}
         src = self.sources
-        if not src["batch"] and self.domain_kind != "ignored":
-            return False
-        if self.domain_kind == "ignored":
-            return any((o.get("prov") or []) and any(p.startswith("batch:") for p in o["prov"]) for o in ((self.birth or {}).get("operands") or {}).get("tensors", []))
-        return not src["weights"] or self.persists_perturbed is True
+        only_batch = bool(src["batch"]) and not src["weights"] and not src["rng"]
+        kind = self.domain_kind
+        operands = ((self.birth or {}).get("operands") or {}).get("tensors") or []
+        batch_in = lambda prov: any(p.startswith("batch:") for p in prov or [])  # noqa: E731
+        if kind == "zero":
+            return bool(op.get("zeros")) and (only_batch or (bool(src["batch"]) and not src["rng"] and self.persists_perturbed is True))
+        if kind == "masked":
+            return batch_in(op.get("masked_by"))
+        if kind in ("ignored", "count", "empty"):
+            return any(batch_in(o.get("prov")) for o in operands)
+        return only_batch
 
 
 def _g(x: Optional[float]) -> str:
@@ -207,11 +216,16 @@ def _explosion(f: Features) -> tuple[str, list[str]]:
 def _underflow(f: Features) -> tuple[str, list[str]]:
     b = f.birth or {}
     op = f.operand or {}
-    dtype = op.get("dtype")
-    made = f" by {op.get('producer')}" if op.get("producer") and op.get("producer") not in ("const",) else ""
-    return (f"{b.get('forward_op') or b.get('op')} of a value that rounded to 0 in {dtype}{made}",
-            _op_evidence(f) + ["the step replayed in float64 (every down-cast kept wide) is finite: the zero is a rounding of a "
-                               f"non-zero value in {dtype}, not a true zero"])
+    dtype = op.get("dtype") or _field(b.get("output"), "dtype")
+    made = f", made by {op.get('producer')}" if op.get("producer") and op.get("producer") not in ("const",) else ""
+    name = b.get("forward_op") or b.get("op")
+    if op.get("zeros"):
+        detail = f"{name} of a value that rounded to 0 in {dtype}{made}"
+        why = f"the zero is a rounding of a non-zero value in {dtype}, not a true zero"
+    else:
+        detail = f"{name} of values so small that an intermediate rounds to 0 in {dtype}{made}"
+        why = f"the values are too small for {dtype}, not zero"
+    return detail, _op_evidence(f) + [f"the step replayed in float64 (every down-cast kept wide) is finite: {why}"]
 
 
 def _batch_detail(f: Features) -> str:
@@ -223,8 +237,9 @@ def _batch_detail(f: Features) -> str:
     if kind == "masked":
         m = (b.get("operands") or {}).get("masked_rows") or {}
         rows = m.get("rows")
+        mask = ", ".join(p[len("batch:"):] for p in op.get("masked_by") or [] if p.startswith("batch:"))
         return (f"{m.get('count', '?')} row(s) of the {b['op']} input have every position masked (-Inf)"
-                + (f", in sample(s) {rows}" if rows else "") + f": the mask comes from {src}")
+                + (f", in sample(s) {rows}" if rows else "") + f": the mask comes from {mask or src}")
     if kind == "ignored":
         tgt = next((o for o in (b.get("operands") or {}).get("tensors", []) if o.get("name") == "target"), {})
         return (f"every target of {', '.join(sources(tgt)['batch']) or 'the batch'} is ignore_index ({scal.get('ignore_index')}): "
@@ -242,15 +257,15 @@ def _batch_detail(f: Features) -> str:
         return f"{explanation(b)}: the values come from {src}"
     if kind in ("zero", "negative") and op.get("zeros"):
         name = "divisor" if op.get("name") == "other" and b["op"].strip("_") == "div" else f"operand {op.get('name') or ''}".strip()
-        return (f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and derives from {src}"
-                + ("" if not f.sources["weights"] else " (with perturbed weights it is still 0)") + ": the batch makes it 0")
+        carried = f"derives from {src} and stays 0 with the weights perturbed" if f.sources["weights"] else f"derives only from {src}"
+        return f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and {carried}: this batch makes it 0"
     return f"{explanation(b) or b.get('op')} on values from {src}"
 
 
 def _bad_input(f: Features) -> tuple[str, list[str]]:
     ev = _op_evidence(f)
     if f.persists_perturbed:
-        ev.append("with every weight perturbed by 1% of its spread, the same op still gives a non-finite value: the weights do not decide it")
+        ev.append("with every weight perturbed by 1% of its spread the same op still gives a non-finite value: the weights do not decide it")
     return _batch_detail(f), ev
 
 
@@ -263,7 +278,7 @@ def _numerics(f: Features) -> tuple[str, list[str]]:
     if f.wide_finite is False:
         ev.append("the step replayed in float64 fails the same way")
     if f.persists_perturbed is False:
-        ev.append("with the weights perturbed by 1% of their spread the op is finite: these weights put it outside its domain")
+        ev.append("with every weight perturbed by 1% of its spread the op is finite: these weights put it outside its domain")
     return explanation(b) or f"{b.get('op')} outside its domain", ev
 
 
@@ -280,7 +295,7 @@ RULES: tuple[Rule, ...] = (
     ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
     ("explosion", lambda f: f.overflow and f.exploding, _explosion),
     ("overflow", lambda f: f.overflow, _overflow),
-    ("underflow", lambda f: f.zero_domain and f.wide_finite is True, _underflow),
+    ("underflow", lambda f: f.domain_kind == "zero" and f.wide_finite is True, _underflow),
     ("bad input data", lambda f: f.domain_kind is not None and f.from_batch, _bad_input),
     ("explosion", lambda f: f.exploding and f.sources["weights"], _explosion),
     ("numerics", lambda f: True, _numerics),
@@ -296,13 +311,18 @@ def classify(f: Features) -> dict:
     raise AssertionError("the last rule always holds")  # pragma: no cover
 
 
-def needs_wide_replay(f: Features) -> bool:
-    """Whether the float64 replay can change the verdict: a domain error at 0 that is not an overflow."""
-    return f.birth is not None and not f.overflow and f.zero_domain
-
-
 def needs_perturbed_replay(f: Features) -> bool:
-    """Whether the perturbed-weights replay can change the verdict: an operand from batch and weights."""
+    """Whether the perturbed-weights replay can change the verdict: a zero-domain birth whose
+    operand at fault derives from the batch and the weights (and no random draw)."""
+    op = f.operand or {}
     src = f.sources
-    return f.birth is not None and not f.overflow and f.domain_kind is not None and bool(src["batch"]) and src["weights"]
+    return (f.birth is not None and not f.overflow and f.domain_kind == "zero" and bool(op.get("zeros"))
+            and bool(src["batch"]) and src["weights"] and not src["rng"])
 
+
+def needs_wide_replay(f: Features) -> bool:
+    """Whether the float64 replay can change the verdict: a domain error at 0 in a dtype narrower
+    than float64 that is not an overflow, on an operand that does not derive from the batch alone."""
+    src = f.sources
+    only_batch = bool(src["batch"]) and not src["weights"] and not src["rng"]
+    return f.birth is not None and not f.overflow and f.domain_kind == "zero" and f.narrow and not only_batch

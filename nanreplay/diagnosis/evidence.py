@@ -28,12 +28,15 @@ class Domain:
             (exp of a large value), ``inf`` (Inf - Inf, 0 * Inf).
         operand: the schema name of the operand at fault (``other`` is the divisor of ``div``);
             ``None`` when any operand may be.
+        backward_kind: the kind of the derivative's domain (most derivatives blow up at 0: sqrt,
+            log, rsqrt, pow; acos/asin at +-1); in the backward pass any operand may be at fault.
     """
 
     forward: str
     backward: str
     kind: str
     operand: Optional[str] = "self"
+    backward_kind: str = "zero"
 
 
 _D = Domain
@@ -49,10 +52,10 @@ DOMAIN: dict[str, Domain] = {
     "div": _D("division by zero (x/0 is Inf, 0/0 is NaN)", "division by zero in the derivative of a division", "zero", "other"),
     "reciprocal": _D("reciprocal of zero", "reciprocal derivative at 0", "zero"),
     "pow": _D("pow of zero to a negative power, or of a negative base to a fractional power", "pow derivative at a zero base", "zero"),
-    "acos": _D("acos outside [-1, 1]", "acos derivative at +-1", "bound"),
-    "asin": _D("asin outside [-1, 1]", "asin derivative at +-1", "bound"),
-    "atanh": _D("atanh at or outside +-1", "atanh derivative at +-1", "bound"),
-    "acosh": _D("acosh below 1", "acosh derivative at 1", "bound"),
+    "acos": _D("acos outside [-1, 1]", "acos derivative at +-1", "bound", backward_kind="bound"),
+    "asin": _D("asin outside [-1, 1]", "asin derivative at +-1", "bound", backward_kind="bound"),
+    "atanh": _D("atanh at or outside +-1", "atanh derivative at +-1", "bound", backward_kind="bound"),
+    "acosh": _D("acosh below 1", "acosh derivative at 1", "bound", backward_kind="bound"),
     "angle": _D("angle of a complex value", "angle derivative at 0 (1/|z|^2)", "zero"),
     "abs": _D("abs", "abs derivative of a complex 0 (z/|z|)", "zero"),
     "softmax": _D("softmax of a row that is entirely -Inf (every position masked)", "softmax derivative of a fully masked row", "masked"),
@@ -70,10 +73,10 @@ DOMAIN: dict[str, Domain] = {
     "nll_loss_forward": _D("a mean over zero targets (every target is ignore_index)", "nll_loss derivative with no target", "ignored", "target"),
     "nll_loss2d_forward": _D("a mean over zero targets (every target is ignore_index)", "nll_loss derivative with no target", "ignored", "target"),
     "ctc_loss": _D("a CTC target that no alignment of the input can produce (target longer than the input)", "CTC derivative of an impossible alignment", "count", None),
-    "exp": _D("exp of a large value", "exp derivative of a large value", "large"),
-    "mul": _D("0 * Inf", "0 * Inf in a derivative", "inf", None),
-    "sub": _D("Inf - Inf", "Inf - Inf in a derivative", "inf", None),
-    "add": _D("Inf + (-Inf)", "Inf + (-Inf) in a derivative", "inf", None),
+    "exp": _D("exp of a large value", "exp derivative of a large value", "large", backward_kind="large"),
+    "mul": _D("0 * Inf", "0 * Inf in a derivative", "inf", None, backward_kind="inf"),
+    "sub": _D("Inf - Inf", "Inf - Inf in a derivative", "inf", None, backward_kind="inf"),
+    "add": _D("Inf + (-Inf)", "Inf + (-Inf) in a derivative", "inf", None, backward_kind="inf"),
 }
 
 #: ops whose output is mathematically positive for finite inputs: an exact 0 there is an underflow
@@ -86,15 +89,15 @@ def _bare(op: Optional[str]) -> str:
 
 def domain_of(birth: dict) -> Optional[tuple[str, Domain]]:
     """(op name, :class:`Domain`) of a birth: in the backward pass, the forward op of its autograd
-    node when the table knows it (``SqrtBackward0`` -> ``sqrt``), else the op itself."""
-    keys = []
+    node when the table knows it (``SqrtBackward0`` -> ``sqrt``, with the derivative's domain:
+    its kind is ``backward_kind`` and any operand may be at fault), else the op itself."""
     if birth.get("phase") == "backward":
-        keys.append(_bare(birth.get("forward_op") or node_forward_op(birth.get("node"))))
-    keys.append(_bare(birth.get("op")))
-    for k in keys:
+        k = _bare(birth.get("forward_op") or node_forward_op(birth.get("node")))
         if k in DOMAIN:
-            return k, DOMAIN[k]
-    return None
+            d = DOMAIN[k]
+            return k, Domain(d.forward, d.backward, d.backward_kind, None, d.backward_kind)
+    k = _bare(birth.get("op"))
+    return (k, DOMAIN[k]) if k in DOMAIN else None
 
 
 def explanation(birth: dict) -> Optional[str]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.batch import batch_coupled, batch_size, take_rows
+from ..core.batch import batch_coupled, batch_size, rows_of, take_rows
 from ..core.numerics import is_float
 from ..core.state import load_buffers
 from ..core.tree import tensor_leaves
@@ -92,8 +92,8 @@ def _from_cotangent(c: _Case) -> Optional[dict]:
     bad: set[int] = set()
     for fw in c.inp.record.forwards:
         for t in tensor_leaves(fw.cotangent):
-            if is_float(t) and t.dim() >= 1 and t.shape[0] == size:
-                bad.update(int(i) for i in (~torch.isfinite(t.detach().reshape(size, -1))).any(dim=1).nonzero().flatten().tolist())
+            if is_float(t) and t.dim() >= 1:
+                bad.update(rows_of(~torch.isfinite(t.detach()), size) or [])
     return _rows_result(sorted(bad), size, "non-finite rows of the recorded output gradient") if bad else None
 
 
@@ -125,8 +125,8 @@ def _whole_batch(c: _Case) -> Optional[dict]:
     if size == 1:
         return _batch_level(size, "the batch holds one sample: the failure belongs to the batch, not to a sample of it")
     out_shape = list(getattr(b.get("output"), "shape", None) or [])
-    operand_rows = [o for o in ((b.get("operands") or {}).get("tensors") or []) if o.get("shape") and o["shape"][0] == size]
-    if operand_rows and (not out_shape or out_shape[0] != size) and c.found.phase != "backward":
+    operand_rows = [o for o in ((b.get("operands") or {}).get("tensors") or []) if size in (o.get("shape") or [])]
+    if operand_rows and size not in out_shape and c.found.phase != "backward":
         return _batch_level(size, f"{b['op']} reduces the batch dimension of its input (shape {operand_rows[0]['shape']} -> {out_shape}): "
                                   f"a statistic of the {size} samples together")
     return None

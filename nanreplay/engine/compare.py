@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..core.jsonable import fnum
-from ..core.numerics import is_float
+from ..core.numerics import as_real, is_float
 
 __all__ = ["VERDICTS", "compare_grads", "common_factor", "compare_loss"]
 
@@ -42,6 +42,7 @@ def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
         r = r.to(g.device)
         if not is_float(r):
             continue
+        r, g = as_real(r), as_real(g)
         if not torch.isfinite(r).all():
             rec_bad.add(name)
         if not torch.isfinite(g).all():
@@ -105,7 +106,7 @@ def common_factor(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
     names = [n for n, r in recorded.items() if is_float(r)]
     if not names or any(n not in replayed for n in names):
         return None
-    pairs = [(recorded[n].detach().to(replayed[n].device).double(), replayed[n].detach().double()) for n in names]
+    pairs = [(as_real(recorded[n].detach().to(replayed[n].device)).double(), as_real(replayed[n].detach()).double()) for n in names]
     c, best, usable = None, 0.0, 0
     for r, g in pairs:
         ok = torch.isfinite(r) & torch.isfinite(g) & (g != 0)

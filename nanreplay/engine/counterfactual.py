@@ -1,13 +1,13 @@
 """Counterfactual replays: the failing step again with one thing changed, to learn what the birth
-depends on. Each leaves the model as it found it (weights, dtypes, gradients).
+depends on. Each leaves the model as it found it (weights, dtypes, gradients, the hooks on them).
 
 * :func:`replay_wide`: the whole step in float64 (complex128): weights, buffers and batch upcast,
   and every down-cast the step makes (autocast, ``.half()``, ``.float()``) kept wide by a dispatch
   mode. A birth that disappears there was a precision problem (a value that underflowed to 0, or
   rounded onto a domain boundary, in the narrower dtype).
-* :func:`replay_perturbed`: the step with every floating weight nudged by a small relative amount
-  (seeded, from a private generator). A birth that persists does not depend on the exact weights:
-  the batch (or a constant) put the op outside its domain.
+* :func:`replay_perturbed`: the step with every floating weight nudged by 1% of its spread (seeded,
+  from a private generator). A birth that persists does not depend on the exact weights: the batch
+  put the op outside its domain (a zero the data carries through the model).
 """
 
 from __future__ import annotations

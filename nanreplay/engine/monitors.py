@@ -64,15 +64,16 @@ def flags_of(t: torch.Tensor) -> tuple[bool, bool, float]:
 class Fact:
     """What the op monitor knows about one tensor of the replay."""
 
-    __slots__ = ("nan", "inf", "absmax", "prov", "producer", "taint", "allowed")
+    __slots__ = ("nan", "inf", "absmax", "prov", "producer", "taint", "allowed", "masked_by")
 
     def __init__(self, nan: bool, inf: bool, absmax: float, prov: frozenset, producer: str, taint: frozenset = frozenset(),
-                 allowed: bool = False) -> None:
+                 allowed: bool = False, masked_by: frozenset = frozenset()) -> None:
         self.nan, self.inf, self.absmax = nan, inf, absmax
         self.prov = prov            # sources: "batch:<path>", "weights", "buffer:<fqn>", "const", "rng"
         self.producer = producer    # the op (or source) that made it
         self.taint = taint          # birth indices its non-finite values come from
         self.allowed = allowed      # its non-finite values were written on purpose (allowlisted)
+        self.masked_by = masked_by  # provenance of what decided where allowlisted masks wrote -Inf
 
     @property
     def nonfinite(self) -> bool:
@@ -227,7 +228,7 @@ class OpMonitor(TorchDispatchMode):
         facts: the per-tensor :class:`Facts`.
         run_phase: set by the replay: ``forward`` (the model's forward calls), ``loss_fn`` (the
             user's loss function, the model's forward inside it), ``backward``, ``optimizer``.
-        micro_batch: which recorded batch / forward call is replaying.
+        micro_batch, batch_size: which recorded batch / forward call is replaying, and its size.
 
     Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
     hooks miss; ``ModuleTracker`` supplies the module context in both passes.
@@ -244,6 +245,7 @@ class OpMonitor(TorchDispatchMode):
         self.facts = Facts()
         self.run_phase = "forward"
         self.micro_batch: Optional[int] = None
+        self.batch_size: Optional[int] = None   # of the micro-batch replaying: the rows of a birth are along it
         self.index = 0
         self._root = type(model).__name__ if model is not None else None
         self._modules: dict[str, torch.nn.Module] = {}
@@ -312,6 +314,7 @@ class OpMonitor(TorchDispatchMode):
         in_nan = any(f.nan for f in in_facts) if before is None else any(n for n, _ in before)
         in_bad = any(f.nonfinite for f in in_facts) if before is None else any(n or i for n, i in before)
         taint = frozenset().union(*(f.taint for f in in_facts if f.nonfinite)) if in_bad else frozenset()
+        masked_by = frozenset().union(*(f.masked_by for f in in_facts if f.nonfinite)) if in_bad else frozenset()
         out_flags = [flags_of(t) for t in outs]
         out_nan = any(n for n, _, _ in out_flags)
         out_inf = any(i for _, i, _ in out_flags)
@@ -321,13 +324,16 @@ class OpMonitor(TorchDispatchMode):
                 b = self._record_birth(func, name, args, kwargs, ins, in_facts, outs, mutating)
                 if b is None:  # allowlisted: non-finite on purpose, taints nothing
                     allowed = True
+                    # what decided where the mask went: its boolean/integer operands and the non-finite ones it copied
+                    masked_by = masked_by.union(*(f.prov for t, f in zip(ins, in_facts) if not is_float(t) or f.nonfinite))
                 else:
                     taint = taint | {b}
             else:
                 self.propagated += 1
                 allowed = bool(in_facts) and all(f.allowed for f in in_facts if f.nonfinite)
         for t, (n, i, m) in zip(outs, out_flags):
-            facts.set(t, Fact(n, i, m, prov, name, taint if (n or i) else frozenset(), allowed and (n or i)))
+            bad = n or i
+            facts.set(t, Fact(n, i, m, prov, name, taint if bad else frozenset(), allowed and bad, masked_by if bad else frozenset()))
         return out
 
     def _record_birth(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
@@ -356,8 +362,8 @@ class OpMonitor(TorchDispatchMode):
         if module is None and phase in ("loss", "forward"):
             b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
-        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer) for f in in_facts])
-        b["rows"] = probes.nonfinite_rows(outs)
+        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by) for f in in_facts])
+        b["rows"] = probes.nonfinite_rows(outs, self.batch_size)
         self.births.append(b)
         return k
 

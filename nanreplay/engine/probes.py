@@ -147,13 +147,16 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
     return {"dtype": str(wide).replace("torch.", ""), "finite": finite, "absmax": absmax}
 
 
-def nonfinite_rows(outs: Sequence[torch.Tensor], limit: int = 64) -> Optional[dict]:
-    """Indices along dim 0 of the first output that hold a non-finite value, and that dim's size."""
+def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], limit: int = 64) -> Optional[dict]:
+    """The batch rows of the first floating output that hold a non-finite value: along its first
+    dimension of length ``batch`` (the replayed micro-batch's size), else along dimension 0.
+    Returns ``{"size", "dim", "indices"}``."""
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
     if t is None:
         return None
-    bad = ~torch.isfinite(t.detach().reshape(t.shape[0], -1)).all(dim=1)
-    return {"size": int(t.shape[0]), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+    dim = next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0
+    bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(t.shape[dim], -1)).all(dim=1)
+    return {"size": int(t.shape[dim]), "dim": dim, "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
 
 
 def calling_module(module_ids: dict[int, str], depth: int = 40) -> Optional[str]:
@@ -191,10 +194,12 @@ def _schema_names(func: Any, args: tuple, kwargs: dict) -> tuple[list[Optional[s
     return pos, scalars
 
 
-def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: str) -> dict:
+def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: str, masked_by: frozenset) -> dict:
     d = t.detach()
     out: dict[str, Any] = {"name": name, "shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", ""), "numel": d.numel(),
                            "prov": sorted(prov), "producer": producer}
+    if masked_by:
+        out["masked_by"] = sorted(masked_by)
     if d.numel() == 0:
         return out
     if d.is_complex():
@@ -235,11 +240,12 @@ def _masked_rows(t: torch.Tensor, dim: int) -> Optional[dict]:
     return {"count": n, "of": full.numel(), "rows": rows[:64], "rows_of": int(full.shape[0]) if full.dim() else 1}
 
 
-def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor], facts: Sequence[tuple[frozenset, str]]) -> dict:
+def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor], facts: Sequence[tuple[frozenset, str, frozenset]]) -> dict:
     """What an op's inputs held when it gave birth to a non-finite value: for each tensor input,
     its shape, dtype, counts of zeros / negatives / non-finite values, finite range, provenance
     (``prov``: ``batch:<path>``, ``weights``, ``buffer:<fqn>``, ``const``, ``rng``), the op that
-    produced it (``producer``) and, for small integer tensors, its distinct values; the op's
+    produced it (``producer``), where allowlisted masks wrote -Inf into it the provenance of what
+    placed them (``masked_by``: the mask), and, for small integer tensors, its distinct values; the op's
     non-tensor arguments by schema name (``scalars``: ``dim``, ``correction``, ``ignore_index``...);
     and for softmax-like ops the rows whose every position is -Inf (``masked_rows``)."""
     pos, scalars = _schema_names(func, args, kwargs)
@@ -251,7 +257,7 @@ def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tenso
             names.extend(n for x in a if isinstance(x, torch.Tensor))
     names.extend(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     names += [None] * (len(tensors) - len(names))
-    ops = [_operand(t, n, p, prod) for t, n, (p, prod) in zip(tensors, names, facts)]
+    ops = [_operand(t, n, p, prod, mb) for t, n, (p, prod, mb) in zip(tensors, names, facts)]
     out: dict[str, Any] = {"tensors": ops, "scalars": scalars}
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     if name.lstrip("_").rstrip("_") in ("softmax", "log_softmax", "safe_softmax") and tensors and isinstance(scalars.get("dim"), int):

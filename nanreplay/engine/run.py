@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
+from ..core.batch import batch_size, rows_of
 from ..core.numerics import Health, is_float, tensor_health
 from ..core.rng import RNGState
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
@@ -134,15 +135,15 @@ def _leaves_with_paths(tree: Any, root: str) -> list[tuple[str, torch.Tensor]]:
 
 def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
     """The non-finite float leaves of ``tree``, each with its path under ``root``, health and the
-    dim-0 rows holding them."""
+    batch rows holding them (along each leaf's batch dimension, see :mod:`nanreplay.core.batch`)."""
     out = []
+    size = batch_size(tree)
     for path, leaf in _leaves_with_paths(tree, root):
         if is_float(leaf) and leaf.numel():
             h = tensor_health([leaf])
             if h is not None and not h.finite:
-                bad = (~torch.isfinite(leaf.detach())).nonzero()
-                samples = sorted({int(i) for i in bad[:, 0].tolist()})[:16] if leaf.dim() else []
-                out.append({"leaf": path, "health": h, "samples": samples})
+                rows = rows_of(~torch.isfinite(leaf.detach()), size) if size is not None and leaf.dim() else None
+                out.append({"leaf": path, "health": h, "samples": (rows or [])[:16]})
     return out
 
 
@@ -196,6 +197,7 @@ class _Run:
         """Move a recorded batch to the replay device and declare its leaves sources."""
         moved = _to_device(tree, self.device)
         if self.opmon is not None:
+            self.opmon.batch_size = batch_size(moved)
             for path, leaf in _leaves_with_paths(moved, root):
                 self.opmon.facts.seed(leaf, f"batch:{path}")
         return moved

@@ -45,7 +45,7 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
     ("input", None): "non-finite value in the input data at {leaf}",
     ("weights", "buffer"): "non-finite buffer before the step ({tensor}){in_module}",
     ("weights", None): "non-finite weights before the step ({tensor}){in_module}",
-    ("optimizer", None): "{kinds} born in the optimizer update ({optimizer}) of parameter {param}{state}{in_module}",
+    ("optimizer", None): "{kinds} born in the optimizer update ({optimizer}){op} of parameter {param}{state}{in_module}",
     ("backward", "explosion"): ("gradients exploded in backward: every gradient is finite but their float32 2-norm overflows; "
                                 "the largest ({largest}) is in {param}{in_module}"),
     ("backward", None): "{kinds} born in backward of {forward_op}{node}{at}{in_module}",

@@ -41,7 +41,7 @@ from ..format.bundle import Bundle, open_bundle
 from ..format.records import Snapshot, StepRecord
 from ..errors import ReplayError
 from ..core.numerics import fused_norm, is_float
-from ..core.batch import batch_coupled, batch_size, take_rows
+from ..core.batch import batch_coupled, batch_size, rows_of, take_rows
 from ..core.tree import flatten_typed, map_tensors
 from ..core.callables import import_callable
 from ..engine.run import StepInputs, run_step
@@ -711,8 +711,8 @@ def _bisect_samples(ctx: _Ctx) -> dict:
 
     if not use_loss:
         bad_rows = sorted({i for j, fw in enumerate(rec.forwards) if fw.cotangent is not None
-                           for t in pytree.tree_leaves(fw.cotangent) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == sizes[j] and is_float(t)
-                           for i in (~torch.isfinite(t.reshape(t.shape[0], -1))).any(1).nonzero().flatten().tolist()})
+                           for t in pytree.tree_leaves(fw.cotangent) if isinstance(t, torch.Tensor) and t.dim() >= 1 and is_float(t)
+                           for i in (rows_of(~torch.isfinite(t), sizes[j]) or [])})
         if bad_rows:
             ctx.warnings.append(
                 f"no loss function: the backward pass is driven by the recorded cotangent, which is already non-finite for samples "

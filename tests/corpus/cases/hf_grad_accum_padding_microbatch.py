@@ -2,13 +2,15 @@
 computes its loss inside forward() from `labels` (-100 on padding), the way HF models do, and the
 loop accumulates gradients over 4 micro-batches. When the last batch of the dataset is padded to
 the batch size, a whole micro-batch can consist of padding rows: cross-entropy's mean over zero
-labelled tokens is 0/0 = NaN, and the step's loss is NaN."""
+labelled tokens is 0/0 = NaN, and the step's loss is NaN. The cross-entropy module built inside
+forward() is loss code running in the model: phase "loss", named by the module that runs it (the
+root, an HF head)."""
 
 import torch
 import torch.nn as nn
 
 SOURCE = "https://github.com/EleutherAI/bergson/pull/461"
-EXPECTED = dict(step=1, phase="forward", module="", op=("cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss_nd"),
+EXPECTED = dict(step=1, phase="loss", module="", op=("cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss_nd"),
                 samples=None, cause="bad input data")
 TAGS = ("forward", "grad-accumulation", "ignore-index", "loss-in-model", "float32", "nlp", "empty-reduction")
 RECORDER = dict()
