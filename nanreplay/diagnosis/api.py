@@ -18,6 +18,7 @@ from ..format.bundle import Bundle, open_bundle
 from ..format.records import BundleContent
 from .attribution import attribute
 from .origin import diagnose
+from .timeline import report_facts
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
     say(f"replaying step {inp.record.step}" + (" under the op monitor" if ops else ""))
     result = run_step(model, inp, ops=ops, device=device)
     diag = diagnose(result, step=inp.record.step, recorded_grads=inp.recorded_grads, recorded_loss=inp.record.loss)
-    return attribute(diag, result, model, inp, device=device, samples=samples, progress=say)
+    diag = attribute(diag, result, model, inp, device=device, samples=samples, progress=say)
+    diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
+    return diag
 
 
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
