@@ -15,6 +15,7 @@ __all__ = [
     "NonFiniteGradientError",
     "ModelMismatchError",
     "ReplayError",
+    "MissingExtraError",
 ]
 
 
@@ -37,6 +38,19 @@ class ModelMismatchError(NanReplayError):
 class ReplayError(NanReplayError):
     """Replay could not run: a model factory or loss function could not be imported or called,
     or the bundle lacks what the requested replay needs (for example no batch was recorded)."""
+
+
+class MissingExtraError(NanReplayError):
+    """An optional dependency is not installed (e.g. matplotlib for the HTML report). The message
+    names the ``pip install 'nanreplay[EXTRA]'`` that fixes it.
+
+    Attributes:
+        extra: the extra to install (``"report"``).
+    """
+
+    def __init__(self, message: str, *, extra: str) -> None:
+        super().__init__(message)
+        self.extra = extra
 
 
 class NonFiniteGradientError(NanReplayError):
