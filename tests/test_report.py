@@ -139,7 +139,7 @@ def _html_checks(page: str, summary: str) -> None:
     assert json.loads(data)["summary"] == summary
 
 
-def test_report_writes_one_self_contained_page(nested_bundle, tmp_path):
+def test_report_writes_one_self_contained_page(nested_bundle, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     r = _run("report", nested_bundle)
     assert r.exit_code == EXIT_OK, r.output
@@ -148,10 +148,13 @@ def test_report_writes_one_self_contained_page(nested_bundle, tmp_path):
     assert r.output.splitlines()[0] == diag["summary"]
     assert f"report written to {out}" in r.output
     _html_checks(out.read_text(encoding="utf-8"), diag["summary"])
-    # -o names the file; parent directories are created
+    # -o names the file; parent directories are created; --open hands it to the default browser
+    opened = []
+    monkeypatch.setattr(click, "launch", lambda url, **kw: opened.append(url) or 0)
     target = tmp_path / "sub" / "r.html"
-    r = _run("report", nested_bundle, "-o", target, "--no-samples")
+    r = _run("report", nested_bundle, "-o", target, "--no-samples", "--open")
     assert r.exit_code == EXIT_OK and target.exists() and not target.with_name("r.html.tmp").exists()
+    assert opened == [str(target)]
 
 
 def test_report_no_replay_uses_the_stored_diagnosis(nested_bundle, tmp_path, monkeypatch):
