@@ -220,7 +220,7 @@ def test_report_of_a_failure_that_does_not_reproduce_exits_3(out_dir, tmp_path):
 
     model = models.make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Recorder(model, opt, model_factory=models.make_mlp, out_dir=out_dir) as rec:
+    with Recorder(model, opt, model_factory=models.make_mlp, out_dir=out_dir):
         model(torch.randn(4, 8)).sum().backward()
         model.fc1.bias.grad[0] = float("nan")
         with pytest.raises(NonFiniteGradientError) as info:
