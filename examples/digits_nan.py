@@ -10,6 +10,7 @@ non-finite gradient, writes a bundle, diagnoses it in process and raises. Then:
 
     python examples/digits_nan.py --out-dir runs/digits
     nanreplay replay runs/digits/nanreplay-step*.h5
+    nanreplay report runs/digits/nanreplay-step*.h5 -o runs/digits/report.html   # needs the report extra
 
 Needs the ``examples`` extra (scikit-learn). Runs in a few seconds on 2 CPU cores.
 """
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
-    with Recorder(model, opt, loss_fn=step_loss, model_factory=make_model, out_dir=args.out_dir, bundle_format=args.format) as rec:
+    # capacity=32 keeps the whole short run (29 steps of 64 tiny images) in the ring buffer, so
+    # `nanreplay report` draws the loss and grad norm of every step before the failure
+    with Recorder(model, opt, loss_fn=step_loss, model_factory=make_model, out_dir=args.out_dir, bundle_format=args.format, capacity=32) as rec:
         try:
             for epoch in range(args.epochs):
                 for xb, yb in loader:

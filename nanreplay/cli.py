@@ -3,10 +3,11 @@
 Exit codes (stable, for scripts):
 
 ====  =========================================================================
-0     success; for ``replay``: the failure was reproduced
+0     success; for ``replay`` and ``report``: the failure was reproduced
 1     an unexpected error (a bug: please report it)
-2     usage error (bad option, missing argument) -- click's own code
-3     ``replay``: the failure was NOT reproduced
+2     usage error (bad option, missing argument) -- click's own code; for ``report`` and
+      ``bisect --html`` also: the ``report`` extra (matplotlib) is not installed
+3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page)
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
       (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
@@ -21,6 +22,8 @@ import contextlib
 import json
 import logging
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -60,6 +63,73 @@ def _dump_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str, allow_nan=False)
 
 
+_color_option = click.option(
+    "--color/--no-color", "color", default=None,
+    help="Colour the report (default: colour when stdout is a terminal, plain text when piped).",
+)
+
+
+class _Status:
+    """A one-line status on stderr for work that takes more than ``delay`` seconds, for
+    ``replay(..., progress=status)``: each call sets the message; a thread redraws it with the
+    elapsed time. Draws nothing when stderr is not a terminal or the work ends within ``delay``;
+    the line is erased at the end, so stdout (the report) is never mixed with it."""
+
+    _FRAMES = "|/-\\"
+
+    def __init__(self, *, enabled: bool, delay: float = 1.0, interval: float = 0.1) -> None:
+        self.enabled, self.delay, self.interval = enabled, delay, interval
+        self.message = "starting"
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._shown = False
+        self._t0 = 0.0
+
+    def __call__(self, message: str) -> None:
+        self.message = message
+
+    def _run(self) -> None:
+        if self._stop.wait(self.delay):
+            return
+        i = 0
+        while not self._stop.is_set():
+            self._shown = True
+            sys.stderr.write(f"\r{self._FRAMES[i % 4]} {self.message} ({time.monotonic() - self._t0:.0f} s)\x1b[K")
+            sys.stderr.flush()
+            i += 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "_Status":
+        self._t0 = time.monotonic()
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="nanreplay-status", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _replay_with_status(bundle: Path, **kwargs: Any) -> dict:
+    """``nanreplay.replay(bundle, **kwargs)`` with a status line on a terminal's stderr and the
+    library's errors mapped to exit codes. Validates ``allow`` rules first (exit 2)."""
+    from .core.allowlist import AllowRule
+    from .diagnosis.api import replay as run
+
+    for rule in kwargs.get("allow") or []:
+        try:
+            AllowRule.parse(rule)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--allow") from e
+    with _Status(enabled=sys.stderr.isatty()) as status:
+        return _guard(lambda: run(bundle, progress=status, **kwargs))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="nanreplay")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
@@ -84,25 +154,21 @@ def main(verbose: int) -> None:
 @click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
+@_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
-           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool) -> None:
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     Exit code 0 when the failure reproduced, 3 when it did not.
     """
-    from .diagnosis.api import replay as run
     from .report.text import render_report
 
-    from .core.allowlist import AllowRule
-
-    for rule in allow:
-        try:
-            AllowRule.parse(rule)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--allow") from e
-    diag = _guard(lambda: run(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
-                              allow=list(allow), default_allow=not no_default_allow, samples=not no_samples))
-    click.echo(_dump_json(diag) if as_json else render_report(diag, rows=rows))
+    diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
+                               allow=list(allow), default_allow=not no_default_allow, samples=not no_samples)
+    if as_json:
+        click.echo(_dump_json(diag), color=False)
+    else:
+        click.echo(render_report(diag, rows=rows, color=color is not False), color=color)
     if diag["reproduction"]["verdict"] == "not reproduced":
         sys.exit(EXIT_NOT_REPRODUCED)
 
@@ -112,7 +178,8 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 @click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Read every tensor and check its CRC-32, so a corrupted bundle is reported (exit 4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool) -> None:
+@_color_option
+def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool, color: Optional[bool]) -> None:
     """Summarise BUNDLES without running anything: steps held, tensors, sizes, metadata and the
     stored diagnosis. Safe on untrusted files: no code from the bundle runs.
 
@@ -126,16 +193,16 @@ def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool) 
         if as_json:
             click.echo(_dump_json(info))
             return
-        _echo_summary(info, keys)
+        _echo_summary(info, keys, color)
         return
     ranks = rank_summary(infos)
     if as_json:
         click.echo(_dump_json({"bundles": infos, "ranks": ranks}))
         return
     for info in infos:
-        _echo_summary(info, keys)
+        _echo_summary(info, keys, color)
         click.echo("")
-    click.echo(f"ranks {ranks['ranks']}: {ranks['message']}")
+    click.echo(f"ranks {ranks['ranks']}: " + click.style(ranks["message"], bold=True), color=color)
 
 
 def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
@@ -180,27 +247,35 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
         }
 
 
-def _echo_summary(info: dict, keys: bool) -> None:
-    click.echo(f"{info['path']} ({info['format']}, {info['file_bytes']} bytes, {info['tensors']} tensors, {info['tensor_bytes']} tensor bytes)")
+def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
+    from .report.text import styler
+
+    st = styler(color is not False)
+
+    def echo(line: str) -> None:
+        click.echo(line, color=color)
+
+    echo(f"{st(info['path'], bold=True)} ({info['format']}, {info['file_bytes']} bytes, {info['tensors']} tensors, {info['tensor_bytes']} tensor bytes)")
     env = info.get("environment") or {}
-    click.echo(f"  written by nanreplay {env.get('nanreplay')}, torch {env.get('torch')}, numpy {env.get('numpy')}, python {env.get('python')}")
+    echo(f"  written by nanreplay {env.get('nanreplay')}, torch {env.get('torch')}, numpy {env.get('numpy')}, python {env.get('python')}")
     if "rank" in info:
         d = info.get("distributed") or {}
-        click.echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
-    click.echo(f"  failing step: {info['failing_step']}   reason: {info['reason']}")
-    click.echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
-    click.echo("  steps held (ring buffer):")
+        echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
+    echo(f"  failing step: {st(str(info['failing_step']), fg='red', bold=True)}   reason: {info['reason']}")
+    echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
+    echo("  steps held (ring buffer):")
     for s in info["steps"]:
-        click.echo(
+        echo(
             f"    step {s['step']:>6}  forwards {s['forwards']}  batches {s['batches']}  loss {s['loss']}  grad norm {s['grad_norm']}  lr {s['lrs']}"
             + ("  [weights snapshot]" if s["snapshot"] else "")
         )
     d = info.get("diagnosis")
-    click.echo(f"  stored diagnosis: {d['summary'] if d else '(none)'}")
+    echo(f"  stored diagnosis: {st(d['summary'], bold=True) if d else '(none)'}")
     if keys and info["keys"]:
-        click.echo("  tensors:")
+        echo("  tensors:")
         for k, v in info["keys"].items():
-            click.echo(f"    {k:<60} {v['dtype']:<10} {str(v['shape']):<20} {v['nbytes']} B")
+            dtype = st(f"{v['dtype']:<10}", fg="cyan")
+            echo(f"    {k:<60} {dtype} {str(v['shape']):<20} {v['nbytes']} B")
 
 
 @main.command()
@@ -212,7 +287,13 @@ def _echo_summary(info: dict, keys: bool) -> None:
 @click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
 @click.option("--device", help="Device to replay on (default: the recorded one when present).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str], as_json: bool) -> None:
+@click.option("--html", "html", is_flag=False, flag_value="", default=None, metavar="[FILE]",
+              help="Also write the search as a self-contained HTML page: the replays tried and the culprit (default FILE: "
+                   "BUNDLE-bisect-OVER.html beside the bundle; write --html=FILE, or --html after BUNDLE). Needs the report extra: "
+                   "pip install 'nanreplay[report]'.")
+@_color_option
+def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str],
+           as_json: bool, html: Optional[str], color: Optional[bool]) -> None:
     """Search BUNDLE for the cause of its non-finite step by replaying variations of it:
     the layers whose weight change makes it non-finite, the first layer that must run in float32,
     the first step that left the healthy range, or the smallest bad subset of the batch.
@@ -220,35 +301,130 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
     Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not.
     The bundle is never modified.
     """
+    from .report.text import styler
     from .search.api import bisect as run
 
-    err = click.get_text_stream("stderr")
+    if html is not None:
+        _require_report_extra()
+    err = sys.stderr
     show = err.isatty()
     with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
         res = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None))
     if as_json:
         click.echo(_dump_json(res))
     else:
-        click.echo(res["answer"])
-        click.echo("")
-        click.echo(f"  status:   {res['status']}")
-        click.echo(f"  replays:  {res['replays']} (max {res['max_replays']}) on {res['device']}")
+        st = styler(color is not False)
+
+        def echo(line: str) -> None:
+            click.echo(line, color=color)
+
+        echo(st(res["answer"], bold=True))
+        echo("")
+        echo(f"  status:   {st(res['status'], fg='green' if res['status'] == 'found' else 'red', bold=True)}")
+        echo(f"  replays:  {res['replays']} (max {res['max_replays']}) on {res['device']}")
         for c in res["culprits"]:
-            click.echo("  culprit:  " + ", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))))
+            echo("  culprit:  " + st(", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))), fg="red"))
         d = res["details"]
         if d.get("verification"):
-            click.echo(f"  replay:   {d['verification']}")
+            echo(f"  replay:   {d['verification']}")
         for row in d.get("timeline", []):
-            click.echo(
+            echo(
                 f"    step {row['step']:>5}  loss {row['loss']!s:<12.12} grad norm {row['grad_norm']!s:<12.12} update {row.get('update_norm', '-')!s:<12.12}"
-                f" recorded ok {row['matches_recording']!s:<5} {'; '.join(row['anomalies'])}"
+                f" recorded ok {row['matches_recording']!s:<5} {st('; '.join(row['anomalies']), fg='red')}"
             )
         for r in d.get("largest_moves", [])[:5]:
-            click.echo(f"    moved {r['layer'] or '(root)':<28} relative change {r['relative_change']!s:<12.12} max |change| {r['max_abs_diff']}")
+            echo(f"    moved {r['layer'] or '(root)':<28} relative change {r['relative_change']!s:<12.12} max |change| {r['max_abs_diff']}")
         for w in res["warnings"]:
-            click.echo(f"  warning:  {w}")
+            echo(f"  {st('warning:', fg='yellow')}  {w}")
+    if html is not None:
+        from .report.html import render_bisect_html
+
+        out = Path(html) if html else bundle.with_name(f"{bundle.stem}-bisect-{over}.html")
+        meta = _guard(lambda: _bundle_meta(bundle))
+        _write_page(out, render_bisect_html(res, meta=meta))
+        click.echo(f"bisect page written to {out}", err=as_json)
     if res["status"] != "found":
         sys.exit(EXIT_NOT_FOUND)
+
+
+def _require_report_extra() -> None:
+    """Exit 2 with the extra to install when matplotlib is missing."""
+    from .errors import MissingExtraError
+    from .report.plots import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except MissingExtraError as e:
+        raise CLIError(str(e), EXIT_USAGE) from e
+
+
+def _bundle_meta(bundle: Path) -> dict:
+    from .format.bundle import open_bundle
+
+    with open_bundle(bundle) as b:
+        return dict(b.meta)
+
+
+def _write_page(out: Path, page: str) -> None:
+    """Write an HTML page (UTF-8) under a temporary name, then rename it into place."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(out)
+    except OSError as e:
+        raise CLIError(f"cannot write the report to {out}: {e.strerror or e}; pass a writable path with -o/--output.", EXIT_USAGE) from e
+
+
+@main.command()
+@_bundle_arg
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="The HTML file to write (default: BUNDLE with the suffix .html).")
+@click.option("--open", "open_browser", is_flag=True, help="Open the report in the default browser once written.")
+@click.option("--no-replay", is_flag=True, help="Use the diagnosis stored in the bundle instead of replaying the step (fast; imports no code named by the bundle).")
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
+@click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present).")
+@click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only).")
+@click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values (as for replay).")
+@click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...).")
+@click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
+@_color_option
+def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: bool, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool,
+           device: Optional[str], no_ops: bool, allow: tuple, no_default_allow: bool, no_samples: bool, color: Optional[bool]) -> None:
+    """Replay the failing step of BUNDLE and write the diagnosis as one self-contained HTML file:
+    the loss and grad-norm curves before the failure, the forward pass module by module, the
+    causal chain of births, the samples, the environment. The file loads nothing from the
+    network; attach it to a bug report.
+
+    Needs the report extra (pip install 'nanreplay[report]', matplotlib), else exits 2.
+    Exit code 0 when written, 3 when written but the replay did not reproduce the failure.
+    """
+    from .report.text import styler
+
+    _require_report_extra()
+    from .report.html import render_html
+
+    if no_replay:
+        meta = _guard(lambda: _bundle_meta(bundle))
+        diag = meta.get("diagnosis")
+        if not diag:
+            raise CLIError(
+                f"{bundle}: the bundle stores no diagnosis (it was written with diagnose=False, or the in-process replay failed); "
+                "run `nanreplay report` without --no-replay to replay the step.", EXIT_REPLAY)
+    else:
+        diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
+                                   allow=list(allow), default_allow=not no_default_allow, samples=not no_samples)
+        meta = _guard(lambda: _bundle_meta(bundle))
+    out = output if output is not None else bundle.with_suffix(".html")
+    _write_page(out, render_html(diag, meta=meta, bundle_name=bundle.name))
+    st = styler(color is not False)
+    click.echo(st(diag.get("summary", ""), bold=True), color=color)
+    click.echo(f"report written to {st(str(out), fg='cyan')} ({out.stat().st_size // 1024} KiB)" + (" from the stored diagnosis" if no_replay else ""), color=color)
+    if open_browser:
+        click.launch(str(out))
+    if (diag.get("reproduction") or {}).get("verdict") == "not reproduced":
+        sys.exit(EXIT_NOT_REPRODUCED)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ __all__ = [
     "ModelMismatchError",
     "ReplayError",
     "DiagnosisTimeout",
+    "MissingExtraError",
 ]
 
 
@@ -44,6 +45,20 @@ class DiagnosisTimeout(ReplayError):
     """A replay or diagnosis ran past the time it was given (``RecorderConfig.diagnose_timeout``
     for the Recorder's in-process diagnosis). The bundle is written before the diagnosis starts,
     so nothing is lost: ``nanreplay replay BUNDLE`` runs it again without a cap."""
+
+
+class MissingExtraError(NanReplayError):
+    """An optional dependency is not installed (e.g. matplotlib for the HTML report). The message
+    names the ``pip install 'nanreplay[EXTRA]'`` that fixes it.
+
+    Attributes:
+        extra: the extra to install (``"report"``).
+    """
+
+    def __init__(self, message: str, *, extra: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+
 
 
 class NonFiniteGradientError(NanReplayError):

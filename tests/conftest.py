@@ -1,5 +1,10 @@
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,3 +26,16 @@ def _seed_and_threads():
 @pytest.fixture
 def out_dir(tmp_path):
     return tmp_path / "bundles"
+
+
+@pytest.fixture(scope="session")
+def digits_bundle(tmp_path_factory) -> Path:
+    """The built-in example's bundle (examples/digits_nan.py), written once per test session."""
+    pytest.importorskip("sklearn")
+    spec = importlib.util.spec_from_file_location("digits_nan_example", ROOT / "examples" / "digits_nan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path_factory.mktemp("digits")
+    assert mod.main(["--out-dir", str(out)]) == 0
+    (bundle,) = out.glob("nanreplay-step*.h5")
+    return bundle

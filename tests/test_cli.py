@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,18 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args: str):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture(scope="module")
-def digits_bundle(tmp_path_factory) -> Path:
-    pytest.importorskip("sklearn")
-    spec = importlib.util.spec_from_file_location("digits_nan_example", ROOT / "examples" / "digits_nan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path_factory.mktemp("digits")
-    assert mod.main(["--out-dir", str(out)]) == 0
-    (bundle,) = out.glob("nanreplay-step*.h5")
-    return bundle
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import find_origin, health_json
 from .samples import samples_for, step_batch_size
+from .timeline import health_table, report_facts
 
 logger = logging.getLogger(__name__)
 
@@ -71,27 +72,6 @@ def _event_json(e: dict) -> dict:
 def _compact(b: dict) -> dict:
     return {"phase": b["phase"], "op": b["op"], "node": b.get("node"), "module": b.get("module"), "source": b.get("source"),
             "kinds": kinds_of(b.get("output")), "op_index": b.get("op_index")}
-
-
-def _health_table(result: ReplayResult, origin: Optional[dict], rows: int = 8) -> list[dict]:
-    """The forward module events around the origin, with each module's role: ``producer``
-    (non-finite output from finite inputs), ``contains producer``, ``propagator``."""
-    fwd = [e for e in result.modules.events if e["phase"] == "forward"]
-    idx = 0
-    if origin and origin.get("module") is not None:
-        idx = next((i for i, e in enumerate(fwd) if e["module"] == origin["module"]), 0)
-    lo = max(0, idx - rows // 2)
-    roles, born_before = [], []
-    for e in fwd:  # forwards complete children first: a parent of an earlier producer only contains it
-        out = e["output"]
-        if e["born"]:
-            inside = any(m == e["module"] or m.startswith(e["module"] + ".") or e["module"] == "" for m in born_before)
-            roles.append("contains producer" if inside else "producer")
-            born_before.append(e["module"])
-        else:
-            roles.append("propagator" if out is not None and (out["nan"] or out["posinf"] or out["neginf"]) else "")
-    return [{"index": i, "module": e["module"], "class": e["class"], "role": roles[i], "inputs_finite": e["inputs_finite"], "output": e["output"]}
-            for i, e in enumerate(fwd[lo: lo + rows], start=lo)]
 
 
 def _grads_nonfinite(grads: dict[str, torch.Tensor]) -> bool:
@@ -225,13 +205,14 @@ def diagnose(
         "samples": smp,
         "optimizer": f.optimizer,
         "history": history,
-        "health": _health_table(result, origin),
+        "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
         "loss": [health_json(h) for h in result.losses],
         "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed},
         "warnings": list(result.warnings) + list((smp or {}).get("warnings", [])),
     }
+    diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
     diag["summary"] = summary_sentence(diag)
     return diag
 

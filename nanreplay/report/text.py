@@ -3,9 +3,27 @@ these functions return strings, and the CLI owns the terminal."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-__all__ = ["render_report", "fmt_health"]
+__all__ = ["render_report", "fmt_health", "styler"]
+
+#: the colour of each reproduction verdict
+_VERDICT_COLOR = {"reproduced exactly": "green", "reproduced": "yellow", "not reproduced": "red"}
+
+
+def styler(color: bool) -> Callable[..., str]:
+    """``style(text, **click_style_kwargs)``: ``click.style`` when ``color`` is true, else the
+    text unchanged. Styles only wrap text, so a styled report with its ANSI codes removed is
+    exactly the plain one (pad before styling to keep columns aligned)."""
+    if not color:
+        return lambda text, **_: text
+    import click
+
+    def style(text: str, **kw: Any) -> str:
+        kw = {k: v for k, v in kw.items() if v not in (None, False)}
+        return click.style(text, **kw) if kw else text
+
+    return style
 
 
 def _num(x: Any) -> str:
@@ -16,6 +34,15 @@ def _num(x: Any) -> str:
     return f"{x:.4g}"
 
 
+_PHASE_COLOR = {"forward": "blue", "backward": "magenta", "loss": "yellow", "input": "cyan", "optimizer": "green", "weights": "red"}
+_ROLE_COLOR = {"producer": "red", "contains producer": "red", "propagator": "yellow"}
+
+
+def _hst(text: str, st: Callable[..., str]) -> str:
+    """A (padded) health string, red when it counts non-finite values (``finite`` stays plain)."""
+    return text if text.strip() in ("finite", "-") else st(text, fg="red")
+
+
 def fmt_health(h: Optional[dict]) -> str:
     """``finite`` or ``3 NaN, 1 +Inf of 4096`` for a Health dict; ``-`` when absent."""
     if not h:
@@ -24,46 +51,55 @@ def fmt_health(h: Optional[dict]) -> str:
     return (", ".join(bad) + f" of {h['numel']}") if bad else "finite"
 
 
-def _origin_details(o: dict) -> list[str]:
+def _origin_details(o: dict, st: Callable[..., str]) -> list[str]:
     """Source line, autograd node, dtype/shape, health and optimizer fields of the origin."""
     out = []
     src = o.get("source")
     if src:
-        out.append(f"  source:        {src['file']}:{src['line']} in {src['function']}" + (f": {src['code']}" if src.get("code") else ""))
+        out.append(f"  source:        {st(src['file'] + ':' + str(src['line']), fg='cyan')} in {src['function']}" + (f": {st(src['code'], bold=True)}" if src.get("code") else ""))
     if o.get("node"):
         out.append(f"  autograd node: {o['node']} (backward of forward op {o.get('forward_op')})")
     if o.get("aten"):
         out.append(f"  aten op:       {o['aten']}  {o.get('dtype')} {o.get('shape')}")
     if o.get("inputs") or o.get("output"):
-        out.append(f"  op health:     inputs {fmt_health(o.get('inputs'))}; output {fmt_health(o.get('output'))}")
+        out.append(f"  op health:     inputs {_hst(fmt_health(o.get('inputs')), st)}; output {_hst(fmt_health(o.get('output')), st)}")
     for k in ("param", "state_key", "optimizer"):
         if o.get(k):
             out.append(f"  {k.replace('_', ' ') + ':':<15}{o[k]}")
     return out
 
 
-def render_report(diag: dict, *, rows: int = 8) -> str:
+def render_report(diag: dict, *, rows: int = 8, color: bool = False) -> str:
     """The human-readable replay report: one actionable sentence first, then the origin, the
-    reproduction verdict, and the health table of the modules around the origin."""
-    lines = [diag.get("summary", ""), ""]
+    reproduction verdict, and the health table of the modules around the origin.
+
+    Args:
+        diag: the diagnosis dict (``docs/report.md``).
+        rows: rows of the health table and of the births list.
+        color: add ANSI styles (bold sentence, coloured verdicts, NaN/Inf counts and roles); the
+            text without them is exactly the ``color=False`` report.
+    """
+    st = styler(color)
+    lines = [st(diag.get("summary", ""), bold=True), ""]
     o = diag.get("origin") or {}
     lines.append(f"  step:          {diag.get('step')}")
-    lines.append(f"  phase:         {diag.get('phase')}")
+    lines.append(f"  phase:         {st(str(diag.get('phase')), fg='red' if diag.get('phase') != 'none' else None, bold=True)}")
     if o:
         where = o.get("module")
         lines.append(
             "  origin:        "
-            + ("outside the model" if where is None and o.get("kind") == "outside the model" else (where or "(root module)") if where is not None else (o.get("leaf") or "-"))
-            + (f" ({o['class']})" if o.get("class") else "")
-            + (f", op {o['op']}" if o.get("op") else "")
+            + st(((where or "(root module)") if where is not None else o.get("leaf") or o.get("tensor")
+                  or ("outside the model" if diag.get("phase") in ("forward", "loss", "backward") else "-"))
+                 + (f" ({o['class']})" if o.get("class") else "")
+                 + (f", op {o['op']}" if o.get("op") else ""), bold=True)
         )
         for k in ("first_nonfinite_gradient", "tensor", "samples"):
             if o.get(k) not in (None, []):
                 lines.append(f"  {k.replace('_', ' ')+':':<15}{o[k]}")
-        lines.extend(_origin_details(o))
+        lines.extend(_origin_details(o, st))
     cls = diag.get("classification")
     if cls:
-        lines.append(f"  verdict:       {cls['cause']} ({cls['detail']})")
+        lines.append(f"  verdict:       {st(cls['cause'], fg='red', bold=True)} ({cls['detail']})")
         for e in cls.get("evidence", []):
             lines.append(f"                 - {e}")
     if diag.get("cause"):
@@ -79,29 +115,31 @@ def render_report(diag: dict, *, rows: int = 8) -> str:
                 + (f" at {src['file']}:{src['line']}" if src else "")
             )
     r = diag.get("reproduction") or {}
-    lines.append(f"  reproduction:  {r.get('verdict')} (max abs difference of finite gradient values: {_num(r.get('max_abs_diff'))})")
+    lines.append(f"  reproduction:  {st(str(r.get('verdict')), fg=_VERDICT_COLOR.get(r.get('verdict')), bold=True)} (max abs difference of finite gradient values: {_num(r.get('max_abs_diff'))})")
     if r.get("detail"):
         lines.append(f"                 {r['detail']}")
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))
     for w in diag.get("warnings", []):
-        lines.append(f"  warning:       {w}")
+        lines.append(f"  {st('warning:', fg='yellow')}       {w}")
     births = diag.get("births") or []
     if births:
         lines.append("")
-        lines.append("  first non-finite values born (op level, in execution order):")
+        lines.append(st("  first non-finite values born (op level, in execution order):", bold=True))
         for b in births[:rows]:
-            lines.append(
-                f"    {b['phase']:<9} {b['op']:<28} module {b['module'] if b['module'] is not None else '(outside the model)'!s:<24} output {fmt_health(b.get('output'))}"
-            )
+            phase = st(f"{b['phase']:<9}", fg=_PHASE_COLOR.get(b["phase"]))
+            module = "(outside the model)" if b["module"] is None else b["module"]
+            lines.append(f"    {phase} {b['op']:<28} module {module!s:<24} output {_hst(fmt_health(b.get('output')), st)}")
     table = diag.get("health") or []
     if table:
         lines.append("")
-        lines.append("  forward health by module (execution order):")
-        lines.append(f"    {'#':>3}  {'module':<28} {'class':<18} {'role':<17} {'inputs':<10} {'output':<24} {'max |finite|':>12}")
+        lines.append(st("  forward health by module (execution order):", bold=True))
+        lines.append(st(f"    {'#':>3}  {'module':<28} {'class':<18} {'role':<17} {'inputs':<10} {'output':<24} {'max |finite|':>12}", dim=True))
         for e in table[:rows]:
             out = e.get("output") or {}
+            role = st(f"{e['role']:<17}", fg=_ROLE_COLOR.get(e["role"]), bold=e["role"] == "producer")
+            h_in = _hst(f"{('finite' if e.get('inputs_finite') else 'non-finite'):<10}", st)
+            h_out = _hst(f"{fmt_health(out):<24.24}", st)
             lines.append(
-                f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {e['role']:<17} "
-                f"{('finite' if e.get('inputs_finite') else 'non-finite'):<10} {fmt_health(out):<24.24} {_num(out.get('absmax')):>12}"
+                f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {role} {h_in} {h_out} {_num(out.get('absmax')):>12}"
             )
     return "\n".join(lines)

@@ -75,6 +75,8 @@ class _Runner:
         self.max_replays = max_replays
         self.count = 0
         self.progress = progress
+        self.trials: list[dict] = []         # one entry per replay, for the result's ``trials``
+        self.varied: Optional[str] = None    # what the search varies in the next replay (set by each search)
 
     def tick(self) -> None:
         if self.count >= self.max_replays:
@@ -179,6 +181,7 @@ def _replay(ctx: _Ctx, record: StepRecord, state: Snapshot) -> _Outcome:
     cot_bad = any(h is not None and not h.finite for h in res.cotangents)
     loss = losses[0].mean if len(losses) == 1 and losses[0].finite else None
     bad = (gn is not None and not math.isfinite(gn)) or not loss_finite or out_bad or cot_bad
+    ctx.runner.trials.append({"replay": ctx.runner.count, "varied": ctx.runner.varied, "nonfinite": bad, "loss": fnum(loss), "grad_norm": fnum(gn)})
     return _Outcome(nonfinite=bad, loss=loss, loss_finite=loss_finite, grad_norm=gn, grads=res.grads)
 
 
@@ -239,6 +242,7 @@ def _result(over: str, ctx: _Ctx, status: str, answer: str, culprits: list, deta
         "device": str(ctx.device),
         "details": details,
         "warnings": ctx.warnings,
+        "trials": ctx.runner.trials,
     }
 
 
@@ -292,6 +296,7 @@ def _bisect_layers(ctx: _Ctx) -> dict:
     order, remove = _execution_order(model)
     try:
         load_state(model, bad_state)
+        ctx.runner.varied = f"step {F} as recorded"
         out = _replay(ctx, ctx.failing, bad_state)
     finally:
         remove()
@@ -305,6 +310,7 @@ def _bisect_layers(ctx: _Ctx) -> dict:
         snap = b.step(s).snapshot
         assert snap is not None
         load_state(model, snap)
+        ctx.runner.varied = f"every layer at step {s}'s weights"
         o = _replay(ctx, ctx.failing, snap)
         tried.append({"step": s, "nonfinite": o.nonfinite})
         if not o.nonfinite:
@@ -341,6 +347,8 @@ def _bisect_layers(ctx: _Ctx) -> dict:
     def fails(changed: list[str]) -> bool:
         p, bf = mixed(changed)
         snap = _load(ctx, p, bf)
+        ctx.runner.varied = (f"{len(changed)} of {len(layers)} layers at step {F}'s weights, the others at step {good_step}'s: "
+                             + ", ".join(L or "(root)" for L in changed[:6]) + (", ..." if len(changed) > 6 else ""))
         return _replay(ctx, ctx.failing, snap).nonfinite
 
     status = "found"
@@ -439,6 +447,7 @@ def _bisect_precision(ctx: _Ctx) -> dict:
     h = model.register_forward_hook(grab)
     try:
         load_state(model, state)
+        ctx.runner.varied = f"step {F} as recorded"
         base = _replay(ctx, ctx.failing, state)
     finally:
         remove()
@@ -453,6 +462,7 @@ def _bisect_precision(ctx: _Ctx) -> dict:
 
     def run(k: int, magnitude_of: Optional[str] = None) -> tuple[bool, Optional[_Magnitude]]:
         up = set(units[:k])
+        ctx.runner.varied = f"the first {k} of {len(units)} layers in float32" + (f" ({units[k - 1]} last)" if k else "") + (", measuring magnitudes" if magnitude_of else "")
         for n, p in model.named_parameters():
             p.data = state.params[n].to(ctx.device).clone()
         for n, bf in model.named_buffers():
@@ -615,6 +625,7 @@ def _bisect_steps(ctx: _Ctx, threshold: float, min_history: int = 2) -> dict:
         for s in steps:
             rec = b.step(s)
             cur = Snapshot(params={n: p.detach() for n, p in params.items()}, buffers=dict(model.named_buffers()))
+            ctx.runner.varied = f"step {s}" + (" (the failing step)" if s == F else "")
             o = _replay(ctx, rec, cur)
             row: dict[str, Any] = {"step": s, "lrs": [fnum(x) for x in rec.lrs], "loss": fnum(o.loss), "grad_norm": fnum(o.grad_norm),
                                    "recorded_loss": fnum(rec.loss), "recorded_grad_norm": fnum(rec.grad_norm)}
@@ -733,6 +744,7 @@ def _bisect_samples(ctx: _Ctx) -> dict:
 
     def fails(sub: list[tuple[int, int]]) -> bool:
         load_state(model, state)
+        ctx.runner.varied = (f"{len(sub)} of {len(samples)} samples: " + ", ".join(str(label(x)) for x in sub[:8]) + (", ..." if len(sub) > 8 else ""))
         try:
             return _replay(ctx, record_for(sub), state).nonfinite
         except _BudgetExhausted:
@@ -831,7 +843,8 @@ def bisect(
         :data:`STATUSES`), ``answer`` (one sentence), ``culprits`` (list of dicts: layers with
         weight movement, the precision layer with magnitudes vs ``torch.finfo``, the first
         anomalous step, or samples), ``replays``, ``max_replays``, ``device``, ``details``,
-        ``warnings``.
+        ``warnings``, ``trials`` (one dict per replay in order: ``replay``, ``varied`` (what the
+        search changed), ``nonfinite``, ``loss``, ``grad_norm``).
 
     Raises:
         ValueError: unknown ``over``, ``max_replays`` < 1 or ``threshold`` <= 1.
