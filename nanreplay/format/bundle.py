@@ -136,6 +136,10 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
     state_meta = _snapshot_to_flat(content.state, "state/", tensors)
     for k, g in content.grads.items():
         tensors[f"grads/{k}"] = g
+    clash = sorted(k for k in content.extra_tensors if k in tensors)
+    if clash:
+        raise ValueError(f"extra_tensors keys {clash[:5]} collide with the bundle layout; store them under their own prefix (e.g. program/)")
+    tensors.update(content.extra_tensors)
     meta = {
         **content.extra_meta,
         "kind": "nanreplay.step",
@@ -152,6 +156,8 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
         "grads": list(content.grads),
         "diagnosis": content.diagnosis,
     }
+    if content.extra_tensors:
+        meta["extra_tensors"] = sorted(content.extra_tensors)
     return write_flat(path, tensors, meta, fsync=fsync)
 
 
@@ -281,7 +287,7 @@ class Bundle:
             BundleFormatError: the file contradicts its own manifest.
         """
         known = {"kind", "created_unix", "environment", "failing_step", "reason", "model", "optimizer",
-                 "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis"}
+                 "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis", "extra_tensors"}
         return BundleContent(
             failing_step=self.failing_step,
             steps=[self.step(k) for k in self.steps],
@@ -294,6 +300,7 @@ class Bundle:
             loss_fn=self.loss_fn,
             diagnosis=self.diagnosis,
             extra_meta={k: v for k, v in self.meta.items() if k not in known},
+            extra_tensors={k: self.tensor(k) for k in self.meta.get("extra_tensors") or []},
         )
 
     @property
