@@ -202,6 +202,11 @@ def test_transformer_block_with_masks_and_tied_weights():
     for n in g1:
         assert torch.equal(g1[n], g2[n]), n
     assert pm.head.weight is pm.tok.weight
+    # stored by the program itself (no bundle to share with): the tied weight once, tied again on load
+    cap = export_program(model, loss_fn=lm_loss, batch=lm_batch(), verify=False)
+    assert [k for k in cap.tensors if k.endswith(("tok.weight", "head.weight"))] == ["program/model.tok.weight"]
+    own = _roundtrip(cap)
+    assert own.head.weight is own.tok.weight and [n for n, _ in own.named_parameters()] == [n for n, _ in model.named_parameters()]
 
 
 def test_forward_program_rebuilds_the_output_tree_and_replays_the_cotangent():
@@ -433,3 +438,66 @@ def test_extra_tensors_round_trip_and_may_not_shadow_the_layout(out_dir):
     again.extra_tensors["grads/head.bias"] = torch.zeros(3)
     with pytest.raises(ValueError, match="collide"):
         write_bundle(path, again)
+
+
+def test_transformers_gpt2_from_a_config_round_trips():
+    """A Hugging Face GPT-2 (tiny, random, from a config): its ModelOutput holds a DynamicCache,
+    which is no tensor and no pytree type; the program keeps the tensors and rebuilds the output
+    as a stand-in with the same fields."""
+    transformers = pytest.importorskip("transformers")
+    from nanreplay.integrations.transformers import hf_loss
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(1, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    batch = {"inputs": {"input_ids": ids, "attention_mask": mask, "labels": ids}, "divide_by": 2}
+    l1, g1, l2, g2, pm, _ = _eager_and_program(model, hf_loss, batch)
+    assert torch.equal(l1, l2) and list(g1) == list(g2)
+    for n in g1:
+        assert torch.equal(g1[n], g2[n]), n
+    assert pm.lm_head.weight is pm.transformer.wte.weight  # tied, as in GPT-2
+    assert type(pm.get_submodule("transformer.h.1.attn")).__name__ == "GPT2Attention"
+    # forward kind: the output comes back as a stand-in of CausalLMOutputWithCrossAttentions
+    cap = export_program(model, (), dict(batch["inputs"]))
+    assert cap.ok, cap.error
+    fwd = _roundtrip(cap)
+    torch.manual_seed(2)
+    o1 = model(**batch["inputs"])
+    torch.manual_seed(2)
+    o2 = fwd(**batch["inputs"])
+    assert type(o2).__name__ == type(o1).__name__ and torch.equal(o1.logits, o2.logits)
+    assert torch.equal(o1.loss, o2["loss"]) and torch.equal(o1.loss, o2[0])
+    assert isinstance(o2.past_key_values, str)  # not a tensor: kept as its recorded repr
+
+
+def test_a_symbolic_shape_that_is_python_code_is_refused():
+    """torch's deserializer parses shape expressions with sympy.sympify (eval): only arithmetic on
+    shape symbols may reach it."""
+    model = TinyTransformer().train()
+    cap = export_program(model, loss_fn=lm_loss, batch=lm_batch(3, 6), dynamic=True, verify=False)
+    assert cap.ok and cap.meta["dynamic"], cap.error
+    text = json.dumps(cap.meta)
+    exprs = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            if isinstance(x.get("expr_str"), str):
+                exprs.add(x["expr_str"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(cap.meta["program"])
+    assert exprs, "a dynamic program carries symbolic shapes"
+    load_program(json.loads(text), cap.tensors.__getitem__)  # the genuine ones pass
+    sym = sorted(exprs, key=len)[0]
+    evil = "__import__('os').system('touch /tmp/nanreplay-pwned')"
+    meta = json.loads(text.replace(json.dumps(sym), json.dumps(evil), 1))
+    with pytest.raises(ReplayError, match="symbolic expression"):
+        load_program(meta, cap.tensors.__getitem__)

@@ -272,6 +272,7 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
     state: dict[str, dict] = {}
     tensors: dict[str, torch.Tensor] = {}
     every: dict[str, torch.Tensor] = {}
+    own: dict[int, str] = {}  # a tensor under two names (tied weights) is stored once, and tied again on load
     for spec in sig.input_specs:
         if spec.kind == InputKind.USER_INPUT or spec.kind == InputKind.TOKEN:
             continue
@@ -287,9 +288,9 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
             t, where, k = ep.constants[name], "constants", "constant"
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"the program's {k} {name!r} is a {type(t).__name__}, not a tensor; it cannot be stored without pickle")
-        key = shared.get(id(t))
+        key = shared.get(id(t)) or own.get(id(t))
         if key is None:
-            key = prefix + name
+            key = own[id(t)] = prefix + name
             tensors[key] = t.detach()
         every[key] = t.detach()
         state[name] = {"key": key, "kind": k, "store": where, "requires_grad": bool(t.requires_grad) if k == "parameter" else False}
@@ -392,6 +393,55 @@ def _check_targets(program: Any) -> None:
             f"the embedded program calls {sorted(set(bad))[:5]}: expected only torch operators (torch.ops.aten/prims, "
             "control-flow higher-order ops); it is not run. Replay with --model-factory instead"
         )
+
+
+# Symbolic shape expressions are parsed by torch's deserializer with sympy.sympify, which evaluates
+# Python: only arithmetic over shape symbols (s0, u1...) and these function names may pass.
+_SYM_FUNCS = {
+    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
+    "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "IsNonOverlappingAndDenseIndicator",
+    "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Max", "Min", "Eq", "Ne", "Lt",
+    "Le", "Gt", "Ge", "And", "Or", "Not", "Abs", "floor", "ceiling", "sqrt", "Piecewise", "ITE", "true", "false", "True",
+    "False", "oo", "zoo", "nan", "Integer", "Rational", "Float",
+    # sympy.srepr forms (how export writes expressions) and the assumptions of a Symbol
+    "Symbol", "Add", "Mul", "Pow", "BooleanTrue", "BooleanFalse", "StrictLessThan", "LessThan", "StrictGreaterThan",
+    "GreaterThan", "Equality", "Unequality", "Infinity", "NegativeInfinity", "NaN", "precision",
+    "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "nonzero", "zero", "even", "odd",
+}
+_SYM_TOKEN = re.compile(
+    r"\s+|\d+\.?\d*(?:[eE][+-]?\d+)?|[A-Za-z_]\w*|\*\*|//|[-+*/%()<>=!&|~^,]"
+    r"|'(?:[a-z]{1,4}\d+|[-+]?\d+\.?\d*(?:[eE][+-]?\d+)?)'"  # a symbol's name or a number, quoted (srepr)
+)
+
+
+def _check_sym_exprs(program: Any) -> None:
+    """Refuse symbolic expressions that are anything but arithmetic on shape symbols (checked
+    before torch's deserializer hands them to ``sympy.sympify``, which runs ``eval``)."""
+
+    def ok(expr: str) -> bool:
+        pos = 0
+        while pos < len(expr):
+            m = _SYM_TOKEN.match(expr, pos)
+            if m is None:
+                return False
+            tok = m.group(0)
+            if (tok[0].isalpha() or tok[0] == "_") and tok not in _SYM_FUNCS and not re.fullmatch(r"[a-z]{1,4}\d+", tok):
+                return False
+            pos = m.end()
+        return True
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            e = x.get("expr_str")
+            if isinstance(e, str) and not ok(e):
+                raise ReplayError(f"the embedded program holds the symbolic expression {e[:80]!r}: expected arithmetic on shape symbols; it is not loaded")
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(program)
 
 
 def _check_graph(gm: torch.fx.GraphModule) -> None:
@@ -642,6 +692,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
     """(unflattened export root, its ``model`` child) of a program record."""
     _check_meta(meta)
     _check_targets(meta["program"])
+    _check_sym_exprs(meta["program"])
     from torch._export.serde import schema
     from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
 

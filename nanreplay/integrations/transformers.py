@@ -109,7 +109,13 @@ def model_from_config(model_class: str, config: dict, attn_implementation: Optio
         kwargs["attn_implementation"] = attn_implementation
     if dtype:
         kwargs["dtype"] = getattr(torch, dtype)
-    return cls._from_config(cfg, **kwargs)
+    try:
+        return cls._from_config(cfg, **kwargs)
+    except TypeError:  # transformers < 4.56 calls it torch_dtype
+        if "dtype" not in kwargs:
+            raise
+        kwargs["torch_dtype"] = kwargs.pop("dtype")
+        return cls._from_config(cfg, **kwargs)
 
 
 def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
