@@ -501,3 +501,29 @@ def test_a_symbolic_shape_that_is_python_code_is_refused():
     meta = json.loads(text.replace(json.dumps(sym), json.dumps(evil), 1))
     with pytest.raises(ReplayError, match="symbolic expression"):
         load_program(meta, cap.tensors.__getitem__)
+
+
+class RootState(nn.Module):
+    """Parameters and buffers on the root module itself, not only in submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("shift", torch.full((4,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale + self.shift
+
+
+def test_root_level_parameters_and_buffers_follow_to_and_load():
+    model = RootState()
+    x = torch.randn(3, 4)
+    pm = _roundtrip(export_program(model, (x,)))
+    assert [n for n, _ in pm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in pm.named_buffers()] == ["shift"]
+    pm._apply(lambda t: t.clone())  # what .to(other device) does: new buffer tensors on the root
+    with torch.no_grad():
+        pm.shift.fill_(2.0)  # as load_state/load_buffers do, in place
+        model.shift.fill_(2.0)
+    assert torch.equal(pm(x), model(x))

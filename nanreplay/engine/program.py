@@ -515,6 +515,16 @@ class ProgramModel(torch.nn.Module):
         leaves = _match_inputs(self.program_meta["inputs"], batch, "the batch")
         return _run_root(self, leaves, direct=False)
 
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> "ProgramModel":
+        # .to(device) / .double() may replace the root's own buffers (and, with
+        # overwrite_module_params_on_conversion, parameters): the graph reads them from the inner module
+        super()._apply(fn, *args, **kwargs)
+        for name, b in self._buffers.items():
+            self._inner._buffers[name] = b
+        for name, p in self._parameters.items():
+            self._inner._parameters[name] = p
+        return self
+
     def train(self, mode: bool = True) -> "ProgramModel":
         if any((name in self._training_fqns) != mode for name, _ in self.named_modules()):
             logger.info("nanreplay: the embedded program keeps its recorded training/eval behaviour; train(%s) only sets the flags", mode)
