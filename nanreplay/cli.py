@@ -154,9 +154,10 @@ def main(verbose: int) -> None:
 @click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
+@click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import (a training script without an `if __name__ == \"__main__\":` guard trains again).")
 @_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
-           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, color: Optional[bool]) -> None:
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     Exit code 0 when the failure reproduced, 3 when it did not.
@@ -164,7 +165,7 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
     from .report.text import render_report
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
-                               allow=list(allow), default_allow=not no_default_allow, samples=not no_samples)
+                               allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script)
     if as_json:
         click.echo(_dump_json(diag), color=False)
     else:

@@ -3,28 +3,94 @@
 :func:`callable_path` turns a function or class into such a path (stored in a bundle);
 :func:`import_callable` imports one back. Importing runs the module's top-level code: only paths
 the user gave, or paths from a bundle the user trusts, are imported (see ``docs/security.md``).
+
+A path is a ``str``; :func:`callable_path` returns a :class:`CallablePath`, a ``str`` that also
+knows where the callable was found when recording: ``root``, the ``sys.path`` directory its
+module was imported from (a ``model.py`` next to the training script: replay adds it when the
+module is not importable otherwise), and ``script``, the training script itself when the
+callable lives in ``__main__`` (:func:`import_callable` refuses to import a script that runs
+code at import, such as a training loop without an ``if __name__ == "__main__":`` guard, unless
+:func:`script_imports` allows it). A bundle stores the path as before and these two facts beside
+it (``meta["callables"]``).
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import logging
 import os
 import sys
+import sysconfig
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..errors import ReplayError
 
-__all__ = ["callable_path", "import_callable"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["CallablePath", "callable_path", "import_callable", "script_imports", "script_runs_code"]
+
+
+class CallablePath(str):
+    """An import path (the ``str`` itself) plus where it was found when recording.
+
+    Attributes:
+        root: absolute ``sys.path`` directory the callable's module was imported from, or
+            ``None`` (a module of an installed package, or unknown).
+        script: absolute path of the ``__main__`` script the callable was defined in when
+            recording, or ``None``.
+    """
+
+    root: Optional[str]
+    script: Optional[str]
+
+    def __new__(cls, path: str, *, root: Optional[str] = None, script: Optional[str] = None) -> "CallablePath":
+        obj = super().__new__(cls, path)
+        obj.root, obj.script = root, script
+        return obj
+
+    def extras(self) -> Optional[dict]:
+        """The JSON record of ``root``/``script`` (``None`` when both are unknown)."""
+        rec = {k: v for k, v in (("root", self.root), ("script", self.script)) if v}
+        return rec or None
+
+    @classmethod
+    def of(cls, path: Optional[str], extras: Any) -> Optional[str]:
+        """``path`` with the ``extras`` a bundle stored beside it (a plain ``str`` without)."""
+        if path is None or not isinstance(extras, dict):
+            return path
+        root, script = extras.get("root"), extras.get("script")
+        return cls(path, root=root if isinstance(root, str) else None, script=script if isinstance(script, str) else None)
+
+
+_ALLOW_SCRIPTS: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def script_imports(allow: bool = True) -> Iterator[None]:
+    """Within this block, :func:`import_callable` may import a script that runs code at import
+    (a training script without a ``__main__`` guard; it logs a warning). ``allow=False`` leaves
+    the current setting as it is. ``replay(..., import_script=True)``, ``nanreplay replay
+    --import-script``."""
+    _ALLOW_SCRIPTS.append(bool(allow) or _ALLOW_SCRIPTS[-1])
+    try:
+        yield
+    finally:
+        _ALLOW_SCRIPTS.pop()
 
 
 def callable_path(fn: Any) -> Optional[str]:
     """``module:qualname`` of a function or class when its module can be imported by name again,
     else ``/path/to/file.py:qualname`` (functions of the ``__main__`` script, of files loaded by
     path, of replay's own file imports); ``None`` for lambdas, closures and objects without a
-    source file. A string is returned unchanged."""
+    source file. A string is returned unchanged.
+
+    The result is a :class:`CallablePath` that also records the module's ``sys.path`` root
+    (for a module outside the installed packages) or, for the ``__main__`` script, its path."""
     if fn is None:
         return None
     if isinstance(fn, str):
@@ -34,12 +100,41 @@ def callable_path(fn: Any) -> Optional[str]:
     if not mod or not qual or "<" in qual:
         return None
     if _importable_by_name(mod):
-        return f"{mod}:{qual}"
+        return CallablePath(f"{mod}:{qual}", root=_import_root(mod))
     file = getattr(sys.modules.get(mod), "__file__", None)
     if file is None:  # a module loaded by path without registering it: its code still knows its file
         code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__init__", None), "__code__", None)
         file = getattr(code, "co_filename", None)
-    return f"{os.path.abspath(file)}:{qual}" if file and os.path.isfile(file) else None
+    if not file or not os.path.isfile(file):
+        return None
+    file = os.path.abspath(file)
+    return CallablePath(f"{file}:{qual}", script=file if mod == "__main__" else None)
+
+
+def _installed_dirs() -> set[Path]:
+    dirs = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        with contextlib.suppress(KeyError, OSError):
+            dirs.add(Path(sysconfig.get_paths()[key]).resolve())
+    return dirs
+
+
+def _import_root(mod: str) -> Optional[str]:
+    """The ``sys.path`` directory ``mod`` was imported from (``/dir`` for ``/dir/pkg/sub.py``
+    imported as ``pkg.sub``), or ``None`` for modules of the installed packages / stdlib."""
+    file = getattr(sys.modules.get(mod), "__file__", None)
+    if not file:
+        return None
+    p = Path(file).resolve()
+    if p.stem == "__init__":
+        p = p.parent
+    root = p
+    for _ in mod.split("."):
+        root = root.parent
+    installed = _installed_dirs()
+    if root in installed or any(d in root.parents for d in installed):
+        return None
+    return str(root)
 
 
 def _importable_by_name(mod: str) -> bool:
@@ -51,25 +146,121 @@ def _importable_by_name(mod: str) -> bool:
         return False
 
 
+def script_runs_code(file: str | Path) -> Optional[str]:
+    """Why importing the script ``file`` would run more than definitions (``"line 12: for ..."``,
+    the first top-level statement that loops, calls, opens a ``with`` or ``try`` block, or
+    branches on anything but ``__name__ == "__main__"``), or ``None`` when it only defines,
+    imports and assigns. Unparseable files count as running code."""
+    try:
+        src = Path(file).read_text(encoding="utf-8")
+        tree = ast.parse(src, filename=str(file))
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"it cannot be parsed ({type(e).__name__})"
+    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Pass)
+    for node in tree.body:
+        if isinstance(node, quiet):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            continue
+        line = ast.get_source_segment(src, node) or type(node).__name__
+        return f"line {node.lineno}: {line.splitlines()[0][:80]}"
+    return None
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(
+        isinstance(s, ast.Constant) and s.value == "__main__" for s in sides
+    )
+
+
+def _check_script(path: str, file: Path, *, recorded_main: bool) -> Optional[Any]:
+    """For a callable in a file: the running ``__main__`` module when ``file`` is it (nothing to
+    import), else ``None`` after checking that importing the file does not run its code (a
+    training loop without a ``__main__`` guard): refused unless :func:`script_imports` allows it."""
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file and Path(main_file).resolve() == file.resolve():
+        return main
+    why = script_runs_code(file)
+    if why is None:
+        return None
+    if not _ALLOW_SCRIPTS[-1]:
+        what = "the training script (__main__) when recording" if recorded_main else "a script"
+        raise ReplayError(
+            f"{path!r} lives in {file}, {what}, and importing it runs its code "
+            f"({why}), which would start the training again. Fix: replay from the bundle's embedded program (replay "
+            f"uses it when the bundle has one), pass --model-factory / --loss-fn naming a module without side effects, "
+            f"put the script's training under `if __name__ == \"__main__\":`, or pass --import-script to import it anyway"
+        )
+    logger.warning("nanreplay: importing %s, the recorded training script, runs its top-level code (%s)", file, why)
+    return None
+
+
+def _add_root(root: Optional[str], mod_name: str) -> bool:
+    """Put a recorded ``sys.path`` root on ``sys.path`` (last: it never shadows a module that
+    imports already) when ``mod_name`` does not import without it; True when it was added."""
+    if not root or not os.path.isdir(root):
+        return False
+    top = mod_name.partition(".")[0]
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return False
+    except (ImportError, ValueError):
+        pass
+    if root not in sys.path:
+        sys.path.append(root)  # kept: the callable may import its siblings lazily when called
+        logger.info("nanreplay: added %s (where %s was imported from when recording) to sys.path", root, mod_name)
+        return True
+    return False
+
+
+def _import_hint(path: str, mod_name: str, root: Optional[str]) -> str:
+    top = mod_name.partition(".")[0]
+    if root and not os.path.isdir(root):
+        return (f"; it was imported from {root} when recording, which does not exist here. Fix: run where {top} is "
+                f"importable (PYTHONPATH=<the directory holding {top}>), or pass --model-factory /path/to/file.py:function")
+    if root:
+        return (f"; it was imported from {root} when recording, and is not importable from there now. Fix: "
+                f"PYTHONPATH=<the directory holding {top}>, or pass --model-factory /path/to/file.py:function")
+    return (f"; {top} is not on sys.path here. If it sits next to your training script, run from that directory with "
+            f"PYTHONPATH=., or pass --model-factory /path/to/file.py:function")
+
+
 def import_callable(path: str) -> Callable:
     """Import ``"pkg.module:attr"`` or ``"/path/to/file.py:attr"`` (dotted attrs allowed).
 
     A file is imported under a private module name, so its ``if __name__ == "__main__":`` block
     does not run. This runs user code: replay only bundles whose model code you trust.
 
+    A file that is the running ``__main__`` script is not imported again (its module is used);
+    any other file is imported only when it does not run code at import
+    (:func:`script_runs_code`: an unguarded training loop would train again) or
+    :func:`script_imports` allows it. With a :class:`CallablePath`, a module that does not
+    import is looked for in the recorded ``root`` too.
+
     Raises:
-        ReplayError: malformed path, missing file or module, or missing attribute.
+        ReplayError: malformed path, missing file or module (the message names the recorded
+            directory and ``PYTHONPATH``), missing attribute, or a training script that would
+            run again.
     """
     mod_name, sep, qual = path.rpartition(":")
     if not sep or not mod_name or not qual:
         raise ReplayError(f"expected an import path 'package.module:function' or 'file.py:function', got {path!r}")
+    root = getattr(path, "root", None)
     try:
         if mod_name.endswith(".py") or os.sep in mod_name:
             file = Path(mod_name)
             if not file.is_file():
                 raise ReplayError(f"{path!r}: no file {file}; pass --model-factory / --loss-fn with a path that exists here")
             name = "nanreplay_user_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-            module = sys.modules.get(name)
+            module = _check_script(path, file, recorded_main=bool(getattr(path, "script", None)))
+            if module is None:
+                module = sys.modules.get(name)
             if module is None:
                 spec = importlib.util.spec_from_file_location(name, file)
                 if spec is None or spec.loader is None:
@@ -83,12 +274,16 @@ def import_callable(path: str) -> Callable:
                     sys.modules.pop(name, None)
                     raise
         else:
+            _add_root(root, mod_name)
             module = importlib.import_module(mod_name)
         obj: Any = module
         for part in qual.split("."):
             obj = getattr(obj, part)
     except ReplayError:
         raise
+    except ModuleNotFoundError as e:
+        hint = _import_hint(path, mod_name, root) if e.name and mod_name.startswith(e.name.partition(".")[0]) else ""
+        raise ReplayError(f"could not import {path!r}: {type(e).__name__}: {e}{hint}") from e
     except Exception as e:
         raise ReplayError(f"could not import {path!r}: {type(e).__name__}: {e}") from e
     if not callable(obj):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.allowlist import Allowlist
-from ..core.callables import import_callable
+from ..core.callables import import_callable, script_imports
 from ..core.numerics import is_float
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
@@ -336,6 +336,7 @@ def replay(
     default_allow: bool = True,
     samples: bool = True,
     progress: Optional[Progress] = None,
+    import_script: bool = False,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
 
@@ -357,6 +358,9 @@ def replay(
             :func:`nanreplay.diagnosis.samples.per_sample_replay`).
         progress: ``progress(message)`` is told what the replay is doing (rebuilding the model,
             replaying the step, each extra replay), for a status line.
+        import_script: allow importing a factory or loss function from a script that runs code
+            at import (a training script without an ``if __name__ == "__main__":`` guard would
+            train again; see :func:`nanreplay.core.callables.import_callable`).
 
     Returns:
         the diagnosis dict (``docs/report.md``), with ``bundle`` and ``device`` added.
@@ -372,10 +376,12 @@ def replay(
     try:
         if model is None:
             say("rebuilding the model")
-            model = build_model(b, model_factory)
+            with script_imports(import_script):
+                model = build_model(b, model_factory)
         lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
         if isinstance(lf, str):
-            lf = import_callable(lf)
+            with script_imports(import_script):
+                lf = import_callable(lf)
         if not use_loss_fn:
             lf = None
         dev = torch.device(device) if device is not None else recorded_device(b)

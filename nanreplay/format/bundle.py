@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..core.callables import CallablePath
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import tree_from_flat, tree_to_flat
@@ -136,6 +137,10 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
     state_meta = _snapshot_to_flat(content.state, "state/", tensors)
     for k, g in content.grads.items():
         tensors[f"grads/{k}"] = g
+    clash = sorted(k for k in content.extra_tensors if k in tensors)
+    if clash:
+        raise ValueError(f"extra_tensors keys {clash[:5]} collide with the bundle layout; store them under their own prefix (e.g. program/)")
+    tensors.update(content.extra_tensors)
     meta = {
         **content.extra_meta,
         "kind": "nanreplay.step",
@@ -145,13 +150,18 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
         "reason": content.reason,
         "model": content.model_info,
         "optimizer": content.optimizer_info,
-        "model_factory": content.model_factory,
-        "loss_fn": content.loss_fn,
+        "model_factory": None if content.model_factory is None else str(content.model_factory),
+        "loss_fn": None if content.loss_fn is None else str(content.loss_fn),
         "steps": steps_meta,
         "state": state_meta,
         "grads": list(content.grads),
         "diagnosis": content.diagnosis,
     }
+    if content.extra_tensors:
+        meta["extra_tensors"] = sorted(content.extra_tensors)
+    where = {k: p.extras() for k, p in (("model_factory", content.model_factory), ("loss_fn", content.loss_fn)) if isinstance(p, CallablePath) and p.extras()}
+    if where:
+        meta["callables"] = where  # where each was found when recording: sys.path root, __main__ script
     return write_flat(path, tensors, meta, fsync=fsync)
 
 
@@ -281,7 +291,7 @@ class Bundle:
             BundleFormatError: the file contradicts its own manifest.
         """
         known = {"kind", "created_unix", "environment", "failing_step", "reason", "model", "optimizer",
-                 "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis"}
+                 "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis", "extra_tensors", "callables"}
         return BundleContent(
             failing_step=self.failing_step,
             steps=[self.step(k) for k in self.steps],
@@ -294,6 +304,7 @@ class Bundle:
             loss_fn=self.loss_fn,
             diagnosis=self.diagnosis,
             extra_meta={k: v for k, v in self.meta.items() if k not in known},
+            extra_tensors={k: self.tensor(k) for k in self.meta.get("extra_tensors") or []},
         )
 
     @property
@@ -302,11 +313,19 @@ class Bundle:
 
     @property
     def model_factory(self) -> Optional[str]:
-        return self.meta.get("model_factory")
+        """The recorded factory's import path; a :class:`~nanreplay.core.callables.CallablePath`
+        carrying its recorded ``sys.path`` root / ``__main__`` script when the bundle has them."""
+        return self._callable("model_factory")
 
     @property
     def loss_fn(self) -> Optional[str]:
-        return self.meta.get("loss_fn")
+        """The recorded loss function's import path (see :attr:`model_factory`)."""
+        return self._callable("loss_fn")
+
+    def _callable(self, key: str) -> Optional[str]:
+        path = self.meta.get(key)
+        extras = (self.meta.get("callables") or {}).get(key) if isinstance(self.meta.get("callables"), dict) else None
+        return CallablePath.of(path, extras) if isinstance(path, str) else path
 
 
 _AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")

@@ -114,3 +114,6 @@ class BundleContent:
     loss_fn: Optional[str] = None
     diagnosis: Optional[dict] = None
     extra_meta: dict = field(default_factory=dict)
+    # tensors stored under their own keys, outside the layout above (e.g. an embedded program's
+    # constants under ``program/``); listed in ``meta["extra_tensors"]``
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)

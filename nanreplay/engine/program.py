@@ -1,0 +1,839 @@
+"""The failing step's program, embedded in the bundle: replay without the user's model code.
+
+At dump time (once, never per step) :func:`export_program` traces the model's forward (or the
+loss function ``loss_fn(model, batch)``, which calls the model) with ``torch.export.export``, the
+training IR: ops stay at the level the eager code called them (``aten.linear``, ``aten.dropout``,
+``aten.scaled_dot_product_attention``), so running the graph eagerly builds the same autograd
+graph and draws the same random numbers as the eager model, and gradients are bit-identical.
+:func:`load_program` rebuilds a runnable, trainable module from it: ``torch.export.unflatten``
+restores the module hierarchy, so every submodule is a real ``nn.Module`` at its original FQN
+(``blocks.3.attn``) and module hooks and ``torch.utils.module_tracker.ModuleTracker`` see it there.
+
+Storage, without pickle. ``torch.export.save`` writes a zip whose graph is JSON (the schema in
+``torch/_export/serde/schema.py``) and whose weights, constants and example inputs are
+``torch.save`` pickles (``serialize_torch_artifact``). Only the JSON part is kept here
+(``serialize(..., serialize_state_dict=False, serialize_constants=False,
+serialize_example_inputs=False)``), as a JSON object in the bundle metadata; every weight, buffer
+and tensor constant goes into the bundle's tensor dict (or is shared with a tensor the bundle
+already holds, such as ``state/params/<fqn>``), and is handed back to the deserializer as a
+tensor. Before anything runs, every operator the JSON names is checked to be a torch operator
+(``torch.ops.aten``/``prims`` or a control-flow higher-order op): an embedded program can call
+nothing else.
+
+How the program is cut: the export root is a small adapter module whose only child is the model,
+under the name ``model``. Its inputs are the tensor leaves of the recorded call, flattened the
+way nanreplay flattens every tree (:func:`nanreplay.core.tree.flatten_typed`: dataclasses and
+namedtuples, Hugging Face ``ModelOutput`` included, become their fields); non-tensor leaves are
+constants of the program. Its output is the loss (kind ``"loss"``) or the tensor leaves of the
+model's output (kind ``"forward"``). So no pytree type of the user's code is needed to load it, and
+the loss function's own ops run outside the model, exactly as in eager code (a NaN born in the
+loss is born "outside the model" in a replay of the program too).
+
+Limits (``docs/program.md``): export specialises the program to the recorded call: Python control
+flow that depends on tensor values fails the export (the capture then carries ``error`` and no
+program), non-tensor arguments are constants, tensor shapes are dynamic where export could prove
+it (``dynamic=True``) and fixed otherwise, training/eval behaviour (dropout, BatchNorm) is the one
+recorded and ``train()``/``eval()`` on the loaded module do not change it, and the device is baked
+into the graph (``load_program(device=...)`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import operator
+import re
+import time
+import warnings
+from collections import namedtuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode
+from ..errors import ReplayError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ProgramCapture",
+    "ProgramModel",
+    "export_program",
+    "load_program",
+    "program_loss",
+    "program_content",
+    "build_from_program",
+    "PROGRAM_META_KEY",
+    "PROGRAM_PREFIX",
+]
+
+#: bundle ``meta`` key holding the program record (:attr:`ProgramCapture.meta`)
+PROGRAM_META_KEY = "program"
+#: bundle tensor-key prefix of the program's own tensors (those not shared with ``state/``)
+PROGRAM_PREFIX = "program/"
+_FORMAT = "nanreplay.program"
+_VERSION = 1
+_CHILD = "model"  # the model's name under the export root
+
+
+# -- capture ----------------------------------------------------------------------------------
+
+@dataclass
+class ProgramCapture:
+    """What :func:`export_program` produced.
+
+    Attributes:
+        meta: JSON-able record to store in the bundle metadata (under :data:`PROGRAM_META_KEY`),
+            or ``None`` when the export failed. Holds ``program`` (the serialized ExportedProgram,
+            a JSON object), ``kind`` (``"forward"``: the model's forward; ``"loss"``: forward and
+            loss function), ``torch`` and ``schema`` versions, ``inputs``/``outputs`` (tree spec,
+            non-tensor values, tensor dtypes and shapes, ``null`` for a dynamic dim), ``state``
+            (each program tensor name -> its bundle key, kind, ``requires_grad``), ``modules``
+            (FQN -> class name), ``training`` (FQNs in training mode), ``device``, ``dynamic``,
+            ``export_seconds``, ``json_bytes``.
+        tensors: bundle key -> tensor, the program's tensors that are not shared with a tensor
+            the bundle already holds (references to live tensors: nothing is copied).
+        error: why there is no program (``"<ExceptionType>: <message>"``), else ``None``.
+    """
+
+    meta: Optional[dict]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.meta is not None
+
+
+class _ExportRoot(torch.nn.Module):
+    """The export root: ``model`` as its only child; ``forward(*tensors)`` puts the tensors back
+    into the recorded call's tree and returns the loss, or the tensor leaves of the output."""
+
+    def __init__(self, model: torch.nn.Module, template: Any, loss_fn: Optional[Callable], sink: Callable[[dict], None]) -> None:
+        super().__init__()
+        self.model = model
+        self._template = template
+        self._loss_fn = loss_fn
+        self._sink = sink  # export reverts what tracing writes into the module's own attributes
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        it = iter(tensors)
+        tree = _rebuild(self._template, it)
+        if self._loss_fn is not None:
+            loss = self._loss_fn(self.model, tree)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"loss_fn returned {type(loss).__name__}; expected a scalar tensor")
+            return loss
+        args, kwargs = tree
+        out = self.model(*args, **kwargs)
+        leaves, spec = flatten_typed(out)
+        self._sink(_tree_info(leaves, spec))
+        return tuple(t for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _rebuild(obj: Any, it: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with its tensor leaves replaced, in :func:`flatten_typed` order, by ``next(it)``.
+    Mirrors :func:`nanreplay.core.tree.to_typed`'s walk, but keeps the real classes."""
+    if isinstance(obj, torch.Tensor):
+        return next(it)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        import copy
+
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if f.init:
+                object.__setattr__(new, f.name, _rebuild(getattr(obj, f.name), it))
+                if isinstance(new, dict) and f.name in new:  # ModelOutput is also a dict
+                    dict.__setitem__(new, f.name, getattr(new, f.name))
+        return new
+    if pytree.is_namedtuple_instance(obj):
+        return type(obj)(*(_rebuild(v, it) for v in obj))
+    if type(obj) in (list, tuple):
+        return type(obj)(_rebuild(v, it) for v in obj)
+    if isinstance(obj, dict):
+        new = type(obj)(obj.default_factory) if hasattr(obj, "default_factory") else type(obj)()
+        for k, v in obj.items():
+            new[k] = _rebuild(v, it)
+        return new
+    return obj
+
+
+def _tree_info(leaves: list, spec: Any) -> dict:
+    """JSON description of a flattened tree: spec, leaf count, non-tensor values, tensor indices."""
+    return {
+        "spec": pytree.treespec_dumps(spec),
+        "n": len(leaves),
+        "values": {str(i): encode_value(v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)},
+        "tensors": [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)],
+    }
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
+
+
+def export_program(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: Optional[dict] = None,
+    *,
+    loss_fn: Optional[Callable] = None,
+    batch: Any = None,
+    dynamic: bool = False,
+    verify: bool = True,
+    shared: Optional[dict[int, str]] = None,
+    prefix: str = PROGRAM_PREFIX,
+) -> ProgramCapture:
+    """Export ``model``'s forward on ``(args, kwargs)``, or with ``loss_fn`` the whole
+    ``loss_fn(model, batch) -> scalar tensor``, as a pickle-free program (see the module doc).
+
+    Call it at dump time, with the failing step's pre-step weights in the model and the step's
+    module modes (``model.training`` flags); it does not change the model, its RNG states,
+    buffers or gradients (export traces with fake tensors). Module hooks registered on the model
+    run during tracing with fake tensors: a Recorder must keep its own hooks quiet meanwhile.
+
+    Args:
+        model: the ``nn.Module`` (unwrapped from DDP / accelerate).
+        args, kwargs: one recorded forward call's inputs (trees of tensors and plain values).
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``; with ``batch``, the loss function
+            is exported together with the model's forward (kind ``"loss"``).
+        batch: the batch the loss function takes.
+        dynamic: let tensor dims vary where export can prove the program does not depend on
+            them (``torch.export.Dim.AUTO``; micro-batches of other lengths then replay too);
+            falls back to fixed shapes when that export fails. Costs about 3-5x the export
+            time of fixed shapes, hence off by default (:func:`program_content` turns it on
+            when the step's micro-batches differ in shape).
+        verify: deserialize and unflatten the program once before returning it (about as long
+            as the export), so a program that cannot be loaded is reported now, not at replay.
+        shared: ``id(tensor) -> bundle key`` for tensors the bundle stores anyway (the pre-step
+            parameters under ``state/params/<fqn>``): the program refers to them instead of
+            storing a second copy.
+        prefix: bundle key prefix of the tensors the program stores itself.
+
+    Returns:
+        a :class:`ProgramCapture`; on any failure (data-dependent control flow, an operator
+        export cannot trace, a non-tensor constant that cannot be stored without pickle) one
+        with ``meta=None`` and ``error`` set. It never raises into training.
+    """
+    t0 = time.perf_counter()
+    kind = "loss" if loss_fn is not None else "forward"
+    try:
+        if loss_fn is not None and batch is None:
+            raise ValueError("loss_fn needs the batch it takes (batch=...)")
+        template = batch if loss_fn is not None else (tuple(args), dict(kwargs or {}))
+        in_leaves, in_spec = flatten_typed(template)
+        tensors = tuple(t.detach() for t in in_leaves if isinstance(t, torch.Tensor))
+        seen: list[dict] = []
+        root = _ExportRoot(model, template, loss_fn, seen.append)
+        ep, dyn = _export(root, tensors, dynamic)
+        capture, every = _describe(ep, seen[-1] if seen else None, model, kind, in_leaves, in_spec, dyn, shared or {}, prefix)
+        if verify:
+            _load(capture.meta, every.__getitem__, None)
+        capture.meta["export_seconds"] = round(time.perf_counter() - t0, 3)
+        logger.info("nanreplay: exported the %s program in %.2f s (%d bytes of JSON)", kind, capture.meta["export_seconds"], capture.meta["json_bytes"])
+        return capture
+    except Exception as e:  # never into training: a missing program only means replay needs the factory
+        logger.warning("nanreplay: could not export the model's %s program (%s); replay will need the model factory", kind, _first_line(e))
+        logger.debug("export failure", exc_info=True)
+        return ProgramCapture(meta=None, error=_first_line(e))
+
+
+def _export(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
+    with warnings.catch_warnings(), torch.enable_grad():
+        warnings.simplefilter("ignore")
+        if dynamic and any(t.dim() for t in tensors):
+            auto = torch.export.Dim.AUTO
+            shapes = (tuple({d: auto for d in range(t.dim())} for t in tensors),)
+            try:
+                return torch.export.export(root, tensors, dynamic_shapes=shapes), True
+            except Exception as e:
+                logger.info("nanreplay: export with dynamic shapes failed (%s); exporting with the recorded shapes", _first_line(e))
+        return torch.export.export(root, tensors), False
+
+
+def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: str, in_leaves: list, in_spec: Any,
+              dyn: bool, shared: dict[int, str], prefix: str) -> tuple[ProgramCapture, dict[str, torch.Tensor]]:
+    """The capture, and every tensor the program names by its bundle key (shared ones too)."""
+    from torch._export.serde.schema import SCHEMA_VERSION
+    from torch._export.serde.serialize import serialize
+    from torch.export.graph_signature import InputKind
+
+    sig = ep.graph_signature
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    state: dict[str, dict] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    every: dict[str, torch.Tensor] = {}
+    own: dict[int, str] = {}  # a tensor under two names (tied weights) is stored once, and tied again on load
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT or spec.kind == InputKind.TOKEN:
+            continue
+        if spec.kind == InputKind.CUSTOM_OBJ:
+            raise TypeError(f"the program holds a script object {spec.target!r}, which cannot be stored without pickle")
+        name = spec.target
+        if spec.kind == InputKind.PARAMETER:
+            t, where, k = ep.state_dict[name], "state_dict", "parameter"
+        elif spec.kind == InputKind.BUFFER:
+            persistent = bool(spec.persistent)
+            t, where, k = (ep.state_dict[name], "state_dict", "buffer") if persistent else (ep.constants[name], "constants", "buffer")
+        else:  # CONSTANT_TENSOR: a tensor created in forward (torch.tensor(...)), lifted by export
+            t, where, k = ep.constants[name], "constants", "constant"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"the program's {k} {name!r} is a {type(t).__name__}, not a tensor; it cannot be stored without pickle")
+        key = shared.get(id(t)) or own.get(id(t))
+        if key is None:
+            key = own[id(t)] = prefix + name
+            tensors[key] = t.detach()
+        every[key] = t.detach()
+        state[name] = {"key": key, "kind": k, "store": where, "requires_grad": bool(t.requires_grad) if k == "parameter" else False}
+    for name, t in ep.constants.items():  # constants not read by an input spec (none today) would be lost
+        if name not in state and isinstance(t, torch.Tensor):
+            key = prefix + name
+            tensors[key] = every[key] = t.detach()
+            state[name] = {"key": key, "kind": "constant", "store": "constants", "requires_grad": False}
+    user = [placeholders[n] for n in sig.user_inputs]
+    inputs = _tree_info(in_leaves, in_spec)
+    shapes = []
+    for node in user:
+        val = node.meta.get("val")
+        shapes.append({"dtype": _dtype_name(val.dtype), "shape": [int(s) if isinstance(s, int) else None for s in val.shape]})
+    inputs["tensor_meta"] = shapes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        art = serialize(ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
+    if art.state_dict or art.constants or art.example_inputs:  # the pickled parts must be empty
+        raise RuntimeError("torch.export's serializer produced pickled data although asked not to")
+    program = json.loads(art.exported_program)
+    if kind == "forward" and outputs is None:
+        raise RuntimeError("the export did not trace the model's output")
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    meta = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "kind": kind,
+        "torch": torch.__version__,
+        "schema": list(SCHEMA_VERSION),
+        "dynamic": dyn,
+        "device": str(dev),
+        "inputs": inputs,
+        "outputs": outputs,
+        "state": state,
+        "modules": {n: type(m).__name__ for n, m in model.named_modules()},
+        "root_class": f"{type(model).__module__}:{type(model).__qualname__}",
+        "training": [n for n, m in model.named_modules() if m.training],
+        "json_bytes": len(art.exported_program),
+        "program": program,
+    }
+    return ProgramCapture(meta=meta, tensors=tensors), every
+
+
+# -- safety: only torch operators ---------------------------------------------------------------
+
+_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast", "cond", "while_loop", "map_impl", "scan", "associative_scan"}
+_OP_RE = re.compile(r"^torch\.ops\.(aten|prims)\.(\w+)(?:\.(\w+))?$")
+
+
+def _is_torch_op(target: str) -> bool:
+    """Whether ``target`` names an aten/prims operator overload (or packet) of this torch,
+    resolved through the op namespaces, never through arbitrary attributes."""
+    from torch._ops import OpOverload, OpOverloadPacket
+
+    m = _OP_RE.match(target)
+    if not m:
+        return False
+    ns, op, overload = m.groups()
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+        if not isinstance(packet, OpOverloadPacket):
+            return False
+        return overload is None or isinstance(getattr(packet, overload), OpOverload)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _builtin_targets() -> dict[str, Any]:
+    from torch._export.serde import serialize as ser
+
+    funcs = set(getattr(ser, "_SYM_OPS", set())) | {operator.getitem}
+    return {f"{f.__module__}.{f.__name__}": f for f in funcs}
+
+
+def _check_targets(program: Any) -> None:
+    """Refuse a serialized program naming anything but torch operators (checked on the JSON,
+    before the deserializer resolves a single name)."""
+    allowed = _builtin_targets()
+    bad: list[str] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            tgt = x.get("target")
+            if isinstance(tgt, str) and "inputs" in x and "outputs" in x:
+                ok = tgt in allowed or _is_torch_op(tgt)
+                if not ok and tgt.startswith("torch.ops.higher_order."):
+                    ok = tgt[len("torch.ops.higher_order."):] in _HOPS
+                if not ok:
+                    bad.append(tgt)
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(program)
+    if bad:
+        raise ReplayError(
+            f"the embedded program calls {sorted(set(bad))[:5]}: expected only torch operators (torch.ops.aten/prims, "
+            "control-flow higher-order ops); it is not run. Replay with --model-factory instead"
+        )
+
+
+# Symbolic shape expressions are parsed by torch's deserializer with sympy.sympify, which evaluates
+# Python: only arithmetic over shape symbols (s0, u1...) and these function names may pass.
+_SYM_FUNCS = {
+    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
+    "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "IsNonOverlappingAndDenseIndicator",
+    "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Max", "Min", "Eq", "Ne", "Lt",
+    "Le", "Gt", "Ge", "And", "Or", "Not", "Abs", "floor", "ceiling", "sqrt", "Piecewise", "ITE", "true", "false", "True",
+    "False", "oo", "zoo", "nan", "Integer", "Rational", "Float",
+    # sympy.srepr forms (how export writes expressions) and the assumptions of a Symbol
+    "Symbol", "Add", "Mul", "Pow", "BooleanTrue", "BooleanFalse", "StrictLessThan", "LessThan", "StrictGreaterThan",
+    "GreaterThan", "Equality", "Unequality", "Infinity", "NegativeInfinity", "NaN", "precision",
+    "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "nonzero", "zero", "even", "odd",
+}
+_SYM_TOKEN = re.compile(
+    r"\s+|\d+\.?\d*(?:[eE][+-]?\d+)?|[A-Za-z_]\w*|\*\*|//|[-+*/%()<>=!&|~^,]"
+    r"|'(?:[a-z]{1,4}\d+|[-+]?\d+\.?\d*(?:[eE][+-]?\d+)?)'"  # a symbol's name or a number, quoted (srepr)
+)
+
+
+def _check_sym_exprs(program: Any) -> None:
+    """Refuse symbolic expressions that are anything but arithmetic on shape symbols (checked
+    before torch's deserializer hands them to ``sympy.sympify``, which runs ``eval``)."""
+
+    def ok(expr: str) -> bool:
+        pos = 0
+        while pos < len(expr):
+            m = _SYM_TOKEN.match(expr, pos)
+            if m is None:
+                return False
+            tok = m.group(0)
+            if (tok[0].isalpha() or tok[0] == "_") and tok not in _SYM_FUNCS and not re.fullmatch(r"[a-z]{1,4}\d+", tok):
+                return False
+            pos = m.end()
+        return True
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            e = x.get("expr_str")
+            if isinstance(e, str) and not ok(e):
+                raise ReplayError(f"the embedded program holds the symbolic expression {e[:80]!r}: expected arithmetic on shape symbols; it is not loaded")
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(program)
+
+
+def _check_graph(gm: torch.fx.GraphModule) -> None:
+    allowed = set(_builtin_targets().values())
+    from torch._ops import HigherOrderOperator, OpOverload
+
+    for mod in gm.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op == "call_function" and not (isinstance(node.target, (OpOverload, HigherOrderOperator)) or node.target in allowed):
+                raise ReplayError(f"the embedded program calls {node.target!r}, not a torch operator available here; replay with --model-factory")
+
+
+# -- load -------------------------------------------------------------------------------------
+
+class ProgramModel(torch.nn.Module):
+    """A model rebuilt from an embedded program (:func:`load_program`): the original module
+    hierarchy (each submodule a ``torch.export`` ``InterpreterModule`` relabelled with its original
+    class name, at its original FQN), its parameters as ``nn.Parameter`` with the recorded
+    ``requires_grad``, its buffers and constants.
+
+    ``model(*args, **kwargs)`` (kind ``"forward"``) runs the recorded forward on inputs of the
+    recorded structure and dtypes (and shapes, where the export fixed them) and returns the
+    output tree rebuilt without the user's classes: a dataclass or namedtuple output (a Hugging
+    Face ``ModelOutput``) comes back as a stand-in of the same name and fields (attribute access,
+    ``out["loss"]`` and ``out[0]`` work). :meth:`program_loss` (kind ``"loss"``) runs the loss
+    function on a batch. Training behaviour (dropout, BatchNorm statistics) is the recorded one
+    whatever ``train()``/``eval()`` say; autocast is not baked in: run it under the recorded
+    autocast, as replay does.
+
+    Raises (on call):
+        ReplayError: inputs of another structure, dtype or fixed shape than recorded, or a
+            forward call on a program exported with its loss function.
+    """
+
+    def __init__(self, root: torch.nn.Module, inner: torch.nn.Module, meta: dict) -> None:
+        super().__init__()
+        object.__setattr__(self, "_root", root)
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_internal", False)
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        for name, p in inner.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        persistent = set(inner.state_dict(keep_vars=True))
+        for name, b in inner.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name in persistent)
+        root._modules[_CHILD] = self
+        self.kind: str = meta["kind"]
+        self.program_meta = {k: v for k, v in meta.items() if k != "program"}
+        self._training_fqns = set(meta.get("training", []))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._internal:  # called by the program's own root graph: its internal calling convention
+            return self._inner.forward(*args, **kwargs)
+        if self.kind != "forward":
+            raise ReplayError(
+                "this embedded program was exported with its loss function: call program_loss(model, batch) "
+                "(replay does, in mode loss_fn); a forward-only or cotangent replay needs --model-factory"
+            )
+        leaves = _match_inputs(self.program_meta["inputs"], (tuple(args), dict(kwargs)), "the forward call")
+        outs = _run_root(self, leaves, direct=True)
+        return _rebuild_outputs(self.program_meta["outputs"], list(outs))
+
+    def program_loss(self, batch: Any) -> torch.Tensor:
+        """The recorded ``loss_fn(model, batch)`` on this model (kind ``"loss"``): a scalar tensor."""
+        if self.kind != "loss":
+            raise ReplayError("this embedded program holds only the model's forward; pass the loss function (--loss-fn) or replay without one")
+        leaves = _match_inputs(self.program_meta["inputs"], batch, "the batch")
+        return _run_root(self, leaves, direct=False)
+
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> "ProgramModel":
+        # .to(device) / .double() may replace the root's own buffers (and, with
+        # overwrite_module_params_on_conversion, parameters): the graph reads them from the inner module
+        super()._apply(fn, *args, **kwargs)
+        for name, b in self._buffers.items():
+            self._inner._buffers[name] = b
+        for name, p in self._parameters.items():
+            self._inner._parameters[name] = p
+        return self
+
+    def train(self, mode: bool = True) -> "ProgramModel":
+        if any((name in self._training_fqns) != mode for name, _ in self.named_modules()):
+            logger.info("nanreplay: the embedded program keeps its recorded training/eval behaviour; train(%s) only sets the flags", mode)
+        return super().train(mode)
+
+
+class _Runner(torch.fx.Interpreter):
+    """Runs the export root's graph; its call of ``model`` goes to the :class:`ProgramModel`."""
+
+    def __init__(self, pm: ProgramModel, direct: bool) -> None:
+        super().__init__(pm._root, graph=pm._root.graph)
+        self.pm, self.direct = pm, direct
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target != _CHILD:
+            return super().call_module(target, args, kwargs)
+        pm = self.pm
+        if self.direct:  # the caller already went through pm.__call__ (hooks ran once)
+            return pm._inner.forward(*args, **kwargs)
+        prev = pm._internal
+        object.__setattr__(pm, "_internal", True)
+        try:
+            return pm(*args, **kwargs)
+        finally:
+            object.__setattr__(pm, "_internal", prev)
+
+
+def _run_root(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
+    out = _Runner(pm, direct).run(*leaves, enable_io_processing=False)
+    spec = pm._root.module_call_graph[0].signature.out_spec
+    return pytree.tree_unflatten(list(out), spec)
+
+
+def _match_inputs(info: dict, tree: Any, what: str) -> list:
+    """The tensor leaves of ``tree`` after checking it against the recorded inputs."""
+    leaves, spec = flatten_typed(tree)
+    if len(leaves) != info["n"]:
+        raise ReplayError(f"{what} has {len(leaves)} leaves; the embedded program was exported for {info['n']}: pass inputs of the recorded structure")
+    if pytree.treespec_dumps(spec) != info["spec"]:
+        logger.debug("%s: tree spec differs from the exported one (a dataclass read back as a dict?); the leaves match", what)
+    tensors = []
+    metas = iter(info.get("tensor_meta", []))
+    for i, leaf in enumerate(leaves):
+        rec = info["values"].get(str(i))
+        if rec is not None:
+            want = decode_value(rec)
+            same = leaf == want or (isinstance(leaf, float) and isinstance(want, float) and math.isnan(leaf) and math.isnan(want))
+            if isinstance(leaf, torch.Tensor) or not same:
+                raise ReplayError(f"{what}: leaf {i} is {leaf!r}; the embedded program was exported with the constant {want!r}")
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise ReplayError(f"{what}: leaf {i} is a {type(leaf).__name__}; the embedded program expects a tensor there")
+        m = next(metas, None)
+        if m is not None:
+            shape_ok = len(m["shape"]) == leaf.dim() and all(s is None or s == d for s, d in zip(m["shape"], leaf.shape))
+            if _dtype_name(leaf.dtype) != m["dtype"] or not shape_ok:
+                raise ReplayError(
+                    f"{what}: tensor leaf {i} is {_dtype_name(leaf.dtype)} {list(leaf.shape)}; the embedded program expects "
+                    f"{m['dtype']} {['*' if s is None else s for s in m['shape']]} ('*': any size)"
+                )
+        tensors.append(leaf)
+    return tensors
+
+
+_STANDINS: dict[tuple, type] = {}
+
+
+def _standin(type_path: str, kind: str, names: list[str]) -> type:
+    """A class named like the recorded output type (``module:QualName``), with its fields, so the
+    output tree flattens exactly as the recorded one and a loss function can use ``out.loss``."""
+    key = (type_path, kind, tuple(names))
+    cls = _STANDINS.get(key)
+    if cls is not None:
+        return cls
+    module, _, qual = type_path.partition(":")
+    short = qual.rsplit(".", 1)[-1] or "Output"
+    if kind == "namedtuple":
+        cls = namedtuple(short, names)  # type: ignore[misc]
+    else:
+        def getitem(self: Any, k: Any) -> Any:
+            if isinstance(k, str):
+                return getattr(self, k)
+            return tuple(v for v in (getattr(self, n) for n in names) if v is not None)[k]
+
+        cls = dataclasses.make_dataclass(short, [(n, Any, None) for n in names], namespace={"__getitem__": getitem})
+    cls.__module__, cls.__qualname__ = module, qual
+    _STANDINS[key] = cls
+    return cls
+
+
+def _materialise(tree: Any) -> Any:
+    if isinstance(tree, TypedNode):
+        fields = {k: _materialise(v) for k, v in tree.fields.items()}
+        cls = _standin(tree.type_path, tree.kind, list(fields))
+        return cls(*fields.values()) if tree.kind == "namedtuple" else cls(**fields)
+    if type(tree) in (list, tuple):
+        return type(tree)(_materialise(v) for v in tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _materialise(v)) for k, v in tree.items())
+    return tree
+
+
+def _rebuild_outputs(info: dict, tensors: list) -> Any:
+    leaves: list[Any] = [None] * info["n"]
+    for i, rec in info["values"].items():
+        leaves[int(i)] = decode_value(rec)
+    for i, t in zip(info["tensors"], tensors):
+        leaves[i] = t
+    return _materialise(pytree.tree_unflatten(leaves, pytree.treespec_loads(info["spec"])))
+
+
+_RELABELLED: dict[tuple, type] = {}
+
+
+def _relabel(mod: torch.nn.Module, name: str) -> None:
+    """Give an ``InterpreterModule`` (or the :class:`ProgramModel`) its original class name
+    (reports name ``Linear``, not ``InterpreterModule``); the behaviour is unchanged (a subclass
+    with no new members)."""
+    base = type(mod)
+    if not name or base.__name__ == name:
+        return
+    cls = _RELABELLED.get((base, name))
+    if cls is None:
+        cls = type(name, (base,), {"__module__": __name__, "__qualname__": name})
+        _RELABELLED[(base, name)] = cls
+    mod.__class__ = cls
+
+
+def _check_meta(meta: Any) -> None:
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ReplayError(f"expected an embedded program record ({_FORMAT!r}), found {type(meta).__name__}; the bundle holds no usable program")
+    if meta.get("version") != _VERSION:
+        raise ReplayError(f"the embedded program has format version {meta.get('version')}, this nanreplay reads {_VERSION}: upgrade nanreplay")
+    if meta.get("kind") not in ("forward", "loss"):
+        raise ReplayError(f"the embedded program's kind is {meta.get('kind')!r}, expected 'forward' or 'loss'")
+    from torch._export.serde.schema import SCHEMA_VERSION
+
+    schema = meta.get("schema") or [None]
+    if schema[0] != SCHEMA_VERSION[0]:
+        raise ReplayError(
+            f"the embedded program was serialized by torch {meta.get('torch')} (export schema {schema}); torch {torch.__version__} "
+            f"here reads schema {list(SCHEMA_VERSION)}: replay with that torch version, or with --model-factory"
+        )
+
+
+def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, device: Any = None) -> ProgramModel:
+    """Rebuild the model from an embedded program record (:attr:`ProgramCapture.meta`).
+
+    Args:
+        meta: the JSON record.
+        get_tensor: ``get_tensor(key) -> Tensor`` for the keys the record names (a bundle's
+            ``Bundle.tensor``, or the capture's ``tensors`` dict).
+        device: where to put the tensors; device constants in the graph (``torch.arange(...,
+            device=...)``) are rewritten to its type when it differs from the recorded one.
+            Default: the tensors' own device (the CPU for a bundle).
+
+    Returns:
+        a :class:`ProgramModel` (FQNs, parameters, buffers as recorded; weights as stored).
+
+    Raises:
+        ReplayError: not a program record, another format or export schema version, an
+            operator that is not a torch operator, or a program torch cannot deserialize here.
+    """
+    root, inner = _load(meta, get_tensor, device)
+    names = meta.get("modules", {})
+    for fqn, mod in inner.named_modules():
+        if fqn:
+            _relabel(mod, names.get(fqn, ""))
+    pm = ProgramModel(root, inner, meta)
+    _relabel(pm, names.get("", ""))
+    return pm
+
+
+def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(unflattened export root, its ``model`` child) of a program record."""
+    _check_meta(meta)
+    _check_targets(meta["program"])
+    _check_sym_exprs(meta["program"])
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+
+    dev = torch.device(device) if device is not None else None
+    objs: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
+    for name, ent in meta["state"].items():
+        key = ent["key"]
+        if key not in objs:
+            t = get_tensor(key).detach()
+            if dev is not None:
+                t = t.to(dev)
+            objs[key] = torch.nn.Parameter(t, requires_grad=bool(ent.get("requires_grad"))) if ent["kind"] == "parameter" else t
+        (constants if ent["store"] == "constants" else state_dict)[name] = objs[key]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            serialized = _dict_to_dataclass(schema.ExportedProgram, meta["program"])
+            ep = ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, None)
+            _check_graph(ep.graph_module)
+            if dev is not None and torch.device(meta.get("device", "cpu")).type != dev.type:
+                _retarget_devices(ep.graph_module, dev)
+            root = torch.export.unflatten(ep)
+    except ReplayError:
+        raise
+    except Exception as e:
+        raise ReplayError(
+            f"the embedded program (torch {meta.get('torch')}) could not be loaded by torch {torch.__version__}: "
+            f"{_first_line(e)}; replay with --model-factory"
+        ) from e
+    calls = [n.target for n in root.graph.nodes if n.op == "call_module"]
+    if calls.count(_CHILD) != 1 or any(c != _CHILD and not c.startswith(_CHILD + ".") for c in calls):
+        raise ReplayError(f"the embedded program calls the model {calls.count(_CHILD)} times ({calls[:6]}); one call is supported: replay with --model-factory")
+    return root, root.get_submodule(_CHILD)
+
+
+def _retarget_devices(gm: torch.fx.GraphModule, dev: torch.device) -> None:
+    def fix(a: Any) -> Any:
+        return dev if isinstance(a, torch.device) and a.type != dev.type else a
+
+    for mod in gm.modules():
+        graph = getattr(mod, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            for node in graph.nodes:
+                node.args = torch.fx.node.map_aggregate(node.args, fix)
+                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, fix)
+
+
+def program_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The loss function of a program exported with its loss (kind ``"loss"``), in the
+    ``loss_fn(model, batch)`` form replay takes. ``model`` must be the :class:`ProgramModel`.
+
+    Raises:
+        TypeError: ``model`` is not a ProgramModel.
+    """
+    if not isinstance(model, ProgramModel):
+        raise TypeError(f"program_loss runs an embedded program's loss; expected the ProgramModel from load_program, got {type(model).__name__}")
+    return model.program_loss(batch)
+
+
+# -- the two ends the recorder and replay need -------------------------------------------------
+
+def program_content(
+    model: torch.nn.Module,
+    record: Any,
+    loss_fn: Optional[Callable] = None,
+    *,
+    param_prefix: Optional[str] = "state/params/",
+    buffer_prefix: Optional[str] = "state/buffers/",
+    dynamic: Optional[bool] = None,
+) -> tuple[Optional[dict], dict[str, torch.Tensor]]:
+    """What a bundle stores for the failing step ``record`` (a
+    :class:`~nanreplay.format.records.StepRecord`): ``(meta, tensors)``, to put under
+    ``meta[PROGRAM_META_KEY]`` and into the tensor dict. With ``loss_fn`` and a recorded batch,
+    the loss function is exported with the forward on the first batch; if that fails (or there
+    is no batch), the forward alone on the first recorded forward call. When both fail ``meta``
+    is ``{"error": "...", "kind": null}`` (JSON, so the bundle says why) and ``tensors`` is empty.
+
+    Parameters and buffers are not stored twice: the program refers to
+    ``{param_prefix}{fqn}`` / ``{buffer_prefix}{fqn}``, the keys where the bundle holds the
+    pre-step weights and step-start buffers (``None``: store them under ``program/``).
+    ``dynamic=None`` exports with dynamic shapes only when the step's micro-batches (or
+    forward calls) differ in tensor shapes, so that each of them replays (see
+    :func:`export_program`). Call it with the pre-step weights in the model and the Recorder's
+    hooks quiet (export runs module hooks with fake tensors).
+    """
+    shared: dict[int, str] = {}
+    if param_prefix is not None:
+        shared.update({id(p): f"{param_prefix}{n}" for n, p in model.named_parameters()})
+    if buffer_prefix is not None:
+        shared.update({id(b): f"{buffer_prefix}{n}" for n, b in model.named_buffers()})
+    errors = []
+    if loss_fn is not None and record.batches:
+        dyn = _shapes_vary(record.batches) if dynamic is None else dynamic
+        cap = export_program(model, loss_fn=loss_fn, batch=record.batches[0], shared=shared, dynamic=dyn)
+        if cap.ok:
+            return cap.meta, cap.tensors
+        errors.append(f"forward+loss: {cap.error}")
+    if record.forwards:
+        args, kwargs = record.forwards[0].inputs
+        dyn = _shapes_vary([fw.inputs for fw in record.forwards]) if dynamic is None else dynamic
+        cap = export_program(model, args, kwargs, shared=shared, dynamic=dyn)
+        if cap.ok:
+            if errors:
+                cap.meta["loss_error"] = errors[0]
+            return cap.meta, cap.tensors
+        errors.append(f"forward: {cap.error}")
+    else:
+        errors.append("no forward call of the model was recorded in the step")
+    return {"format": _FORMAT, "version": _VERSION, "kind": None, "error": "; ".join(errors)}, {}
+
+
+def _shapes_vary(trees: list) -> bool:
+    shapes = {tuple(tuple(t.shape) for t in flatten_typed(tree)[0] if isinstance(t, torch.Tensor)) for tree in trees}
+    return len(shapes) > 1
+
+
+def build_from_program(bundle: Any, *, device: Any = None) -> tuple[ProgramModel, Optional[Callable]]:
+    """The model (and loss function) of a bundle's embedded program: ``(model, loss_fn)`` with
+    ``loss_fn`` :func:`program_loss` for a program exported with its loss, else ``None``.
+    Weights are the stored ones (the pre-step weights when shared with ``state/params``).
+
+    Raises:
+        ReplayError: the bundle holds no program (the message gives the recorded export
+            error), or it cannot be loaded here.
+    """
+    meta = bundle.meta.get(PROGRAM_META_KEY)
+    if not meta:
+        raise ReplayError(f"{bundle.path} holds no embedded program; pass --model-factory module:function")
+    if meta.get("error") and meta.get("kind") is None:
+        raise ReplayError(f"{bundle.path} holds no embedded program: its export failed when recording ({meta['error']}); pass --model-factory module:function")
+    model = load_program(meta, bundle.tensor, device=device)
+    return model, (program_loss if model.kind == "loss" else None)

@@ -1,0 +1,364 @@
+"""Hugging Face Trainer integration: :class:`NanReplayCallback` records a ``transformers.Trainer``
+run with the same :class:`~nanreplay.Recorder` a plain loop uses and stops training on the first
+non-finite step. One line::
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NanReplayCallback(out_dir="bundles")])
+
+Needs transformers (``pip install 'nanreplay[transformers]'``); ``import nanreplay`` never imports it.
+
+What the callback does, hook by hook:
+
+* ``on_train_begin`` (the Trainer has created and ``accelerator.prepare``-d the model and the
+  optimizer by then): builds the Recorder on the model (the Trainer's ``model_wrapped`` when the
+  callback can see the Trainer, so a DDP wrapper takes part in the all-rank agreement) and on the
+  optimizer unwrapped from accelerate's ``AcceleratedOptimizer`` (``.optimizer``), with
+  accelerate's GradScaler when there is one. It records how to rebuild a ``PreTrainedModel``
+  without the user's code: its class and ``config`` as JSON (``model_init``, replayed by
+  :func:`model_from_config`).
+* every grad-enabled forward of the model (the Trainer calls ``model(**inputs)`` once per
+  micro-batch, ``gradient_accumulation_steps`` times per optimizer step): the Recorder's forward
+  hook keeps the inputs; this callback also records them as the step's batch,
+  ``{"inputs": kwargs, "args": args, "divide_by": n}``, and gives the model's ``loss`` output to
+  the Recorder's loss check. :func:`hf_loss` replays the Trainer's default ``compute_loss`` on
+  such a batch (``model(**inputs)``, its ``loss``, divided by the gradient accumulation steps
+  when the Trainer divides it), so replay runs the whole step (mode ``loss_fn``).
+* the check runs in the optimizer's step pre-hook, as in a plain loop; a non-finite step is
+  dumped and its update skipped (the optimizer sees no gradients).
+* ``on_optimizer_step``: after a non-finite step, ``control.should_training_stop = True``. Under
+  ``torch.distributed`` every rank's Recorder takes the same decision in the same step (one
+  all-reduce), so every rank stops.
+
+Limits: with ``max_grad_norm > 0`` (the Trainer's default) the Trainer clips before the optimizer
+step, and a non-finite norm makes every gradient NaN; the bundle then holds those clipped
+gradients and replay says the recorded gradients are the replayed ones times one factor. A
+``compute_loss`` override, ``compute_loss_func``, label smoothing or ``DataParallel`` (``n_gpu >
+1``) change the loss outside the model: the callback then records no loss function and replay
+drives the backward pass with the recorded gradient of the model's outputs (mode ``cotangent``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any, Optional
+
+import torch
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "nanreplay.integrations.transformers needs Hugging Face transformers, which is not installed: "
+        "pip install 'nanreplay[transformers]' (or pip install transformers accelerate)"
+    ) from e
+
+from ..capture.recorder import Recorder, RecorderConfig
+from ..core.callables import callable_path, import_callable
+from ..errors import NonFiniteGradientError, ReplayError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NanReplayCallback", "hf_loss", "model_from_config"]
+
+
+def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The Trainer's default ``compute_loss`` on a batch recorded by :class:`NanReplayCallback`:
+    ``model(*batch["args"], **batch["inputs"])``, then its ``loss`` (``outputs["loss"]`` for a
+    dict / ``ModelOutput``, else ``outputs[0]``), multiplied by ``batch["multiply_by"]`` and
+    divided by ``batch["divide_by"]`` where the Trainer did so (token averaging across processes;
+    gradient accumulation). Returns the scalar loss the Trainer backpropagated.
+
+    Raises:
+        ReplayError: the model returned no loss (the batch has no ``labels``).
+    """
+    out = model(*batch.get("args", ()), **batch["inputs"])
+    if isinstance(out, dict):
+        loss = out.get("loss")
+    else:
+        loss = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "__getitem__") else None
+    if not isinstance(loss, torch.Tensor):
+        raise ReplayError(
+            f"the model returned {type(out).__name__} without a loss; expected the model to compute it from the "
+            "recorded batch (its 'labels'), as the Trainer's default compute_loss does"
+        )
+    if batch.get("multiply_by") not in (None, 1):
+        loss = loss * batch["multiply_by"]
+    if batch.get("divide_by"):
+        loss = loss / batch["divide_by"]
+    return loss
+
+
+def model_from_config(model_class: str, config: dict, attn_implementation: Optional[str] = None, dtype: Optional[str] = None) -> torch.nn.Module:
+    """A randomly initialised transformers model of class ``model_class`` (import path
+    ``"transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel"``) built from ``config`` (its
+    ``config.to_dict()`` as JSON); no download. Replay builds the recorded model with it, then
+    loads the recorded weights. ``attn_implementation`` and ``dtype`` (``"float32"``,
+    ``"bfloat16"``...) as recorded.
+
+    Raises:
+        ReplayError: the class cannot be imported or is not a transformers ``PreTrainedModel``.
+    """
+    cls = import_callable(model_class)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ReplayError(f"{model_class} is not a transformers PreTrainedModel class; pass --model-factory")
+    cfg = cls.config_class.from_dict(dict(config))
+    kwargs: dict[str, Any] = {}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if dtype:
+        kwargs["dtype"] = getattr(torch, dtype)
+    try:
+        return cls._from_config(cfg, **kwargs)
+    except TypeError:  # transformers < 4.56 calls it torch_dtype
+        if "dtype" not in kwargs:
+            raise
+        kwargs["torch_dtype"] = kwargs.pop("dtype")
+        return cls._from_config(cfg, **kwargs)
+
+
+def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and similar wrappers)."""
+    seen = 0
+    while hasattr(opt, "optimizer") and isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer) and seen < 8:
+        opt = opt.optimizer
+        seen += 1
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"NanReplayCallback: the Trainer's optimizer is a {type(opt).__name__}, expected a torch.optim.Optimizer (or accelerate's wrapper of one)")
+    return opt
+
+
+def _find_trainer() -> Any:
+    """The ``transformers.Trainer`` whose callback handler is calling us (a few frames up)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        cand = frame.f_locals.get("self")
+        if isinstance(cand, transformers.Trainer):
+            return cand
+        frame = frame.f_back
+    return None
+
+
+def _default_loss(trainer: Any, args: Any) -> Optional[str]:
+    """Why :func:`hf_loss` would not be the Trainer's loss, or ``None`` when it is."""
+    if getattr(args, "label_smoothing_factor", 0):
+        return "label smoothing computes the loss outside the model"
+    if getattr(args, "n_gpu", 1) > 1:
+        return "DataParallel (n_gpu > 1) averages the loss over GPUs"
+    if trainer is None:
+        return None
+    base = transformers.Trainer
+    if type(trainer).compute_loss is not base.compute_loss or type(trainer).training_step is not base.training_step:
+        return f"{type(trainer).__name__} overrides compute_loss/training_step"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "a compute_loss_func computes the loss outside the model"
+    return None
+
+
+class NanReplayCallback(TrainerCallback):
+    """Records a Hugging Face ``Trainer`` run and stops training on the first non-finite step.
+
+    Args:
+        on_nonfinite: ``"stop"`` (default): skip the failing optimizer step and set
+            ``control.should_training_stop`` (``trainer.train()`` returns normally).
+            ``"raise"``: the same, then raise :class:`~nanreplay.errors.NonFiniteGradientError`
+            from ``trainer.train()``.
+        config: a :class:`~nanreplay.RecorderConfig`; keyword ``options`` override its fields
+            (``out_dir``, ``capacity``, ``bundle_format``, ``diagnose``...). ``action`` is managed
+            by the callback and cannot be set.
+
+    Attributes:
+        recorder: the :class:`~nanreplay.Recorder`, from ``on_train_begin`` on.
+        bundle_path: the bundle written for the failing step, else ``None``.
+        loss_fn_reason: why no loss function was recorded (replay then uses the recorded output
+            gradient), else ``None``.
+
+    Example::
+
+        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NanReplayCallback(out_dir="bundles")])
+        trainer.train()                   # stops at the first NaN, bundle in bundles/
+        # nanreplay replay bundles/nanreplay-step12.h5
+    """
+
+    def __init__(self, *, on_nonfinite: str = "stop", config: Optional[RecorderConfig] = None, **options: Any) -> None:
+        if on_nonfinite not in ("stop", "raise"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'raise', got {on_nonfinite!r}")
+        if "action" in options:
+            raise ValueError("action is set by NanReplayCallback (the step is skipped, then training stops); use on_nonfinite='stop' or 'raise'")
+        self.on_nonfinite = on_nonfinite
+        self._config = config
+        self._options = options
+        self.recorder: Optional[Recorder] = None
+        self.bundle_path: Optional[str] = None
+        self.loss_fn_reason: Optional[str] = None
+        self._trainer: Any = None
+        self._model: Optional[torch.nn.Module] = None
+        self._opt: Any = None
+        self._handles: list = []
+        self._failures_seen = 0
+        self._ga = 1
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.recorder is not None:  # a second train() call: start afresh
+            self._close()
+        if model is None or optimizer is None:
+            raise ValueError("NanReplayCallback: the Trainer passed no model or optimizer to on_train_begin; it needs both")
+        self._trainer = _find_trainer()
+        wrapped = getattr(self._trainer, "model_wrapped", None) if self._trainer is not None else None
+        self._opt = optimizer
+        inner_opt = _unwrap_optimizer(optimizer)
+        scaler = getattr(optimizer, "scaler", None)
+        scaler = scaler if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled() else None
+        self.loss_fn_reason = _default_loss(self._trainer, args)
+        if self.loss_fn_reason:
+            logger.warning("nanreplay: %s; the bundle records no loss function and replay drives backward with the recorded output gradient", self.loss_fn_reason)
+        target = wrapped if isinstance(wrapped, torch.nn.Module) and _unwraps_to(wrapped, model) else model
+        self.recorder = Recorder(
+            target,
+            inner_opt,
+            loss_fn=None if self.loss_fn_reason else hf_loss,
+            scaler=scaler,
+            config=self._config,
+            **{**self._options, "action": "skip", "max_consecutive": 1 << 30},
+        )
+        self._model = self.recorder.model  # unwrapped from DDP by the Recorder
+        self._failures_seen = 0
+        self._ga = int(args.gradient_accumulation_steps or 1)
+        init = _model_init(self._model)
+        if init is not None:
+            self.recorder.extra_meta["model_init"] = init
+        self.recorder.extra_meta["transformers"] = {
+            "version": transformers.__version__,
+            "global_step": int(state.global_step),
+            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+            "max_grad_norm": float(args.max_grad_norm or 0.0),
+            "trainer_found": self._trainer is not None,
+            "loss_fn": "hf_loss" if not self.loss_fn_reason else None,
+            "no_loss_fn_reason": self.loss_fn_reason,
+        }
+        self._handles = [
+            self._model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True),
+            self._model.register_forward_hook(self._on_forward),
+        ]
+
+    def _close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close()
+
+    # -- per micro-batch ------------------------------------------------------------------------
+    def _on_forward_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        rec = self.recorder
+        if rec is None or self.loss_fn_reason or not torch.is_grad_enabled() or not module.training:
+            return None
+        batch: dict[str, Any] = {"inputs": dict(kwargs)}
+        if args:
+            batch["args"] = tuple(args)
+        divide = self._divide_by(kwargs)
+        if divide:
+            batch["divide_by"] = divide
+        scale = self._multiply_by(kwargs)
+        if scale != 1:
+            batch["multiply_by"] = scale
+        rec.record(batch)  # a no-op while the Recorder replays the step itself
+        return None
+
+    def _divide_by(self, kwargs: dict) -> Optional[int]:
+        """What the Trainer divides this micro-batch's loss by: the number of micro-batches of
+        the step, unless the loss is already scaled for accumulation (the model took
+        ``num_items_in_batch``, the token count of the whole step, and normalised by it)."""
+        tr = self._trainer
+        scaled = getattr(tr, "loss_is_scaled_for_ga", None) if tr is not None else None
+        if scaled is None:
+            accepts = getattr(tr, "model_accepts_loss_kwargs", True) if tr is not None else True
+            scaled = bool(accepts and kwargs.get("num_items_in_batch") is not None)
+        if scaled:
+            return None
+        steps = getattr(tr, "current_gradient_accumulation_steps", None) if tr is not None else None
+        steps = int(steps or self._ga)  # without the Trainer in sight: the configured steps
+        return steps if steps > 1 else None
+
+    def _multiply_by(self, kwargs: dict) -> int:
+        """Token averaging across processes: the Trainer multiplies the loss by the number of
+        data-parallel processes when the model normalised it by the global token count."""
+        tr = self._trainer
+        if tr is None or kwargs.get("num_items_in_batch") is None or not getattr(tr.args, "average_tokens_across_devices", False):
+            return 1
+        try:
+            n = int(tr.accelerator.num_processes) // int(tr.get_tp_size() if hasattr(tr, "get_tp_size") else 1)
+        except Exception:  # an older Trainer without these: one process is what we can vouch for
+            return 1
+        return max(n, 1)
+
+    def _on_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.recorder is None or not torch.is_grad_enabled():
+            return None
+        loss = output.get("loss") if isinstance(output, dict) else None
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.recorder.log_loss(loss)  # checked with the gradients, no sync
+        return None
+
+    # -- per optimizer step ---------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.extra_meta["transformers"]["global_step"] = int(state.global_step)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        rec = self.recorder
+        if rec is None or len(rec.nonfinite_steps) <= self._failures_seen:
+            return
+        self._failures_seen = len(rec.nonfinite_steps)
+        if rec.bundles:
+            self.bundle_path = str(rec.bundles[-1])
+        step = rec.nonfinite_steps[-1]
+        control.should_training_stop = True
+        summary = (rec.last_diagnosis or {}).get("summary")
+        msg = (
+            f"non-finite values at optimizer step {step} (global_step {state.global_step}); the update was skipped and "
+            f"training stops; bundle: {self.bundle_path}" + (f"; diagnosis: {summary}" if summary else "")
+        )
+        logger.warning("nanreplay: %s", msg)
+        if self.on_nonfinite == "raise":
+            self._close()
+            raise NonFiniteGradientError(msg, step=step, bundle_path=self.bundle_path, diagnosis=rec.last_diagnosis)
+
+
+def _unwraps_to(wrapped: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether ``wrapped`` is ``model`` or a DDP-style wrapper (``.module``) around it."""
+    m: Any = wrapped
+    for _ in range(4):
+        if m is model:
+            return True
+        m = getattr(m, "module", None)
+        if not isinstance(m, torch.nn.Module):
+            return False
+    return False
+
+
+def _model_init(model: torch.nn.Module) -> Optional[dict]:
+    """``{"class": model_from_config, "kwargs": {...}}`` for a transformers model whose class
+    transformers itself provides (replay then needs no user code), else ``None``."""
+    if not isinstance(model, transformers.PreTrainedModel):
+        return None
+    cls_path = callable_path(type(model))
+    if cls_path is None or not str(cls_path).startswith("transformers."):
+        return None  # a custom class: only its own factory can rebuild it
+    try:
+        config = json.loads(model.config.to_json_string(use_diff=False))
+    except (TypeError, ValueError) as e:
+        logger.info("nanreplay: the model's config is not JSON (%s); replay will need --model-factory", e)
+        return None
+    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None)
+    return {
+        "class": callable_path(model_from_config),
+        "kwargs": {"model_class": str(cls_path), "config": config, "attn_implementation": getattr(model.config, "_attn_implementation", None), "dtype": dtype},
+    }
