@@ -31,13 +31,13 @@ def step_loss(model, batch):
 '''
 
 TRAIN_LOOP = '''
-def train(out):
+def train(out, embed_program=False):
     import torch
     from nanreplay import Recorder, NonFiniteGradientError
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
-    with Recorder(model, opt, loss_fn=step_loss, model_factory=make_model, out_dir=out, diagnose=False) as rec:
+    with Recorder(model, opt, loss_fn=step_loss, model_factory=make_model, out_dir=out, diagnose=False, embed_program=embed_program) as rec:
         for step in range(3):
             xb = x.clone()
             if step == 2:
@@ -129,6 +129,21 @@ def test_unguarded_training_script_is_not_run_again_by_replay(tmp_path, monkeypa
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
     assert "runs its top-level code" in caplog.text
     assert (proj / "marker.txt").read_text() == "trained\ntrained\n"
+
+
+@pytest.mark.slow
+def test_unguarded_training_script_with_an_embedded_program_is_never_imported(tmp_path):
+    """With the step's program in the bundle (the default), replay runs it: the script is not imported."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text(
+        MODEL_PY + TRAIN_LOOP + '\nwith open("marker.txt", "a") as f:\n    f.write("trained\\n")\ntrain("bundles", embed_program=True)\n'
+    )
+    bundle = proj / _bundle_of(_run(["train.py"], proj))
+    proc = _run([_launcher(tmp_path), "replay", bundle, "--no-ops"], proj)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "reproduced exactly" in proc.stdout
+    assert (proj / "marker.txt").read_text() == "trained\n"  # the training loop did not run again
 
 
 @pytest.mark.slow

@@ -91,6 +91,12 @@ class RecorderConfig:
             bundle is written before the diagnosis starts, so a diagnosis cut short loses
             nothing: the bundle then says the diagnosis timed out, and ``nanreplay replay``
             runs it out of process with no cap.
+        embed_program: at dump time (only then), export the failing step's forward, and the loss
+            function when one is given, as a ``torch.export`` program stored in the bundle (JSON,
+            weights shared with the pre-step state, no pickle), so ``nanreplay replay`` needs none
+            of the user's code. Costs the export time at the dump (about 1 s for a 4M-parameter
+            model, 15 s for GPT-2 124M on 2 CPU cores, see ``bench/README.md``) and a few hundred
+            KiB of JSON; a model that cannot be exported is written without it, and the bundle says why.
         dump_on_explosion: also write a bundle on a step whose gradients are all finite but
             whose 2-norm overflows float32 (an exploding step). By default such a step is
             logged as a warning with the grad-norm history and training goes on; the bundle is
@@ -118,6 +124,7 @@ class RecorderConfig:
     check_update: bool = False
     allow_nonfinite: tuple = ()
     diagnose_timeout: Optional[float] = 120.0
+    embed_program: bool = True
     dump_on_explosion: bool = False
 
     def __post_init__(self) -> None:

@@ -16,9 +16,10 @@ Nothing is copied on the device per step unless ``snapshot_every`` asks for weig
 still in place when the step pre-hook fires, so they are written from where they are. With
 ``check_every=N > 1`` the check is sync-free (:mod:`nanreplay.capture.lagged`).
 
-On a non-finite step the bundle is written first; then, with ``diagnose`` on, the step is
-replayed in process (:func:`nanreplay.diagnosis.api.diagnose_live`, within
-``diagnose_timeout`` seconds) and the bundle is written again with the diagnosis.
+On a non-finite step the bundle is written first; then the step's program is exported
+(``embed_program``) and, with ``diagnose`` on, the step is replayed in process
+(:func:`nanreplay.diagnosis.api.diagnose_live`, within ``diagnose_timeout`` seconds), and the
+bundle is written again with both.
 """
 
 from __future__ import annotations
@@ -732,13 +733,45 @@ class Recorder:
             return None
         self.bundles.append(written)
         logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        amended = self.config.embed_program and self._embed_program(content, rec)
         if self.config.diagnose:
-            self._diagnose_into(content, written)
+            amended = self._diagnose_into(content, written) or amended
+        if amended:
+            try:
+                write_bundle(written, content)
+            except Exception:
+                logger.exception("nanreplay: could not add the program and diagnosis to %s; the bundle stays as first written", written)
         return written
 
-    def _diagnose_into(self, content: BundleContent, path: Path) -> None:
-        """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds; on
-        success the bundle is written again with it."""
+    def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
+        """Export the failing step as a program into ``content`` (see ``embed_program``). Never
+        raises; returns whether ``content`` changed."""
+        from ..engine.program import PROGRAM_META_KEY, program_content
+        from ..engine.verify import verify_program
+
+        t0 = time.perf_counter()
+        self._replaying = True  # export runs the module hooks with fake tensors: keep this recorder quiet
+        try:
+            meta, tensors = program_content(self.model, rec, self.loss_fn)
+            unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
+            if unfaithful:
+                meta, tensors = {"kind": None, "error": unfaithful}, {}
+        except Exception as e:  # export must never cost training
+            meta, tensors = {"kind": None, "error": f"{type(e).__name__}: {e}"}, {}
+        finally:
+            self._replaying = False
+        content.extra_meta[PROGRAM_META_KEY] = meta
+        content.extra_tensors.update(tensors)
+        if meta and meta.get("kind"):
+            logger.info("nanreplay: exported step %d's %s program in %.2f s", rec.step, meta["kind"], time.perf_counter() - t0)
+        else:
+            logger.warning("nanreplay: could not embed step %d's program (%s); replay will need the model factory",
+                           rec.step, (meta or {}).get("error"))
+        return True
+
+    def _diagnose_into(self, content: BundleContent, path: Path) -> bool:
+        """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds, into
+        ``content.diagnosis``; returns whether it produced one."""
         from ..diagnosis.api import diagnose_live
 
         step = content.failing_step
@@ -761,17 +794,14 @@ class Recorder:
         except Exception as e:
             logger.warning("nanreplay: the in-process diagnosis of step %d stopped (%s: %s); the bundle %s holds everything: "
                            "run `nanreplay replay %s`", step, type(e).__name__, e, path, _shell_path(path))
-            return
+            return False
         finally:
             self._replaying = False
         if self.dist is not None:
             self.dist.annotate(diag)
         self.last_diagnosis = content.diagnosis = diag
         logger.warning("nanreplay: diagnosis of step %d (%.1f s): %s", step, time.perf_counter() - t0, diag.get("summary"))
-        try:
-            write_bundle(path, content)
-        except Exception:
-            logger.exception("nanreplay: could not add the diagnosis to %s; the bundle stays as written", path)
+        return True
 
     def _bundle_path(self, step: int) -> Path:
         """A new bundle path in ``out_dir``: ``nanreplay-step{N}[-rank{r}of{w}].{ext}``, with a

@@ -74,7 +74,12 @@ def rows_of(mask: torch.Tensor, size: int) -> Optional[list[int]]:
 
 def batch_coupled(model: torch.nn.Module, training: Iterable[str]) -> list[str]:
     """FQNs of the layers whose output for one sample depends on the rest of the batch: BatchNorm
-    in training mode (``training``: the FQNs of modules in training mode). Per-sample results
-    differ from the whole batch's there."""
+    in training mode (``training``: the FQNs of modules in training mode), by type or, in a model
+    rebuilt from an embedded program, by class name. Per-sample results differ from the whole
+    batch's there."""
     on = set(training)
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and n in on]
+    return [n for n, m in model.named_modules() if n in on and (isinstance(m, torch.nn.modules.batchnorm._BatchNorm) or type(m).__name__ in _BATCH_NORMS)]
+
+
+#: class names of the batch-coupled layers: a model rebuilt from an embedded program keeps only the names
+_BATCH_NORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"})

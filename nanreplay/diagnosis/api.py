@@ -24,14 +24,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.allowlist import Allowlist
-from ..core.callables import import_callable, script_imports
+from ..core.callables import script_imports
 from ..core.numerics import is_float
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
-from ..engine.state import build_model, load_state, recorded_device
+from ..engine.state import load_state, recorded_device, replay_subject
 from ..format.bundle import Bundle, open_bundle
 from ..format.records import BundleContent
 from ..report.summary import kinds_of, summary_sentence
@@ -374,17 +374,11 @@ def replay(
     own = not isinstance(bundle, Bundle)
     b = open_bundle(bundle) if own else bundle
     try:
-        if model is None:
-            say("rebuilding the model")
-            with script_imports(import_script):
-                model = build_model(b, model_factory)
-        lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
-        if isinstance(lf, str):
-            with script_imports(import_script):
-                lf = import_callable(lf)
-        if not use_loss_fn:
-            lf = None
         dev = torch.device(device) if device is not None else recorded_device(b)
+        say("rebuilding the model")
+        with script_imports(import_script):
+            subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=dev)
+        model, lf = subject.model, subject.loss_fn
         model = model.to(dev)
         state = b.state()
         rec = b.step(b.failing_step)
@@ -399,6 +393,8 @@ def replay(
         diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say)
         diag["bundle"] = str(b.path)
         diag["device"] = str(dev)
+        diag["model_source"] = subject.source
+        diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
         return diag
     finally:
         if own:

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.tree import map_tensors
+from .program import widened_inputs
 from .run import StepInputs, run_step
 
 __all__ = ["replay_wide", "replay_perturbed", "birth_signature"]
@@ -46,7 +47,10 @@ def _params_as(model: torch.nn.Module, change: Callable[[torch.Tensor], torch.Te
             for n, b in model.named_buffers():
                 if b.is_floating_point() or b.is_complex():
                     new[n] = change(b.detach()).detach()
-    with _reparametrize_module(model, new, tie_weights=True):
+    inner = getattr(model, "_inner", None)  # a model rebuilt from a program: its graph reads root-level tensors there
+    top = {n: t for n, t in new.items() if "." not in n}
+    with _reparametrize_module(model, new, tie_weights=True), \
+            (_reparametrize_module(inner, top) if isinstance(inner, torch.nn.Module) and top else contextlib.nullcontext()):
         yield
 
 
@@ -84,7 +88,8 @@ def replay_wide(model: torch.nn.Module, inp: StepInputs, *, device: Optional[tor
         autocast=None,
     )
     sub = dataclasses.replace(inp, record=wide_rec, recorded_grads={}, scaler=None)
-    with _params_as(model, _wide, buffers=True), torch.autocast(device.type if device is not None else "cpu", enabled=False), _KeepWide():
+    with _params_as(model, _wide, buffers=True), torch.autocast(device.type if device is not None else "cpu", enabled=False), _KeepWide(), \
+            widened_inputs():
         res = run_step(model, sub, ops=False, device=device)
         bad = _products_nonfinite(res)
     return bad

@@ -35,7 +35,7 @@ from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
 
-__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "flags_of"]
+__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "flags_of", "LOSS_OPS"]
 
 # ops whose output is uninitialised memory: never a birth, never checked
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
@@ -43,6 +43,16 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
 _RANDOM = frozenset({"native_dropout", "bernoulli", "bernoulli_", "rand", "randn", "randint", "randperm", "normal", "normal_", "uniform_",
                      "multinomial", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "rand_like", "randn_like",
                      "randint_like", "poisson", "_fused_dropout", "_standard_gamma"})
+
+
+#: aten loss kernels: loss code wherever it runs (a cross-entropy computed inside a model's forward,
+#: HF-style, is the loss phase even when no loss module is left to see, as in an exported program)
+LOSS_OPS = frozenset({
+    "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "nll_loss_nd", "cross_entropy_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "ctc_loss", "soft_margin_loss",
+    "multi_margin_loss", "multilabel_margin_loss_forward", "poisson_nll_loss", "margin_ranking_loss", "hinge_embedding_loss",
+    "cosine_embedding_loss", "triplet_margin_loss",
+})
 
 
 def born(in_nan: bool, in_nonfinite: bool, out_nan: bool, out_inf: bool) -> bool:
@@ -271,12 +281,12 @@ class OpMonitor(TorchDispatchMode):
             out.append(rest if head == self._root and rest else ("" if p == self._root else p))
         return sorted(out, key=lambda n: -1 if n == "" else n.count("."))
 
-    def where(self) -> tuple[str, Optional[str]]:
-        """(phase, module FQN) of the op running now. Phase: ``optimizer``, ``backward``,
+    def where(self, op: str = "") -> tuple[str, Optional[str]]:
+        """(phase, module FQN) of the op ``op`` running now. Phase: ``optimizer``, ``backward``,
         ``forward`` (inside the model's forward call) or ``loss`` (the loss function's own code,
-        including submodules of the model it calls, e.g. ``model.criterion(...)``, and any
-        ``torch.nn`` loss module). Module: the innermost model module running, ``""`` for the
-        root, ``None`` outside every model module."""
+        including submodules of the model it calls, e.g. ``model.criterion(...)``, any
+        ``torch.nn`` loss module and any aten loss kernel, :data:`LOSS_OPS`). Module: the
+        innermost model module running, ``""`` for the root, ``None`` outside every model module."""
         if self.run_phase == "optimizer":
             return "optimizer", None
         active = self._active()
@@ -284,7 +294,7 @@ class OpMonitor(TorchDispatchMode):
         inner = max(model_mods, key=lambda n: -1 if n == "" else n.count("."), default=None)
         if self.run_phase == "backward" or self.tracker.is_bw:
             return "backward", inner
-        loss_module = any(isinstance(self._modules.get(n), torch.nn.modules.loss._Loss) for n in active) or any(
+        loss_module = op.strip("_") in LOSS_OPS or any(isinstance(self._modules.get(n), torch.nn.modules.loss._Loss) for n in active) or any(
             n not in self._modules and n.endswith("Loss") for n in active)
         in_forward = self._root is not None and "" in active
         if loss_module or (self.run_phase == "loss_fn" and not in_forward):
@@ -339,7 +349,7 @@ class OpMonitor(TorchDispatchMode):
     def _record_birth(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
                       outs: list[torch.Tensor], mutating: bool) -> Optional[int]:
         """Describe one birth and return its index, or ``None`` when the allowlist matches it."""
-        phase, module = self.where()
+        phase, module = self.where(name)
         h_out = tensor_health(outs)
         rule = self.allow.match(module, name, h_out)
         if rule is not None:

@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import sysconfig
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -49,6 +49,27 @@ def _is_library(filename: str) -> bool:
     return f.startswith(_STDLIB_DIRS) and "site-packages" not in f and "dist-packages" not in f
 
 
+def _is_own(filename: str) -> bool:
+    return bool(filename) and os.path.abspath(filename).startswith(_OWN_DIR)
+
+
+def _user_frames(start: Any) -> Iterator[Any]:
+    """The frames of user code from ``start`` outward, up to the replay's own driver: nanreplay's
+    innermost frames (the monitor that calls this) are skipped, and the first nanreplay frame met
+    after torch's (the replay running the user's code) ends the walk, so the command line or test
+    runner that started the replay is never taken for the user's code."""
+    f, outside = start, False
+    while f is not None:
+        fn = f.f_code.co_filename
+        own = _is_own(fn)
+        if own and outside:
+            return
+        outside = outside or not own
+        if not _is_library(fn):
+            yield f
+        f = f.f_back
+
+
 def _frame_dict(filename: str, line: int, function: str, code: Optional[str]) -> dict:
     return {"file": filename, "line": int(line), "function": function, "code": (code or "").strip() or None}
 
@@ -58,13 +79,26 @@ def user_frame_now() -> Optional[dict]:
     library, as ``{"file", "line", "function", "code"}``; ``None`` when every frame is library code."""
     import linecache
 
-    f = sys._getframe(1)
-    while f is not None:
+    for f in _user_frames(sys._getframe(1)):
         fn = f.f_code.co_filename
-        if not _is_library(fn):
-            return _frame_dict(fn, f.f_lineno, f.f_code.co_name, linecache.getline(fn, f.f_lineno))
-        f = f.f_back
-    return None
+        return _frame_dict(fn, f.f_lineno, f.f_code.co_name, linecache.getline(fn, f.f_lineno))
+    return _fx_node_frame()
+
+
+def _fx_node_frame() -> Optional[dict]:
+    """The user frame recorded for the FX node running now (an embedded program replayed by
+    ``torch.fx.Interpreter``: the Python stack holds only the interpreter, the node keeps the
+    original ``stack_trace``)."""
+    try:
+        from torch.fx.traceback import get_current_meta
+
+        trace = (get_current_meta() or {}).get("stack_trace")
+    except Exception:  # noqa: BLE001 - no FX node running, or an older torch
+        return None
+    if not trace:
+        return None
+    entries = re.findall(r'File "[^"]+", line \d+, in [^\n]+\n[^\n]*', trace)
+    return user_frame_of_traceback(entries)
 
 
 _TB_LINE = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
@@ -72,13 +106,14 @@ _TB_LINE = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fu
 
 def user_frame_of_traceback(tb: Optional[Sequence[str]]) -> Optional[dict]:
     """The innermost user frame of a forward stack recorded by anomaly mode
-    (``node.metadata["traceback_"]``, a list of ``traceback.format_stack()`` strings)."""
+    (``node.metadata["traceback_"]``, a list of ``traceback.format_stack()`` strings; in a replay
+    of an embedded program, the FX node's recorded ``stack_trace``)."""
     if not tb:
         return None
-    for entry in reversed(list(tb)):
-        m = _TB_LINE.match(entry)
-        if m and not _is_library(m["file"]):
-            return _frame_dict(m["file"], int(m["line"]), m["func"].strip(), m["code"])
+    for entry in reversed(list(tb)):  # an entry may hold several frames (an FX node's stack_trace)
+        for m in reversed(list(_TB_LINE.finditer(entry))):
+            if not _is_library(m["file"]):
+                return _frame_dict(m["file"], int(m["line"]), m["func"].strip(), m["code"])
     return None
 
 
@@ -161,18 +196,15 @@ def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], limit: in
 
 def calling_module(module_ids: dict[int, str], depth: int = 40) -> Optional[str]:
     """FQN of the innermost model module whose *method* is on the Python stack now (``self`` of a
-    frame is a module of the model), e.g. ``""`` for ``model.compute_loss(...)`` called from the
-    loss function; ``None`` when no frame belongs to one. ``module_ids``: ``id(module) -> FQN``."""
-    f = sys._getframe(1)
-    for _ in range(depth):
-        if f is None:
+    user-code frame is a module of the model), e.g. ``""`` for ``model.compute_loss(...)`` called
+    from the loss function; ``None`` when no frame belongs to one. ``module_ids``: ``id(module) -> FQN``."""
+    for i, f in enumerate(_user_frames(sys._getframe(1))):
+        if i >= depth:
             return None
         if "self" in f.f_code.co_varnames[:1]:
-            owner = f.f_locals.get("self")
-            name = module_ids.get(id(owner))
+            name = module_ids.get(id(f.f_locals.get("self")))
             if name is not None:
                 return name
-        f = f.f_back
     return None
 
 

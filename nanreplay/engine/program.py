@@ -39,6 +39,9 @@ into the graph (``load_program(device=...)`` rewrites it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import dataclasses
 import json
 import logging
@@ -54,6 +57,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core.batch import batch_dim, batch_size
 from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode
 from ..errors import ReplayError
 
@@ -247,12 +251,43 @@ def export_program(
         return ProgramCapture(meta=None, error=_first_line(e))
 
 
+@contextlib.contextmanager
+def _user_stack_traces() -> Iterator[None]:
+    """Within the block, nodes traced by ``torch.export`` keep every user frame of their stack
+    trace (below the first ``forward``), not only frames named ``forward``: an op of the loss
+    function (``class_balanced_bce`` called by ``loss_fn``) keeps its own source line, which the
+    replay reports. Patches ``torch.fx.proxy.TracerBase._filter_traceback_frames`` for the block
+    only (export runs at dump time, in the training thread)."""
+    from torch.fx.proxy import TracerBase
+
+    orig = TracerBase._filter_traceback_frames
+
+    def keep_user_frames(self: Any, summary: Any) -> Any:
+        saved = getattr(self, "_record_forward_stack_traces_only", False)
+        self._record_forward_stack_traces_only = False
+        try:
+            return orig(self, summary)
+        finally:
+            self._record_forward_stack_traces_only = saved
+
+    TracerBase._filter_traceback_frames = keep_user_frames
+    try:
+        yield
+    finally:
+        TracerBase._filter_traceback_frames = orig
+
+
 def _export(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
-    with warnings.catch_warnings(), torch.enable_grad():
+    with warnings.catch_warnings(), torch.enable_grad(), _user_stack_traces():
         warnings.simplefilter("ignore")
         if dynamic and any(t.dim() for t in tensors):
             auto = torch.export.Dim.AUTO
-            shapes = (tuple({d: auto for d in range(t.dim())} for t in tensors),)
+            if dynamic == "batch":  # only the batch dimension varies: what per-sample replays need
+                size = batch_size(list(tensors))
+                dims = [batch_dim(t, size) if size is not None and size > 1 and t.dim() else None for t in tensors]
+                shapes = (tuple({d: auto} if d is not None else None for d in dims),)
+            else:
+                shapes = (tuple({d: auto for d in range(t.dim())} for t in tensors),)
             try:
                 return torch.export.export(root, tensors, dynamic_shapes=shapes), True
             except Exception as e:
@@ -457,6 +492,22 @@ def _check_graph(gm: torch.fx.GraphModule) -> None:
                 raise ReplayError(f"the embedded program calls {node.target!r}, not a torch operator available here; replay with --model-factory")
 
 
+def _drop_metadata_asserts(root: torch.nn.Module) -> None:
+    """Remove ``aten._assert_tensor_metadata`` nodes (checks export inserts for ``.to()`` calls:
+    the dtype and device seen when recording). They compute nothing, and replay runs the program
+    under the recorded autocast and, for the float64 counterfactual, in float64, where they fail."""
+    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    for mod in root.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph) or target is None:
+            continue
+        dead = [n for n in graph.nodes if n.op == "call_function" and n.target in (target.default, target) and not n.users]
+        for n in dead:
+            graph.erase_node(n)
+        if dead and hasattr(mod, "recompile"):
+            mod.recompile()
+
+
 # -- load -------------------------------------------------------------------------------------
 
 class ProgramModel(torch.nn.Module):
@@ -553,7 +604,10 @@ class _Runner(torch.fx.Interpreter):
 
 
 def _run_root(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
-    out = _Runner(pm, direct).run(*leaves, enable_io_processing=False)
+    # preserve_node_meta: each node's recorded stack_trace is the current meta while it runs, so the
+    # op monitor can name the user's source line of a birth in the program
+    with torch.fx.traceback.preserve_node_meta():
+        out = _Runner(pm, direct).run(*leaves, enable_io_processing=False)
     spec = pm._root.module_call_graph[0].signature.out_spec
     return pytree.tree_unflatten(list(out), spec)
 
@@ -580,13 +634,33 @@ def _match_inputs(info: dict, tree: Any, what: str) -> list:
         m = next(metas, None)
         if m is not None:
             shape_ok = len(m["shape"]) == leaf.dim() and all(s is None or s == d for s, d in zip(m["shape"], leaf.shape))
-            if _dtype_name(leaf.dtype) != m["dtype"] or not shape_ok:
+            dtype_ok = _dtype_name(leaf.dtype) == m["dtype"] or (_WIDENED.get() and _widened(m["dtype"]) == _dtype_name(leaf.dtype))
+            if not dtype_ok or not shape_ok:
                 raise ReplayError(
                     f"{what}: tensor leaf {i} is {_dtype_name(leaf.dtype)} {list(leaf.shape)}; the embedded program expects "
                     f"{m['dtype']} {['*' if s is None else s for s in m['shape']]} ('*': any size)"
                 )
         tensors.append(leaf)
     return tensors
+
+
+#: set by :func:`widened_inputs`: floating inputs may come in float64 / complex128
+_WIDENED: contextvars.ContextVar[bool] = contextvars.ContextVar("nanreplay_program_widened", default=False)
+
+
+def _widened(dtype: str) -> str:
+    return {"float16": "float64", "bfloat16": "float64", "float32": "float64", "complex64": "complex128"}.get(dtype, dtype)
+
+
+@contextlib.contextmanager
+def widened_inputs() -> Iterator[None]:
+    """Within the block, a program accepts its floating inputs in float64 (complex128) instead
+    of the recorded dtype: the float64 counterfactual replay (:mod:`nanreplay.engine.counterfactual`)."""
+    token = _WIDENED.set(True)
+    try:
+        yield
+    finally:
+        _WIDENED.reset(token)
 
 
 _STANDINS: dict[tuple, type] = {}
@@ -727,6 +801,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
             if dev is not None and torch.device(meta.get("device", "cpu")).type != dev.type:
                 _retarget_devices(ep.graph_module, dev)
             root = torch.export.unflatten(ep)
+            _drop_metadata_asserts(root)
     except ReplayError:
         raise
     except Exception as e:
@@ -785,9 +860,10 @@ def program_content(
     Parameters and buffers are not stored twice: the program refers to
     ``{param_prefix}{fqn}`` / ``{buffer_prefix}{fqn}``, the keys where the bundle holds the
     pre-step weights and step-start buffers (``None``: store them under ``program/``).
-    ``dynamic=None`` exports with dynamic shapes only when the step's micro-batches (or
-    forward calls) differ in tensor shapes, so that each of them replays (see
-    :func:`export_program`). Call it with the pre-step weights in the model and the Recorder's
+    ``dynamic=None`` exports with every dimension dynamic when the step's micro-batches (or
+    forward calls) differ in tensor shapes, so that each of them replays, and else with only the
+    batch dimension dynamic (:mod:`nanreplay.core.batch`), so that subsets of the batch replay
+    (per-sample replays, ``bisect --over samples``); see :func:`export_program`. Call it with the pre-step weights in the model and the Recorder's
     hooks quiet (export runs module hooks with fake tensors).
     """
     shared: dict[int, str] = {}
@@ -797,14 +873,14 @@ def program_content(
         shared.update({id(b): f"{buffer_prefix}{n}" for n, b in model.named_buffers()})
     errors = []
     if loss_fn is not None and record.batches:
-        dyn = _shapes_vary(record.batches) if dynamic is None else dynamic
+        dyn = (True if _shapes_vary(record.batches) else "batch") if dynamic is None else dynamic
         cap = export_program(model, loss_fn=loss_fn, batch=record.batches[0], shared=shared, dynamic=dyn)
         if cap.ok:
             return cap.meta, cap.tensors
         errors.append(f"forward+loss: {cap.error}")
     if record.forwards:
         args, kwargs = record.forwards[0].inputs
-        dyn = _shapes_vary([fw.inputs for fw in record.forwards]) if dynamic is None else dynamic
+        dyn = (True if _shapes_vary([fw.inputs for fw in record.forwards]) else "batch") if dynamic is None else dynamic
         cap = export_program(model, args, kwargs, shared=shared, dynamic=dyn)
         if cap.ok:
             if errors:
@@ -837,3 +913,4 @@ def build_from_program(bundle: Any, *, device: Any = None) -> tuple[ProgramModel
         raise ReplayError(f"{bundle.path} holds no embedded program: its export failed when recording ({meta['error']}); pass --model-factory module:function")
     model = load_program(meta, bundle.tensor, device=device)
     return model, (program_loss if model.kind == "loss" else None)
+

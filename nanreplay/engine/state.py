@@ -8,6 +8,7 @@ Every function here that imports a callable named by a bundle goes through
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -20,7 +21,8 @@ from ..format.records import Snapshot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler"]
+__all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler",
+           "Subject", "replay_subject"]
 
 
 def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[str, torch.Tensor]] = None) -> None:
@@ -182,3 +184,62 @@ def replay_scaler(state: Optional[dict], device: torch.device) -> Any:
     scaler = torch.amp.GradScaler(device.type)
     scaler.load_state_dict(dict(state))
     return scaler
+
+
+@dataclass
+class Subject:
+    """What a replay runs: the model, the loss function (``None``: the recorded cotangent drives
+    backward), where the model came from (``source``) and what the user should know about it."""
+
+    model: torch.nn.Module
+    loss_fn: Optional[Callable]
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+
+def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_factory: Union[str, Callable, None] = None,
+                   loss_fn: Union[str, Callable, None] = None, use_loss_fn: bool = True, device: Any = None) -> Subject:
+    """The model and loss function to replay bundle ``b`` with, in this order: the ``model`` or
+    ``model_factory`` the user gives (the way to replay against edited code: "does my fix remove
+    the NaN?"); else the program embedded in the bundle (no import of user code at all, see
+    :mod:`nanreplay.engine.program`); else the factory recorded in the bundle; else its recorded
+    class and JSON hyperparameters (``model_init``). The loss function is the user's, else the
+    program's own (a program exported with its loss), else the recorded one.
+
+    Raises:
+        ReplayError: nothing here can build the model (the message says what was tried).
+    """
+    notes: list[str] = []
+    wants_loss = use_loss_fn
+    user_loss = loss_fn if use_loss_fn else None
+
+    def resolve_loss(recorded_ok: bool) -> Optional[Callable]:
+        lf = user_loss if user_loss is not None else (b.loss_fn if wants_loss and recorded_ok else None)
+        return import_callable(lf) if isinstance(lf, str) else lf
+
+    if model is not None:
+        return Subject(model, resolve_loss(True), "the given model", notes)
+    if model_factory is not None:
+        return Subject(build_model(b, model_factory), resolve_loss(True), f"the given factory {model_factory if isinstance(model_factory, str) else getattr(model_factory, '__qualname__', model_factory)}", notes)
+    from .program import PROGRAM_META_KEY, build_from_program
+
+    program = b.meta.get(PROGRAM_META_KEY) or {}
+    if program.get("kind"):
+        # a program exported with its loss runs only that loss: a given --loss-fn, or a replay
+        # driven by the recorded cotangent (--no-loss-fn), needs the model's own forward
+        if not (program.get("kind") == "loss" and (user_loss is not None or not wants_loss)):
+            pmodel, ploss = build_from_program(b, device=device)
+            if not wants_loss:
+                lf = None
+            elif user_loss is not None:
+                lf = resolve_loss(False)
+            elif ploss is not None:
+                lf = ploss
+            else:
+                lf = resolve_loss(True) if b.loss_fn else None
+            return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes)
+        notes.append("the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory")
+    elif program.get("error"):
+        notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
+                     "the recorded model factory rebuilds the model")
+    return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters", notes)

@@ -1,0 +1,49 @@
+"""Is an exported program faithful to the step it was exported from? One replay of the failing
+step on the loaded program, compared with the recorded gradients (:mod:`nanreplay.engine.compare`).
+The Recorder drops a program that fails it, and says why in the bundle."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.rng import RNGState
+from .compare import compare_grads
+from .program import _first_line, load_program, program_loss
+from .run import StepInputs, run_step
+
+__all__ = ["verify_program"]
+
+
+def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, loss_fn: Optional[Callable]) -> Optional[str]:
+    """Replay the failing step of ``content`` (a :class:`~nanreplay.format.records.BundleContent`)
+    on the program it was exported to, and say why the program is unfaithful (its gradients do not
+    reproduce the recorded ones, e.g. a custom ``torch.autograd.Function`` whose backward is not
+    part of an exported program), or ``None`` when it reproduces them. Touches no live tensor:
+    weights are read, buffers copied, and the process's RNG states put back after."""
+    state = content.state
+
+    def get(key: str) -> torch.Tensor:
+        if key.startswith("state/params/"):
+            return state.params[key[len("state/params/"):]].detach()
+        if key.startswith("state/buffers/"):
+            return state.buffers[key[len("state/buffers/"):]].detach().clone()
+        return tensors[key]
+
+    rng = RNGState.capture()
+    try:
+        pm = load_program(meta, get)
+        lf = program_loss if pm.kind == "loss" else loss_fn
+        inp = StepInputs(record=content.steps[-1], state=state, recorded_grads=content.grads, loss_fn=lf, scaler=state.extra.get("scaler"),
+                         grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"))
+        res = run_step(pm, inp, ops=False)
+    except Exception as e:  # noqa: BLE001 - an unfaithful program is dropped, never raised into training
+        return f"the exported program could not replay the step ({type(e).__name__}: {_first_line(e)})"
+    finally:
+        rng.restore()
+    verdict = compare_grads(content.grads, res.grads)
+    if verdict["verdict"] == "not reproduced":
+        return (f"the exported program does not reproduce the step's gradients ({verdict.get('detail')}); a custom "
+                "torch.autograd.Function's backward, for one, is not part of an exported program")
+    return None
