@@ -34,7 +34,9 @@ def bisect_layers(search: Search) -> dict:
         return search.not_reproduced("with its recorded weights", {"layers": len(layers)})
     good_step, good, tried = _finite_baseline(search, earlier)
     if good_step is None or good is None:
-        return _not_in_the_weights(search, earlier, tried, layers)
+        if len(tried) < len(earlier):  # the budget ran out before every snapshot was tried
+            return search.out_of_replays({"snapshots_tried": tried, "layers": layers}, before=f" before finding a snapshot under which step {F} replays finite")
+        return _not_in_the_weights(search, tried, layers)
 
     def fails(changed: list[str]) -> bool:
         snap = _mixed(search.state, good, layers, changed)
@@ -52,18 +54,20 @@ def bisect_layers(search: Search) -> dict:
 
 def _finite_baseline(search: Search, earlier: list[int]) -> tuple[Optional[int], Optional[Snapshot], list[dict]]:
     """The newest snapshot among ``earlier`` under which the failing step's batch replays finite
-    (step, snapshot), or ``(None, None)``; and the snapshots tried (``step``, ``nonfinite``)."""
-    tried = []
-    for s in reversed(earlier):
-        snap = search.bundle.step(s).snapshot
-        assert snap is not None
-        load_state(search.model, snap)
-        o = search.replay(search.failing, snap, f"every layer at step {s}'s weights")
-        tried.append({"step": s, "nonfinite": o.nonfinite})
-        if not o.nonfinite:
-            return s, snap, tried
-        if search.runner.count >= search.runner.max_replays:
-            break
+    (step, snapshot), or ``(None, None)`` when none does or the budget ran out first; and the
+    snapshots tried (``step``, ``nonfinite``), newest first."""
+    tried: list[dict] = []
+    try:
+        for s in reversed(earlier):
+            snap = search.bundle.step(s).snapshot
+            assert snap is not None
+            load_state(search.model, snap)
+            o = search.replay(search.failing, snap, f"every layer at step {s}'s weights")
+            tried.append({"step": s, "nonfinite": o.nonfinite})
+            if not o.nonfinite:
+                return s, snap, tried
+    except BudgetExhausted:
+        pass
     return None, None, tried
 
 
@@ -76,11 +80,11 @@ def _mixed(bad: Snapshot, good: Snapshot, layers: list[str], changed: list[str])
     return Snapshot(params=params, buffers=buffers)
 
 
-def _not_in_the_weights(search: Search, earlier: list[int], tried: list[dict], layers: list[str]) -> dict:
-    oldest = tried[-1]["step"]
+def _not_in_the_weights(search: Search, tried: list[dict], layers: list[str]) -> dict:
+    """The result when every snapshot held was tried and the step stays non-finite under each."""
     answer = (
-        f"Step {search.step} is non-finite even with every layer at the weights of step {oldest}"
-        f"{' (the oldest snapshot held)' if oldest == earlier[0] else ''}: the cause is not in the weights; "
+        f"Step {search.step} is non-finite even with every layer at the weights of step {tried[-1]['step']} "
+        "(the oldest snapshot held): the cause is not in the weights; "
         "look at the data (--over samples) or the numerics (--over precision)."
     )
     return search.result("not in search space", answer, [], {"snapshots_tried": tried, "layers": layers})
