@@ -256,6 +256,34 @@ def test_max_replays_bounds_the_search(spike_bundle):
         bisect(spike_bundle, over="weights")
 
 
+def test_layers_budget_spent_on_snapshots_is_incomplete(spike_bundle):
+    """The newest snapshot (step 6) already holds the blown-up weights: with the budget spent before
+    the finite one (step 5) is tried, the search is incomplete, not "the cause is not in the weights"."""
+    for max_replays in (1, 2):
+        res = bisect(spike_bundle, over="layers", max_replays=max_replays)
+        assert res["status"] == "incomplete" and res["replays"] == max_replays
+        assert "before finding a snapshot" in res["answer"] and res["culprits"] == []
+
+
+def test_upcast_gives_back_autocast_hooks_and_dtypes_when_a_forward_raises():
+    from nanreplay.search.precision import Upcast
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).half(), Boom())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="boom"):
+            with Upcast(model, ["0", "1"], 2, "cpu", [torch.float16]):  # Boom raises inside its float32 forward
+                assert model[0].weight.dtype == torch.float32
+                model(torch.randn(2, 4).half())
+        assert torch.is_autocast_enabled("cpu")  # no autocast(enabled=False) left open
+    assert not torch.is_autocast_enabled("cpu")
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_cli_bisect(spike_bundle):
     runner = CliRunner()
     r = runner.invoke(main, ["bisect", "--help"])
