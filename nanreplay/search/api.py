@@ -24,8 +24,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..core.callables import import_callable
-from ..engine.state import build_model, recorded_device
+from ..engine.state import recorded_device, replay_subject
 from ..format.bundle import Bundle, open_bundle
 from .common import STATUSES, Runner, Search
 from .ddmin import ddmin
@@ -70,7 +69,8 @@ def bisect(
             ``"steps"`` (first step leaving the healthy range; needs a snapshot), or
             ``"samples"`` (smallest non-finite subset of the batch). See each search's module.
         model: a model of the recorded architecture (its weights are overwritten); else built with
-            ``model_factory`` (callable or ``"module:function"``), else the recorded factory.
+            ``model_factory`` (callable or ``"module:function"``), else the program embedded in the
+            bundle, else the recorded factory (:func:`nanreplay.engine.state.replay_subject`).
         loss_fn: ``loss_fn(model, batch) -> loss``; default the recorded one; without one, the
             recorded cotangent drives the backward pass.
         device: where to replay (default: the recorded device when present, else CPU).
@@ -102,14 +102,13 @@ def bisect(
     own = not isinstance(bundle, Bundle)
     b = open_bundle(bundle) if own else bundle
     try:
-        m = model if model is not None else build_model(b, model_factory)
-        lf = loss_fn if loss_fn is not None else b.loss_fn
-        if isinstance(lf, str):
-            lf = import_callable(lf)
         dev = torch.device(device) if device is not None else recorded_device(b)
-        search = Search(over=over, bundle=b, model=m.to(dev), loss_fn=lf, device=dev, runner=Runner(max_replays, progress),
+        subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, device=dev)
+        search = Search(over=over, bundle=b, model=subject.model.to(dev), loss_fn=subject.loss_fn, device=dev, runner=Runner(max_replays, progress),
                         failing=b.step(b.failing_step), state=b.state(), threshold=threshold)
+        search.warnings.extend(subject.notes)
         out = _SEARCH[over](search)
+        out["model_source"] = subject.source
         for w in out["warnings"]:
             logger.warning("bisect: %s", w)
         return out
