@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import ReplayError
 
-__all__ = ["callable_path", "import_callable"]
+__all__ = ["callable_path", "import_callable", "torch_optimizer_class"]
 
 
 def callable_path(fn: Any) -> Optional[str]:
@@ -40,6 +40,27 @@ def callable_path(fn: Any) -> Optional[str]:
         code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__init__", None), "__code__", None)
         file = getattr(code, "co_filename", None)
     return f"{os.path.abspath(file)}:{qual}" if file and os.path.isfile(file) else None
+
+
+def torch_optimizer_class(path: Any) -> Optional[type]:
+    """The ``torch.optim`` optimizer class a recorded path names (``"torch.optim.adam:Adam"``),
+    looked up as an attribute of the already imported ``torch.optim`` (nothing is imported), or
+    ``None`` when the path names anything else. Safe on untrusted input: a bundle may name these
+    without being trusted.
+    """
+    if not isinstance(path, str):
+        return None
+    module, sep, qual = path.partition(":")
+    if not sep or not qual.isidentifier() or not (module == "torch.optim" or module.startswith("torch.optim.")):
+        return None
+    import torch.optim
+
+    cls = getattr(torch.optim, qual, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer):
+        return None
+    if not (cls.__module__ == module or module == "torch.optim") or not cls.__module__.startswith("torch.optim"):
+        return None
+    return cls
 
 
 def _importable_by_name(mod: str) -> bool:
