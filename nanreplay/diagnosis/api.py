@@ -13,8 +13,9 @@ from ..core.allowlist import Allowlist
 from ..core.callables import import_callable
 from ..core.state import load_buffers
 from ..engine.run import StepInputs, preserve_live, run_step
+from ..engine.gate import OptimizerInfo, bundle_types, recorded_callable, require_trust, resolve_optimizer, resolved_optimizer_info
 from ..engine.state import build_model, load_state, recorded_device
-from ..format.bundle import Bundle, open_bundle
+from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import BundleContent
 from .attribution import attribute
 from .origin import diagnose
@@ -60,10 +61,16 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         progress: told what the diagnosis is doing.
     """
     rec = content.steps[-1]
+    # trust rule: the optimizer class is the live optimizer's own, already imported in this process
+    optimizer_info = OptimizerInfo(content.optimizer_info or {})
+    try:
+        optimizer_info.resolved = resolve_optimizer(optimizer_info, trusted=True) if optimizer_info.get("class") else None
+    except Exception as e:  # noqa: BLE001 - the optimizer update check reports it; the replay goes on
+        logger.info("the live optimizer's class is not rebuilt for the update check: %s", e)
     inp = StepInputs(
         record=rec, state=content.state, recorded_grads=content.grads, loss_fn=loss_fn,
         scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
-        allow=Allowlist(allow), optimizer_info=content.optimizer_info,
+        allow=Allowlist(allow), optimizer_info=optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
     )
     with preserve_live(model):
@@ -84,15 +91,24 @@ def replay(
     default_allow: bool = True,
     samples: bool = True,
     progress: Optional[Progress] = None,
+    trust: bool = False,
+    batch_types: Types = None,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
+
+    Code the bundle names (its model factory or ``model_init`` class, loss function, optimizer
+    class outside ``torch.optim``, batch types) runs only when the bundle is trusted: written by
+    this user's Recorder on this machine, trusted with :func:`nanreplay.trust_bundle`, or
+    ``trust=True``. Otherwise pass your own ``model`` / ``model_factory``, ``loss_fn`` (or
+    ``use_loss_fn=False``) and ``batch_types``; see ``docs/security.md``.
 
     Args:
         bundle: a path or an open :class:`~nanreplay.format.bundle.Bundle`.
         model: a model of the recorded architecture; else ``model_factory`` (callable or import
-            path), else the factory recorded in the bundle.
-        loss_fn: ``loss_fn(model, batch) -> loss``; defaults to the recorded one. Without it (or
-            with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
+            path), else the factory recorded in the bundle (trusted bundles only).
+        loss_fn: ``loss_fn(model, batch) -> loss``; defaults to the recorded one (trusted bundles
+            only). Without it (or with ``use_loss_fn=False``), the recorded cotangent drives the
+            backward pass.
         device: where to replay (default: the recorded parameters' device when present here,
             else CPU).
         ops: run the op-level monitor (slower, names the aten op, the source line, the autograd
@@ -105,25 +121,36 @@ def replay(
             :func:`nanreplay.diagnosis.blame.samples_to_blame`).
         progress: ``progress(message)`` is told what the replay is doing (rebuilding the model,
             replaying the step, each per-sample replay), for a status line.
+        trust: trust this bundle for this call (run the code it names); review
+            ``nanreplay inspect`` first.
+        batch_types: dataclass types / namedtuple classes (or ``{"module:QualName": cls}``) to
+            rebuild the recorded typed batch nodes as; a trusted bundle's own are imported.
 
     Returns:
         the diagnosis dict (see :func:`diagnose`), with ``bundle`` and ``device`` added.
 
     Raises:
         FileNotFoundError, BundleFormatError: unreadable bundle.
+        UntrustedBundleError: the bundle is not trusted and names code this call would run
+            (nothing was run; the message lists it).
         ReplayError: no model could be built, or the loss function failed.
         ModelMismatchError: the model does not match the recorded one.
     """
     say = progress or _silent
     own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle) if own else bundle
+    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
     try:
+        # --- trust rule (nanreplay.engine.gate): refuse before anything the bundle names is imported ---
+        require_trust(b, model=model is not None or model_factory is not None,
+                      loss=loss_fn is not None or not use_loss_fn, types=batch_types)
+        b = b.view(types=bundle_types(b, batch_types))
+        # --- end of the trust rule ---
         if model is None:
             say("rebuilding the model")
             model = build_model(b, model_factory)
         lf = loss_fn if loss_fn is not None else (b.loss_fn if use_loss_fn else None)
         if isinstance(lf, str):
-            lf = import_callable(lf)
+            lf = import_callable(lf) if loss_fn is not None else recorded_callable(b, "loss function", lf)
         if not use_loss_fn:
             lf = None
         dev = torch.device(device) if device is not None else recorded_device(b)
@@ -135,7 +162,7 @@ def replay(
         history = [b.step(k) for k in b.steps if k <= b.failing_step]
         inp = StepInputs(
             record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
-            optimizer_info=b.meta.get("optimizer"), history=history, reason=dict(b.meta.get("reason") or {}),
+            optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
         diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say)

@@ -47,6 +47,8 @@ from ..core.tree import flatten_typed, map_tensors
 from ..core.callables import import_callable
 from ..engine.run import StepInputs, run_step
 from ..engine.state import build_model, build_optimizer, load_state, recorded_device
+from ..engine.gate import bundle_types, recorded_callable, require_trust
+from ..format.bundle import Types
 
 logger = logging.getLogger(__name__)
 
@@ -814,8 +816,14 @@ def bisect(
     max_replays: int = 64,
     threshold: float = 10.0,
     progress: Optional[Callable[[int], None]] = None,
+    trust: bool = False,
+    batch_types: Types = None,
 ) -> dict:
     """Search a bundle for the cause of its non-finite step by replaying variations of it.
+
+    Code the bundle names runs only when it is trusted (or ``trust=True``); otherwise pass your
+    own ``model`` / ``model_factory``, ``loss_fn`` and ``batch_types`` (see
+    :func:`nanreplay.diagnosis.api.replay` and ``docs/security.md``).
 
     Args:
         bundle: a bundle path or an open :class:`~nanreplay.format.bundle.Bundle`; read, never written.
@@ -832,6 +840,8 @@ def bisect(
         threshold: ``steps`` only: a step whose grad norm or optimizer update norm exceeds
             ``threshold`` x the median of the earlier replayed steps' leaves the healthy range.
         progress: called with ``1`` after each replay (the CLI's progress bar).
+        trust: trust this bundle for this call (run the code it names).
+        batch_types: dataclass types / namedtuple classes to rebuild typed batch nodes as.
 
     Returns:
         a JSON-able dict: ``over``, ``bundle``, ``step`` (failing step), ``status`` (one of
@@ -843,6 +853,7 @@ def bisect(
     Raises:
         ValueError: unknown ``over``, ``max_replays`` < 1 or ``threshold`` <= 1.
         FileNotFoundError, BundleFormatError: unreadable bundle.
+        UntrustedBundleError: the bundle is not trusted and names code the search would run.
         ReplayError: the search needs what the bundle lacks (a snapshot, a batch), or no model
             could be built. ModelMismatchError: the model does not fit the bundle.
     """
@@ -853,12 +864,17 @@ def bisect(
     if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a multiple of the median of earlier steps), got {threshold}")
     own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle) if own else bundle
+    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
     try:
+        # --- trust rule (nanreplay.engine.gate): refuse before anything the bundle names is imported ---
+        require_trust(b, model=model is not None or model_factory is not None, loss=loss_fn is not None,
+                      types=batch_types, optimizer=over == "steps")
+        b = b.view(types=bundle_types(b, batch_types))
+        # --- end of the trust rule ---
         m = model if model is not None else build_model(b, model_factory)
         lf = loss_fn if loss_fn is not None else b.loss_fn
         if isinstance(lf, str):
-            lf = import_callable(lf)
+            lf = import_callable(lf) if loss_fn is not None else recorded_callable(b, "loss function", lf)
         dev = torch.device(device) if device is not None else recorded_device(b)
         m = m.to(dev)
         ctx = _Ctx(bundle=b, model=m, loss_fn=lf, device=dev, runner=_Runner(max_replays, progress), failing=b.step(b.failing_step), state=b.state())
