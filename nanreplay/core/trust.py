@@ -66,7 +66,8 @@ def _check_private(path: Path, st: os.stat_result, *, directory: bool) -> None:
     if not _POSIX:  # pragma: no cover - Windows: ACLs, not modes; see docs/security.md
         return
     kind = "directory" if directory else "file"
-    if (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)) is False:
+    right_kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    if not right_kind:
         raise PermissionError(f"{path}: expected a {kind} of the nanreplay trust store, found something else; remove it")
     if st.st_uid != os.getuid():
         raise PermissionError(
