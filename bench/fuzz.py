@@ -587,6 +587,76 @@ def worker(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+_WORST_CASE_CHILD = """
+import resource, sys, time
+from click.testing import CliRunner
+from nanreplay import BundleFormatError, open_bundle
+from nanreplay.cli import main
+t = time.perf_counter()
+if sys.argv[1] == "open":
+    try:
+        with open_bundle(sys.argv[2]):
+            outcome = "opened"
+    except BundleFormatError as e:
+        outcome = "BundleFormatError: " + str(e).split(": ", 2)[1]
+else:
+    r = CliRunner().invoke(main, ["inspect", "--json", sys.argv[2]])
+    outcome = f"inspect exit {r.exit_code}"
+print(f"{outcome}|{time.perf_counter() - t:.1f}|{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
+"""
+
+
+def worst_cases(env: dict) -> int:
+    """Files crafted for the largest memory and time a reader can be made to spend, each measured
+    in a fresh process against the same process opening a small valid bundle."""
+    out = Path(tempfile.mkdtemp(prefix="nanreplay-worst-"))
+    seeds = [Path(p) for p in subprocess.run([sys.executable, str(HERE), "--make-seeds", str(out / "seeds")], env=env,
+                                             capture_output=True, text=True, check=True).stdout.split()]
+    small = next(p for p in seeds if p.suffix == ".safetensors")
+    data = small.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    manifest = json.loads(header["__metadata__"]["nanreplay_manifest"])
+
+    def st_file(name: str, manifest: dict, header: dict, size: Optional[int] = None, text: Optional[str] = None) -> Path:
+        h = dict(header)
+        h["__metadata__"] = {"nanreplay_manifest": text if text is not None else json.dumps(manifest, separators=(",", ":"))}
+        raw = json.dumps(h, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        p = out / name
+        with open(p, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw + body)
+            if size is not None:
+                f.truncate(8 + len(raw) + size)
+        return p
+
+    cases = []
+    text = json.dumps(manifest, separators=(",", ":"))
+    budget = (64 << 20) - len(text) - 64
+    bomb = text[:-1] + ',"pad":[' + ",".join(["[]"] * (budget // 3)) + "]}"
+    cases.append(("open", st_file("json_bomb.safetensors", manifest, header, text=bomb), "a 64 MiB manifest of empty JSON lists (the most Python objects per byte)"))
+    n_lists = (1 << 22) - 4000  # just under the caps: the most a manifest can make the parser build
+    capped = text[:-1] + ',"pad":[' + "[]," * n_lists + "1.5," * ((1 << 23) - n_lists - 4000) + "0]}"
+    cases.append(("open", st_file("json_at_caps.safetensors", manifest, header, text=capped),
+                  "a manifest just under the caps (4.2 M empty lists and 4.2 M floats, parsed, then refused by the schema)"))
+    huge = dict(header)
+    m2 = json.loads(text)
+    size = 4 << 30
+    huge["huge"] = {"dtype": "F32", "shape": [size // 4], "data_offsets": [len(body), len(body) + size]}
+    m2["tensors"]["huge"] = {"dtype": "float32", "shape": [size // 4], "nbytes": size, "crc32": 0}
+    cases.append(("inspect", st_file("sparse_4gib.safetensors", m2, huge, size=len(body) + size), "a 4 GiB tensor in a sparse file (147 KiB on disk)"))
+    cases.insert(0, ("inspect", small, f"a valid {small.stat().st_size // 1024} KiB bundle (the baseline)"))
+    print("worst cases (each in a fresh process; peak RSS includes Python, torch and nanreplay):")
+    for mode, path, what in cases:
+        r = subprocess.run([sys.executable, "-c", _WORST_CASE_CHILD, mode, str(path)], env=env, capture_output=True, text=True)
+        outcome, seconds, rss = (r.stdout.strip().splitlines() or ["?|?|0"])[-1].split("|")
+        disk = path.stat().st_blocks * 512
+        print(f"  {mode:<8} {what}: file {path.stat().st_size / 2**20:.0f} MiB ({disk / 2**20:.1f} MiB on disk) -> {outcome}; "
+              f"{seconds} s, peak RSS {int(rss) / 1024:.0f} MiB")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mutants", type=int, default=10000)
@@ -597,6 +667,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--keep", help="directory for the mutants that ended in anything but ok / BundleFormatError")
     ap.add_argument("--json", help="write every result to this file (JSON lines)")
     ap.add_argument("--code", help="the directory holding the nanreplay package to test (default: this checkout), e.g. an older release for a before/after figure")
+    ap.add_argument("--worst-cases", action="store_true", help="measure the files crafted for the most memory and time instead of fuzzing")
     ap.add_argument("--same-name", action="store_true", help="give every mutant its seed's extension (by default names vary: .h5, .safetensors, .txt, none)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--make-seeds", help=argparse.SUPPRESS)
@@ -614,6 +685,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ["NANREPLAY_FUZZ_CODE"] = str(Path(args.code).resolve())
     code = os.environ.get("NANREPLAY_FUZZ_CODE") or str(ROOT)
     env = {**os.environ, "NANREPLAY_HOME": home, "PYTHONPATH": os.pathsep.join([code, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    if args.worst_cases:
+        return worst_cases(env)
     seed_dir = Path(tempfile.mkdtemp(prefix="nanreplay-fuzz-seeds-"))
     out = subprocess.run([sys.executable, str(HERE), "--make-seeds", str(seed_dir)], env=env, capture_output=True, text=True, check=True)
     seeds = [Path(p) for p in out.stdout.split()]

@@ -302,8 +302,9 @@ def h5_gzip_manifest_bomb(ctx: Ctx) -> Path:
 
 def h5_v1_corrupt_vlen_attribute(ctx: Ctx) -> Path:
     """A version-1 style file (per-dataset variable-length ``torch_dtype`` attributes, written
-    without checksummed metadata) with one byte of the attributes' heap changed: reading such an
-    attribute crashed the HDF5 library. The reader never reads attributes."""
+    without checksummed metadata) with one byte of the attributes' global heap changed: reading
+    such an attribute crashed or, with this byte, hung the HDF5 library (the old reader never
+    returned). The reader never reads attributes."""
     import h5py
 
     from nanreplay.format.container import _h5_name
@@ -319,8 +320,7 @@ def h5_v1_corrupt_vlen_attribute(ctx: Ctx) -> Path:
     data = bytearray(p.read_bytes())
     heap = data.find(b"GCOL")
     assert heap > 0
-    data[heap + 16] = 0xFF  # the first heap object's reference count / size field
-    data[heap + 24] = 0x7F
+    data[heap + 8] = 0xFF  # the heap collection's size: the old reader looped forever inside the HDF5 library
     p.write_bytes(bytes(data))
     return p
 
@@ -453,7 +453,7 @@ ATTACKS: list[Attack] = [
     Attack("h5_gzip_manifest_bomb", "h5", "a gzip-compressed manifest inflating to 60 MiB of JSON",
            h5_gzip_manifest_bomb, "manifest does not match the file: expected dataset '__manifest__' to be a contiguous, uncompressed dataset",
            4, [(USER_CODE, 4, "compression")]),
-    Attack("h5_v1_corrupt_vlen_attribute", "h5", "a version-1 file with a corrupted variable-length attribute (crashed the HDF5 library)",
+    Attack("h5_v1_corrupt_vlen_attribute", "h5", "a version-1 file with one corrupted byte in its variable-length attributes' heap (hung or crashed the HDF5 library)",
            h5_v1_corrupt_vlen_attribute, None, 0, [(USER_CODE, 0, "reproduced exactly")]),
     Attack("st_sparse_huge_tensor", "safetensors", "a 1 GiB tensor declared in a sparse file of a few KiB",
            st_sparse_huge_tensor, None, 4, []),
