@@ -13,7 +13,7 @@ from ..core.allowlist import Allowlist
 from ..core.callables import import_callable
 from ..core.state import load_buffers
 from ..engine.run import StepInputs, preserve_live, run_step
-from ..engine.gate import OptimizerInfo, bundle_types, recorded_callable, require_trust, resolve_optimizer, resolved_optimizer_info
+from ..engine.gate import bundle_types, live_optimizer_info, recorded_callable, require_trust, resolved_optimizer_info
 from ..engine.state import build_model, load_state, recorded_device
 from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import BundleContent
@@ -61,12 +61,8 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         progress: told what the diagnosis is doing.
     """
     rec = content.steps[-1]
-    # trust rule: the optimizer class is the live optimizer's own, already imported in this process
-    optimizer_info = OptimizerInfo(content.optimizer_info or {})
-    try:
-        optimizer_info.resolved = resolve_optimizer(optimizer_info, trusted=True) if optimizer_info.get("class") else None
-    except Exception as e:  # noqa: BLE001 - the optimizer update check reports it; the replay goes on
-        logger.info("the live optimizer's class is not rebuilt for the update check: %s", e)
+    # trust rule: the optimizer class is the live optimizer's own (code this process runs)
+    optimizer_info = live_optimizer_info(content.optimizer_info)
     inp = StepInputs(
         record=rec, state=content.state, recorded_grads=content.grads, loss_fn=loss_fn,
         scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),

@@ -24,7 +24,8 @@ from ..format.bundle import Bundle, Types
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["require_trust", "bundle_types", "recorded_callable", "OptimizerInfo", "resolve_optimizer", "resolved_optimizer_info"]
+__all__ = ["require_trust", "bundle_types", "recorded_callable", "OptimizerInfo", "resolve_optimizer", "resolved_optimizer_info",
+           "live_optimizer_info"]
 
 
 def require_trust(b: Bundle, *, model: bool, loss: bool, types: Types = None, optimizer: bool = False) -> None:
@@ -97,11 +98,33 @@ def recorded_callable(b: Bundle, kind: str, path: str) -> Callable:
 
 
 class OptimizerInfo(dict):
-    """A bundle's ``meta["optimizer"]`` (a plain dict, JSON as recorded) carrying the optimizer
-    class the caller resolved under the trust rule in :attr:`resolved`. JSON can never produce
-    this type, so a file cannot forge a resolution."""
+    """A bundle's ``meta["optimizer"]`` (a plain dict, JSON as recorded) that also carries the
+    optimizer class resolved under the trust rule, as :attr:`resolved`. JSON can never produce
+    this type, so a file cannot forge a resolution.
 
-    resolved: Optional[type] = None
+    Args:
+        info: the recorded ``meta["optimizer"]``.
+        resolver: called once, on the first read of :attr:`resolved` (so a module is imported only
+            when the optimizer is actually rebuilt); its ``ReplayError`` or
+            ``UntrustedBundleError`` leaves the class unresolved.
+    """
+
+    def __init__(self, info: Mapping[str, Any], *, resolver: Optional[Callable[[], type]] = None) -> None:
+        super().__init__(info)
+        self._resolver = resolver
+        self._resolved: Optional[type] = None
+        self.error: Optional[Exception] = None  # why the resolver did not resolve it
+
+    @property
+    def resolved(self) -> Optional[type]:
+        if self._resolver is not None:
+            resolver, self._resolver = self._resolver, None
+            try:
+                self._resolved = resolver()
+            except (ReplayError, UntrustedBundleError) as e:
+                self.error = e
+                logger.info("the recorded optimizer class is not rebuilt: %s", e)
+        return self._resolved
 
 
 def resolve_optimizer(info: Mapping[str, Any], *, trusted: bool, source: str = "the bundle") -> type:
@@ -117,6 +140,8 @@ def resolve_optimizer(info: Mapping[str, Any], *, trusted: bool, source: str = "
     resolved = getattr(info, "resolved", None)
     if isinstance(resolved, type) and issubclass(resolved, torch.optim.Optimizer):
         return resolved
+    if isinstance(info, OptimizerInfo) and info.error is not None:
+        raise info.error  # the caller's resolution already decided (and said why)
     path = info.get("class")
     if not isinstance(path, str) or not path:
         raise ReplayError(f"{source} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
@@ -132,15 +157,18 @@ def resolve_optimizer(info: Mapping[str, Any], *, trusted: bool, source: str = "
 
 
 def resolved_optimizer_info(b: Bundle) -> Optional[OptimizerInfo]:
-    """``b.meta["optimizer"]`` as an :class:`OptimizerInfo`, its class resolved when the trust rule
-    allows (else left unresolved: rebuilding it later raises the refusal, which the optimizer
-    update check reports instead of running anything)."""
+    """``b.meta["optimizer"]`` as an :class:`OptimizerInfo` whose class is resolved, when first
+    needed, as far as the trust rule allows (else left unresolved: rebuilding it then raises the
+    refusal, which the optimizer update check reports instead of running anything)."""
     info = b.meta.get("optimizer")
     if not info:
         return None
-    out = OptimizerInfo(info)
-    try:
-        out.resolved = resolve_optimizer(info, trusted=b.trusted, source=str(b.path))
-    except (ReplayError, UntrustedBundleError) as e:
-        logger.info("%s: the recorded optimizer is not rebuilt: %s", b.path, e)
-    return out
+    plain, trusted, source = dict(info), b.trusted, str(b.path)
+    return OptimizerInfo(info, resolver=lambda: resolve_optimizer(plain, trusted=trusted, source=source))
+
+
+def live_optimizer_info(info: Optional[Mapping[str, Any]]) -> OptimizerInfo:
+    """The Recorder's own ``optimizer_info`` (in the training process): its class is the live
+    optimizer's, code this process already runs, so it is resolved as trusted, when first needed."""
+    plain = dict(info or {})
+    return OptimizerInfo(plain, resolver=(lambda: resolve_optimizer(plain, trusted=True)) if plain.get("class") else None)
