@@ -70,7 +70,7 @@ def _guard(fn: Callable[[], Any]) -> Any:
     except click.ClickException:
         raise
     except Exception as e:  # a bug in nanreplay or in the replayed code: one line, the traceback with -v
-        logger.debug("unexpected error", exc_info=True)
+        logger.info("unexpected error", exc_info=True)
         raise CLIError(f"unexpected error: {type(e).__name__}: {e} (a bug: please report it; run with -v for the traceback)", EXIT_ERROR) from e
 
 

@@ -76,6 +76,8 @@ def build_from_init(init: Any, *, trusted: bool = False, source: str = "the bund
         raise ReplayError(f"{source}: model_init names {init['class']!r}, a {type(cls).__name__}, not a torch.nn.Module subclass; pass --model-factory")
     try:
         model = cls(**init.get("kwargs", {}))
+    except SystemExit as e:
+        raise ReplayError(f"{init['class']}(**{init.get('kwargs')}) called sys.exit({e.code!r}) instead of building the model") from e
     except Exception as e:
         raise ReplayError(
             f"{init['class']}(**{init.get('kwargs')}) raised {type(e).__name__}: {e}; the recorded hyperparameters do not "
@@ -89,11 +91,13 @@ def build_from_init(init: Any, *, trusted: bool = False, source: str = "the bund
 def build_model(b: Bundle, model_factory: Union[str, Callable, None] = None) -> torch.nn.Module:
     """A fresh model of the recorded architecture from ``model_factory`` (a zero-argument callable
     or its import path), else from the factory recorded in the bundle ``b``, else from its
-    ``model_init`` (class and JSON kwargs, see :func:`build_from_init`). Weights are not loaded.
+    ``model_init`` (class and JSON kwargs, see :func:`build_from_init`); the recorded ones only
+    when ``b.trusted``. Weights are not loaded.
 
     Raises:
-        ReplayError: no factory recorded or given, the factory cannot be imported, raises, or
-            returns something other than an ``nn.Module``.
+        UntrustedBundleError: the recorded factory or class would be used and ``b`` is not trusted.
+        ReplayError: no factory recorded or given, the factory cannot be imported, raises, calls
+            ``sys.exit``, or returns something other than an ``nn.Module``.
     """
     factory = model_factory or b.model_factory
     if factory is None and b.meta.get("model_init"):
