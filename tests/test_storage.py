@@ -638,3 +638,23 @@ def test_hdf5_external_link_is_refused(tmp_path):
     with pytest.raises(BundleFormatError, match=leading(path, "manifest does not match the file")) as e:
         read_flat(path)
     assert "found an external link at /tensors/w" in str(e.value)
+
+
+def test_a_version_1_hdf5_file_still_reads_bit_exactly(tmp_path):
+    """Version 1 (the previous writer): HDF5 metadata without checksums and a variable-length
+    ``torch_dtype`` attribute on every dataset, which the reader never reads."""
+    tensors = special_values()
+    v2 = write_flat(tmp_path / "v2.h5", tensors, {"step": 3})
+    v1 = tmp_path / "v1.h5"
+    with h5py.File(v2, "r") as src, h5py.File(v1, "w", libver="earliest") as dst:
+        manifest = json.loads(src["__manifest__"][()].tobytes())
+        manifest["format_version"] = 1
+        for key, entry in manifest["tensors"].items():
+            name = storage._h5_name(key)
+            dst.create_dataset(f"tensors/{name}", data=src["tensors"][name][()], track_times=False).attrs["torch_dtype"] = entry["dtype"]
+        dst.create_dataset("__manifest__", data=np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8), track_times=False)
+    assert v1.read_bytes()[8] == 0  # superblock version 0, as the version-1 writer produced
+    with read_flat(v1) as b:
+        assert b.manifest["format_version"] == 1 and b.meta == {"step": 3}
+        for key, want in tensors.items():
+            assert_bit_exact(b.get(key), want)
