@@ -640,6 +640,13 @@ def worst_cases(env: dict) -> int:
     capped = text[:-1] + ',"pad":[' + "[]," * n_lists + "1.5," * ((1 << 23) - n_lists - 4000) + "0]}"
     cases.append(("open", st_file("json_at_caps.safetensors", manifest, header, text=capped),
                   "a manifest just under the caps (4.2 M empty lists and 4.2 M floats, parsed, then refused by the schema)"))
+    leaf = '{"type":null,"context":null,"children_spec":[]}'
+    for count, what in ((600_000, "a tree spec string of 600 000 leaves (1.2 M JSON containers inside a string of the manifest)"),
+                        (500_000, "a tree spec string of 500 000 leaves, just under the spec cap (decoded, then refused)")):
+        m3 = json.loads(text)
+        rec = next(s for s in m3["meta"]["steps"] if s["step"] == m3["meta"]["failing_step"])["batches"][0]
+        rec["spec"] = '[1,{"type":"builtins.list","context":"null","children_spec":[' + ",".join([leaf] * count) + "]}]"
+        cases.append(("open", st_file(f"spec_{count}.safetensors", m3, header), what))
     huge = dict(header)
     m2 = json.loads(text)
     size = 4 << 30

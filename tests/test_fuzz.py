@@ -159,3 +159,46 @@ def test_any_mutation_reads_cleanly_or_is_a_bundle_format_error(seeds, tmp_path_
             assert diag["reproduction"]["verdict"] in ("reproduced exactly", "not reproduced") or diag["reproduction"]["verdict"].startswith("reproduced")
         except BundleFormatError:
             pass
+
+
+def _structure_reference(raw: bytes) -> tuple[int, int, int]:
+    """A character-by-character reading of JSON text: containers, separators and depth outside strings."""
+    containers = separators = depth = deepest = 0
+    in_string = escaped = False
+    for c in raw.decode("utf-8"):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            containers += 1
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+        elif c in ",:":
+            separators += 1
+    return containers, separators, deepest
+
+
+tricky_text = st.text(alphabet=st.sampled_from(list('ab"\\[]{},: \u00e9')), max_size=12)
+json_documents = st.recursive(st.none() | st.integers() | tricky_text,
+                              lambda c: st.lists(c, max_size=4) | st.dictionaries(tricky_text, c, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=json_documents, chunk=st.sampled_from([1, 2, 3, 7, 1 << 20]), ascii_only=st.booleans())
+def test_the_pre_parse_scan_counts_exactly_what_lies_outside_strings(doc, chunk, ascii_only):
+    import nanreplay.core.safejson as safejson
+
+    raw = json.dumps(doc, ensure_ascii=ascii_only).encode("utf-8")
+    old, safejson._CHUNK = safejson._CHUNK, chunk  # small chunks: the string state and backslash runs cross chunk edges
+    try:
+        assert safejson.json_structure(raw) == _structure_reference(raw)
+    finally:
+        safejson._CHUNK = old

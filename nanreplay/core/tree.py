@@ -22,10 +22,13 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
 import torch
 from torch.utils import _pytree as pytree
 
+from .safejson import strict_loads
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TypedNode", "to_typed", "flatten_typed", "map_tensors", "tensor_leaves", "flatten_batch", "unflatten_batch", "encode_value",
-           "decode_value", "type_path", "accepted_types", "decode_spec", "spec_types", "SpecNode", "SpecError", "MAX_TREE_DEPTH"]
+           "decode_value", "type_path", "accepted_types", "decode_spec", "spec_types", "SpecNode", "SpecError", "MAX_TREE_DEPTH",
+           "MAX_SPEC_CONTAINERS"]
 
 
 class TypedNode:
@@ -201,25 +204,20 @@ class SpecError(ValueError):
     """A stored tree spec is malformed or uses an unsupported node type."""
 
 
+#: Most arrays and objects (and four times as many separators) in one stored tree spec: a node is an
+#: object and a list, so this is about 500 000 nodes, more than a manifest of 64 MiB can list
+#: leaves for; it bounds the memory a spec takes to decode (about 0.2 GiB at the limit).
+MAX_SPEC_CONTAINERS = 1 << 20
+
+
 def _strict_json(text: Any, what: str) -> Any:
     if not isinstance(text, str):
         raise SpecError(f"{what}: expected a JSON string, found {type(text).__name__}")
-
-    def no_constant(name: str) -> Any:
-        raise SpecError(f"{what}: non-standard JSON constant {name}")
-
-    def finite(s: str) -> float:
-        f = float(s)
-        if not math.isfinite(f):
-            raise SpecError(f"{what}: number {s[:40]} is not finite")
-        return f
-
     try:
-        return json.loads(text, parse_constant=no_constant, parse_float=finite)
-    except SpecError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise SpecError(f"{what}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        return strict_loads(text, max_depth=2 * MAX_TREE_DEPTH + 4, max_containers=MAX_SPEC_CONTAINERS,
+                            max_separators=4 * MAX_SPEC_CONTAINERS)
+    except ValueError as e:
+        raise SpecError(f"{what}: not valid JSON within bounds ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _dict_key(k: Any, where: str) -> Any:

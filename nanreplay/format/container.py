@@ -50,7 +50,6 @@ import contextlib
 import difflib
 import errno
 import functools
-import gc
 import io
 import json
 import logging
@@ -68,6 +67,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Optional, Union
 import numpy as np
 import torch
 
+from nanreplay.core.safejson import strict_loads
 from nanreplay.core.trust import manifest_digest, mark_trusted
 from nanreplay.errors import BundleFormatError
 
@@ -748,79 +748,18 @@ class _Entry(NamedTuple):
     stored_as: Optional[str]
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k[:100]!r} in a JSON object")
-        out[k] = v
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:40]} is not a finite float (write non-finite values as the strings 'nan', 'inf', '-inf')")
-    return value
-
-
-# The "unrolled loop" form: the regex engine's memory grows with the escapes in a string, not with
-# its length (an alternation under a star would keep state for every character of a 64 MiB string).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_OPEN = np.zeros(256, dtype=np.int8)
-_OPEN[[ord("["), ord("{")]] = 1
-_OPEN[[ord("]"), ord("}")]] = -1
-
-
-def _json_structure(raw: bytes) -> tuple[int, int, int]:
-    """(arrays + objects, separators, deepest nesting) of JSON text, from the raw bytes with string
-    literals removed: a C-speed regex and numpy over 8 MiB chunks, so the cost is a small multiple
-    of the text's size whatever it holds."""
-    bare = _JSON_STRING.sub(b"", raw)
-    containers = bare.count(b"[") + bare.count(b"{")
-    separators = bare.count(b",") + bare.count(b":")
-    depth = deepest = 0
-    for at in range(0, len(bare), _READ_CHUNK):
-        steps = _OPEN[np.frombuffer(bare, dtype=np.uint8, count=min(_READ_CHUNK, len(bare) - at), offset=at)]
-        if steps.any():
-            level = np.cumsum(steps, dtype=np.int32) + depth
-            deepest = max(deepest, int(level.max()))
-            depth = int(level[-1])
-    return containers, separators, deepest
-
-
 def strict_json(raw: Union[bytes, str]) -> Any:
-    """Parse untrusted JSON strictly: UTF-8, no duplicate keys, no ``NaN``/``Infinity`` and no
-    number that overflows to infinity. Before parsing, the raw text must nest at most
+    """Parse an untrusted manifest or safetensors header
+    (:func:`nanreplay.core.safejson.strict_loads`): UTF-8, no duplicate keys, no ``NaN``/``Infinity``
+    and no number that overflows to infinity; before parsing, the raw text must nest at most
     :data:`MAX_JSON_DEPTH` levels and hold at most :data:`MAX_JSON_CONTAINERS` arrays and objects
     and :data:`MAX_JSON_SEPARATORS` separators, which bounds the memory the parsed document takes
-    (about 0.5 GiB for the worst 64 MiB). The cyclic garbage collector is paused while parsing
-    (JSON builds no cycles; on crafted input it would otherwise spend most of the time scanning).
+    (about 0.5 GiB for the worst 64 MiB).
 
     Raises:
-        ValueError: any of the above (``UnicodeDecodeError`` included), or integers over the
-            interpreter's digit limit.
+        ValueError: any of the above (``UnicodeDecodeError`` included).
     """
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-    containers, separators, depth = _json_structure(data)
-    if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"JSON nested {depth} levels deep, expected at most {MAX_JSON_DEPTH}")
-    if containers > MAX_JSON_CONTAINERS or separators > MAX_JSON_SEPARATORS:
-        raise ValueError(f"JSON of {containers} arrays and objects and {separators} separators, expected at most "
-                         f"{MAX_JSON_CONTAINERS} and {MAX_JSON_SEPARATORS}")
-    text = data.decode("utf-8")
-    del data
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
-    finally:
-        if enabled:
-            gc.enable()
+    return strict_loads(raw, max_depth=MAX_JSON_DEPTH, max_containers=MAX_JSON_CONTAINERS, max_separators=MAX_JSON_SEPARATORS)
 
 
 def _parse_manifest(path: pathlib.Path, raw: bytes) -> dict[str, Any]:

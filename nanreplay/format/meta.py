@@ -34,6 +34,7 @@ _MAX_INT = 2**63 - 1
 _FNUM_STRINGS = ("nan", "inf", "-inf")
 _AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
 _DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
+_CACHED_SPEC = 1 << 16
 _SCALER_FIELDS = {"scale": (int, float), "growth_factor": (int, float), "backoff_factor": (int, float),
                   "growth_interval": (int,), "_growth_tracker": (int,)}
 
@@ -53,8 +54,8 @@ InfoFn = Callable[[str], Optional[tuple[torch.dtype, tuple[int, ...]]]]
 
 @dataclass
 class MetaFacts:
-    """What validation learnt, for the readers: the decoded tree specs (by their JSON text) and
-    the typed-node types each tree records (``where`` -> ``module:QualName`` list)."""
+    """What validation learnt, for the readers: the small decoded tree specs (by their JSON text)
+    and the typed-node types each tree records (``where`` -> ``module:QualName`` list)."""
 
     specs: dict[str, SpecNode] = field(default_factory=dict)
     types: dict[str, list[str]] = field(default_factory=dict)
@@ -169,7 +170,8 @@ class _Checker:
                 node = decode_spec(spec)
             except SpecError as e:
                 raise MetaError(f"{where}.spec", "a valid tree spec", str(e)) from None
-            self.facts.specs[spec] = node
+            if len(spec) <= _CACHED_SPEC:  # the same small specs repeat (a batch per step); large ones are decoded again
+                self.facts.specs[spec] = node
         if node.leaves != n:
             raise MetaError(f"{where}.n", f"the spec's leaf count {node.leaves}", str(n))
         keys, values = m.get("keys", {}), m.get("values", {})
