@@ -23,6 +23,8 @@ _EXPORTS = {
     "open_bundle": ".format.bundle",
     "write_bundle": ".format.bundle",
     "Bundle": ".format.bundle",
+    "trust_bundle": ".format.bundle",
+    "untrust_bundle": ".format.bundle",
     "BundleContent": ".format.records",
     "replay": ".diagnosis.api",
     "bisect": ".search.api",
@@ -31,6 +33,7 @@ _EXPORTS = {
     "NonFiniteGradientError": ".errors",
     "ModelMismatchError": ".errors",
     "ReplayError": ".errors",
+    "UntrustedBundleError": ".errors",
 }
 
 __all__ = list(_EXPORTS)
@@ -51,7 +54,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from .capture.recorder import Recorder, RecorderConfig
     from .diagnosis.api import replay
-    from .errors import BundleFormatError, ModelMismatchError, NanReplayError, NonFiniteGradientError, ReplayError
-    from .format.bundle import Bundle, open_bundle, write_bundle
+    from .errors import BundleFormatError, ModelMismatchError, NanReplayError, NonFiniteGradientError, ReplayError, UntrustedBundleError
+    from .format.bundle import Bundle, open_bundle, trust_bundle, untrust_bundle, write_bundle
     from .format.records import BundleContent
     from .search.api import bisect

@@ -13,7 +13,15 @@ Exit codes (stable, for scripts):
       (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
 6     ``bisect``: the search named no culprit (the failure did not reproduce, the cause is
       outside what the search varies, or ``--max-replays`` ran out)
+7     refused: the bundle is not trusted and names code the command would run (its model
+      factory, model class, loss function, optimizer class or batch types); nothing was run.
+      Review ``nanreplay inspect BUNDLE``, then ``nanreplay trust BUNDLE`` or ``--trust``, or
+      name your own code with ``--model-factory``, ``--loss-fn`` and ``--batch-type``
 ====  =========================================================================
+
+A bundle is data: ``inspect`` and ``trust`` never run code from it, and ``replay`` / ``bisect``
+run the code it names only under the trust rule above (``docs/security.md``). A bad file never
+produces a traceback: it exits 4 with one message.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from typing import Any, Callable, Optional
 
 import click
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND = 0, 1, 2, 3, 4, 5, 6
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND, EXIT_UNTRUSTED = 0, 1, 2, 3, 4, 5, 6, 7
+
+logger = logging.getLogger(__name__)
 
 
 class CLIError(click.ClickException):
@@ -42,7 +52,7 @@ class CLIError(click.ClickException):
 
 def _guard(fn: Callable[[], Any]) -> Any:
     """Map library errors to clean messages and fixed exit codes, never a traceback."""
-    from .errors import BundleFormatError, ModelMismatchError, ReplayError
+    from .errors import BundleFormatError, ModelMismatchError, ReplayError, UntrustedBundleError
 
     try:
         return fn()
@@ -52,8 +62,40 @@ def _guard(fn: Callable[[], Any]) -> Any:
         raise CLIError(f"{e}: expected a bundle file (.h5 or .safetensors), found a directory.", EXIT_BAD_BUNDLE) from e
     except BundleFormatError as e:
         raise CLIError(str(e), EXIT_BAD_BUNDLE) from e
+    except UntrustedBundleError as e:
+        raise CLIError(e.describe(cli=True), EXIT_UNTRUSTED) from e
     except (ModelMismatchError, ReplayError) as e:
         raise CLIError(str(e), EXIT_REPLAY) from e
+    except PermissionError as e:
+        raise CLIError(f"{e}; check the file's permissions", EXIT_BAD_BUNDLE) from e
+    except SystemExit as e:  # user code (a model factory, a loss function) tried to end the process
+        raise CLIError(f"the code being replayed called sys.exit({e.code!r}); replay cannot finish", EXIT_REPLAY) from e
+    except click.ClickException:
+        raise
+    except Exception as e:  # a bug in nanreplay or in the replayed code: one line, the traceback with -v
+        logger.info("unexpected error", exc_info=True)
+        raise CLIError(f"unexpected error: {type(e).__name__}: {e} (a bug: please report it; run with -v for the traceback)", EXIT_ERROR) from e
+
+
+def _import_types(paths: tuple[str, ...]) -> list[type]:
+    """The batch types named with --batch-type (user-named code: imported)."""
+    from .core.callables import import_callable
+    from .core.tree import accepted_types
+    from .errors import ReplayError
+
+    out = []
+    for p in paths:
+        try:
+            cls = import_callable(p)
+            accepted_types([cls])
+        except (ReplayError, TypeError) as e:
+            raise click.BadParameter(f"{p}: {e}", param_hint="--batch-type") from e
+        out.append(cls)
+    return out
+
+
+_trust_opt = click.option("--trust", is_flag=True, help="Trust this bundle for this run: import and run the code it names (factory, loss function, classes). Review `nanreplay inspect BUNDLE` first.")
+_batch_type_opt = click.option("--batch-type", "batch_types", multiple=True, metavar="MODULE:CLASS", help="A dataclass or namedtuple class to rebuild the recorded batch nodes of that type as (repeatable); without it, an untrusted bundle's typed batches are refused.")
 
 
 _bundle_arg = click.argument("bundle", type=click.Path(dir_okay=True, path_type=Path))
@@ -155,17 +197,23 @@ def main(verbose: int) -> None:
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import (a training script without an `if __name__ == \"__main__\":` guard trains again).")
+@_trust_opt
+@_batch_type_opt
 @_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
-           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, color: Optional[bool]) -> None:
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, trust: bool, batch_types: tuple,
+           color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
-    Exit code 0 when the failure reproduced, 3 when it did not.
+    The code BUNDLE names (model factory, loss function, classes) runs only when the bundle is
+    trusted: written by your Recorder on this machine, `nanreplay trust BUNDLE`, or --trust.
+    Exit code 0 when the failure reproduced, 3 when it did not, 7 when refused as untrusted.
     """
     from .report.text import render_report
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
-                               allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script)
+                               allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script,
+                               trust=trust, batch_types=_import_types(batch_types))
     if as_json:
         click.echo(_dump_json(diag), color=False)
     else:
@@ -181,8 +229,9 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_color_option
 def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool, color: Optional[bool]) -> None:
-    """Summarise BUNDLES without running anything: steps held, tensors, sizes, metadata and the
-    stored diagnosis. Safe on untrusted files: no code from the bundle runs.
+    """Summarise BUNDLES without running anything: steps held, tensors, sizes, metadata, the
+    stored diagnosis, whether each bundle is trusted and which code it names. Safe on untrusted
+    files: no code from the bundle runs; memory stays bounded whatever the file says.
 
     Given the bundles of several ranks of one distributed run, also says which rank the
     non-finite values were born on (JSON: {"bundles": [...], "ranks": {...}})."""
@@ -213,7 +262,7 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
         infos = {k: b.info(k) for k in b.keys()}
         if verify:
             for k in infos:
-                b.tensor(k)  # raises BundleFormatError on a CRC mismatch
+                b.verify(k)  # raises BundleFormatError on a CRC mismatch; reads in bounded chunks
         steps = []
         for s in b.meta["steps"]:
             steps.append(
@@ -234,16 +283,18 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
             "failing_step": b.failing_step,
             "reason": b.meta.get("reason"),
             "environment": b.meta.get("environment"),
-            "model_class": b.meta.get("model", {}).get("class"),
+            "model_class": (b.meta.get("model") or {}).get("class"),
             "model_factory": b.model_factory,
             "loss_fn": b.loss_fn,
-            "optimizer": b.meta.get("optimizer", {}).get("class"),
+            "optimizer": (b.meta.get("optimizer") or {}).get("class"),
             "steps": steps,
             "tensors": len(infos),
             "tensor_bytes": sum(i.nbytes for i in infos.values()),
             "file_bytes": b.path.stat().st_size,
             "keys": {k: {"shape": list(i.shape), "dtype": str(i.dtype).replace("torch.", ""), "nbytes": i.nbytes} for k, i in infos.items()} if keys else None,
             "diagnosis": b.diagnosis,
+            "trusted": b.trusted,
+            "code": b.named_code(),
             **{k: b.meta[k] for k in ("rank", "world_size", "distributed") if k in b.meta},
         }
 
@@ -271,7 +322,11 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
             + ("  [weights snapshot]" if s["snapshot"] else "")
         )
     d = info.get("diagnosis")
-    echo(f"  stored diagnosis: {st(d['summary'], bold=True) if d else '(none)'}")
+    echo(f"  stored diagnosis: {st((d or {}).get('summary') or '(none)', bold=bool(d))}")
+    code = info.get("code") or {}
+    listing = "; ".join(f"{kind} {', '.join(names)}" for kind, names in code.items()) or "none"
+    trusted = "trusted (replay runs it)" if info.get("trusted") else st("NOT trusted (replay refuses it; `nanreplay trust` after review)", fg="yellow")
+    echo(f"  code it names: {listing}   {trusted if code else ''}".rstrip())
     if keys and info["keys"]:
         echo("  tensors:")
         for k, v in info["keys"].items():
@@ -292,25 +347,29 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
               help="Also write the search as a self-contained HTML page: the replays tried and the culprit (default FILE: "
                    "BUNDLE-bisect-OVER.html beside the bundle; write --html=FILE, or --html after BUNDLE). Needs the report extra: "
                    "pip install 'nanreplay[report]'.")
+@_trust_opt
+@_batch_type_opt
 @_color_option
 def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str],
-           as_json: bool, html: Optional[str], color: Optional[bool]) -> None:
+           as_json: bool, html: Optional[str], trust: bool, batch_types: tuple, color: Optional[bool]) -> None:
     """Search BUNDLE for the cause of its non-finite step by replaying variations of it:
     the layers whose weight change makes it non-finite, the first layer that must run in float32,
     the first step that left the healthy range, or the smallest bad subset of the batch.
 
-    Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not.
-    The bundle is never modified.
+    Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not, 7 when
+    refused as untrusted (see `nanreplay replay --help`). The bundle is never modified.
     """
     from .report.text import styler
     from .search.api import bisect as run
 
     if html is not None:
         _require_report_extra()
+    types = _import_types(batch_types)
     err = sys.stderr
     show = err.isatty()
     with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
-        res = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None))
+        res = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None,
+                                 trust=trust, batch_types=types))
     if as_json:
         click.echo(_dump_json(res))
     else:
@@ -390,9 +449,12 @@ def _write_page(out: Path, page: str) -> None:
 @click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values (as for replay).")
 @click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...).")
 @click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
+@_trust_opt
+@_batch_type_opt
 @_color_option
 def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: bool, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool,
-           device: Optional[str], no_ops: bool, allow: tuple, no_default_allow: bool, no_samples: bool, color: Optional[bool]) -> None:
+           device: Optional[str], no_ops: bool, allow: tuple, no_default_allow: bool, no_samples: bool, trust: bool, batch_types: tuple,
+           color: Optional[bool]) -> None:
     """Replay the failing step of BUNDLE and write the diagnosis as one self-contained HTML file:
     the loss and grad-norm curves before the failure, the forward pass module by module, the
     causal chain of births, the samples, the environment. The file loads nothing from the
@@ -415,7 +477,8 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
                 "run `nanreplay report` without --no-replay to replay the step.", EXIT_REPLAY)
     else:
         diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
-                                   allow=list(allow), default_allow=not no_default_allow, samples=not no_samples)
+                                   allow=list(allow), default_allow=not no_default_allow, samples=not no_samples,
+                                   trust=trust, batch_types=_import_types(batch_types))
         meta = _guard(lambda: _bundle_meta(bundle))
     out = output if output is not None else bundle.with_suffix(".html")
     _write_page(out, render_html(diag, meta=meta, bundle_name=bundle.name))
@@ -426,6 +489,30 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
         click.launch(str(out))
     if (diag.get("reproduction") or {}).get("verdict") == "not reproduced":
         sys.exit(EXIT_NOT_REPRODUCED)
+
+
+
+@main.command()
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=Path))
+@click.option("--revoke", is_flag=True, help="Remove the bundles from the trust store instead.")
+def trust(bundles: tuple[Path, ...], revoke: bool) -> None:
+    """Trust BUNDLES: let replay, report and bisect run the code they name (model factory, model
+    class, loss function, optimizer class, batch types), as long as their content is unchanged.
+
+    Review what a bundle names first (`nanreplay inspect BUNDLE` lists it). Bundles your own
+    Recorder wrote on this machine are trusted already. The trust store is per user
+    ($NANREPLAY_HOME, default ~/.nanreplay); see docs/security.md.
+    """
+    from .format.bundle import trust_bundle, untrust_bundle
+
+    for b in bundles:
+        if revoke:
+            was = _guard(lambda b=b: untrust_bundle(b))
+            click.echo(f"{b}: {'no longer trusted' if was else 'was not trusted'}")
+            continue
+        code = _guard(lambda b=b: trust_bundle(b))
+        listing = "; ".join(f"{kind} {', '.join(names)}" for kind, names in code.items()) or "no code"
+        click.echo(f"{b}: trusted; replay may now run {listing}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,6 +17,7 @@ __all__ = [
     "ReplayError",
     "DiagnosisTimeout",
     "MissingExtraError",
+    "UntrustedBundleError",
 ]
 
 
@@ -59,6 +60,43 @@ class MissingExtraError(NanReplayError):
         super().__init__(message)
         self.extra = extra
 
+class UntrustedBundleError(NanReplayError):
+    """Replay (or bisect) would run code that a bundle names, and the bundle is not trusted.
+
+    A bundle is trusted when this user's Recorder wrote it on this machine, or after
+    ``nanreplay trust BUNDLE`` / :func:`nanreplay.trust_bundle`; for one call, ``trust=True``
+    (``--trust``) trusts it too. Nothing was imported or called when this is raised.
+
+    Attributes:
+        path: the bundle file.
+        names: what the bundle names that the call would import, e.g.
+            ``{"model factory": ["pkg.models:make"], "batch types": ["pkg.data:Batch"]}``.
+    """
+
+    def __init__(self, path: Any, names: dict[str, list[str]]) -> None:
+        self.path = str(path)
+        self.names = {k: list(v) for k, v in names.items() if v}
+        super().__init__(self.describe(cli=False))
+
+    def listing(self) -> str:
+        """The names, as ``model factory 'a:b'; loss function 'c:d'``."""
+        return "; ".join(f"{kind} " + ", ".join(repr(n) for n in names) for kind, names in self.names.items())
+
+    def describe(self, *, cli: bool) -> str:
+        """The message in the caller's terms: CLI flags (``cli=True``) or Python keywords."""
+        head = (
+            f"{self.path}: refused: the bundle is not trusted and names code that would run: {self.listing()}. "
+            "Code named by a bundle runs only when you name it yourself or trust the bundle (docs/security.md); "
+        )
+        if cli:
+            return head + (
+                f"review the names above, then run `nanreplay trust {self.path}` (or add --trust to this command), "
+                "or name your own code with --model-factory, --loss-fn (or --no-loss-fn) and --batch-type"
+            )
+        return head + (
+            "review the names above, then pass trust=True (or call nanreplay.trust_bundle(path) once), "
+            "or pass your own model= / model_factory=, loss_fn= (or use_loss_fn=False) and batch_types="
+        )
 
 
 class NonFiniteGradientError(NanReplayError):

@@ -1,10 +1,16 @@
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every test (and every subprocess a test starts) uses a private, throwaway trust store: the
+# Recorder marks the bundles it writes as trusted there, never in the developer's ~/.nanreplay.
+if not os.environ.get("NANREPLAY_TEST_KEEP_HOME"):
+    os.environ["NANREPLAY_HOME"] = tempfile.mkdtemp(prefix="nanreplay-test-home-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -175,7 +175,10 @@ def test_bundle_round_trips_nested_batch_and_optimizer_state(out_dir, fmt, opt_n
             opt.step()
     path = info.value.bundle_path
     assert path.endswith(".h5" if fmt == "h5" else ".safetensors")
-    with open_bundle(path) as b:
+    with open_bundle(path) as b:  # reading imports nothing the file names: typed nodes are dicts of their fields
+        plain = b.step(2).batches[0]
+        assert plain["main"]["meta"] == batch["main"].meta and plain["pair"]["a"] == [1, 2]
+    with open_bundle(path, types=[Batch, Pair]) as b:  # the caller names the types it accepts
         got = b.step(2).batches[0]
         assert isinstance(got["main"], Batch) and torch.equal(got["main"].image, batch["main"].image)
         assert got["main"].meta == batch["main"].meta
@@ -222,11 +225,11 @@ def test_dataclass_model_output_keeps_its_cotangent(out_dir):
         (out.logits.sum() + out.hidden.mean()).backward()
         with pytest.raises(NonFiniteGradientError) as info:
             opt.step()
-    with open_bundle(info.value.bundle_path) as b:
+    with open_bundle(info.value.bundle_path, types=[models.Output]) as b:
         cot = b.step(0).forwards[0].cotangent
     assert isinstance(cot, models.Output) and cot.logits.shape == (5, 3) and cot.hidden.shape == (5, 6)
     assert cot.aux is None
-    diag = replay(info.value.bundle_path)
+    diag = replay(info.value.bundle_path)  # the Recorder's own bundle is trusted: the recorded factory and types are used
     assert diag["mode"] == "cotangent"
     assert diag["origin"]["module"] == "scale"
     assert diag["reproduction"]["verdict"] == "reproduced exactly"

@@ -32,7 +32,14 @@ from ..errors import ReplayError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallablePath", "callable_path", "import_callable", "script_imports", "script_runs_code"]
+__all__ = [
+    "CallablePath",
+    "callable_path",
+    "import_callable",
+    "script_imports",
+    "script_runs_code",
+    "torch_optimizer_class",
+]
 
 
 class CallablePath(str):
@@ -135,6 +142,27 @@ def _import_root(mod: str) -> Optional[str]:
     if root in installed or any(d in root.parents for d in installed):
         return None
     return str(root)
+
+
+def torch_optimizer_class(path: Any) -> Optional[type]:
+    """The ``torch.optim`` optimizer class a recorded path names (``"torch.optim.adam:Adam"``),
+    looked up as an attribute of the already imported ``torch.optim`` (nothing is imported), or
+    ``None`` when the path names anything else. Safe on untrusted input: a bundle may name these
+    without being trusted.
+    """
+    if not isinstance(path, str):
+        return None
+    module, sep, qual = path.partition(":")
+    if not sep or not qual.isidentifier() or not (module == "torch.optim" or module.startswith("torch.optim.")):
+        return None
+    import torch.optim
+
+    cls = getattr(torch.optim, qual, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer):
+        return None
+    if not (cls.__module__ == module or module == "torch.optim") or not cls.__module__.startswith("torch.optim"):
+        return None
+    return cls
 
 
 def _importable_by_name(mod: str) -> bool:

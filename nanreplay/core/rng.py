@@ -106,21 +106,28 @@ class RNGState:
 
     @classmethod
     def from_flat(cls, get: Callable[[str], torch.Tensor], meta: Mapping[str, Any], prefix: str) -> "RNGState":
-        """Inverse of :meth:`to_flat`. ``get(key)`` returns a stored tensor.
+        """Inverse of :meth:`to_flat`. ``get(key)`` returns a stored tensor. The states are
+        checked by restoring them into scratch generators (never the process's own), so a damaged
+        state fails here, not in the middle of a replay.
 
         Raises:
-            ValueError: the stored state has the wrong length or dtype (hand-edited bundle).
+            ValueError: the stored state has the wrong length, dtype or values (hand-edited or
+                damaged bundle).
         """
         words = get(f"{prefix}python")
         keys = get(f"{prefix}numpy")
         cpu = get(f"{prefix}torch_cpu")
-        if words.shape != (625,) or keys.shape != (624,) or cpu.dtype != torch.uint8:
+        if words.shape != (625,) or keys.shape != (624,) or words.dtype != torch.int64 or keys.dtype != torch.int64 or cpu.dtype != torch.uint8 or cpu.dim() != 1:
             raise ValueError(
                 f"RNG state under {prefix!r} is malformed: expected python int64[625], numpy int64[624], "
-                f"torch_cpu uint8; found {tuple(words.shape)}, {tuple(keys.shape)}, {cpu.dtype}"
+                f"torch_cpu uint8[N]; found {words.dtype} {tuple(words.shape)}, {keys.dtype} {tuple(keys.shape)}, {cpu.dtype} {tuple(cpu.shape)}"
             )
         gauss = meta.get("python_gauss_next")
-        python = (int(meta["python_version"]), tuple(int(w) for w in words.tolist()), gauss)
+        if gauss is not None and not isinstance(gauss, (int, float)):
+            raise ValueError(f"RNG state under {prefix!r}: python_gauss_next must be a number or null, found {gauss!r}")
+        python = (int(meta["python_version"]), tuple(int(w) for w in words.tolist()), None if gauss is None else float(gauss))
+        if int(keys.min()) < 0 or int(keys.max()) >= 2**32:
+            raise ValueError(f"RNG state under {prefix!r}: the NumPy MT19937 keys must be uint32 values")
         numpy_state = (
             str(meta["numpy_name"]),
             keys.numpy().astype(np.uint32),
@@ -129,4 +136,12 @@ class RNGState:
             float(meta["numpy_cached_gaussian"]),
         )
         cuda = [get(f"{prefix}cuda/{i}") for i in range(int(meta.get("cuda_devices", 0)))]
+        if any(c.dtype != torch.uint8 or c.dim() != 1 for c in cuda):
+            raise ValueError(f"RNG state under {prefix!r}: CUDA generator states must be 1-D uint8 tensors")
+        try:
+            random.Random().setstate(python)
+            np.random.RandomState().set_state(numpy_state)
+            torch.Generator().set_state(cpu)
+        except (ValueError, TypeError, OverflowError, RuntimeError) as e:
+            raise ValueError(f"RNG state under {prefix!r} cannot be restored: {type(e).__name__}: {e}") from e
         return cls(python=python, numpy=numpy_state, torch_cpu=cpu, torch_cuda=cuda)

@@ -31,8 +31,9 @@ from ..engine.compare import compare_grads, compare_loss
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
+from ..engine.gate import bundle_types, live_optimizer_info, resolved_optimizer_info
 from ..engine.state import load_state, recorded_device, replay_subject
-from ..format.bundle import Bundle, open_bundle
+from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import BundleContent
 from ..report.summary import kinds_of, summary_sentence
 from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
@@ -312,10 +313,12 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         DiagnosisTimeout: past ``timeout``; the live model is left as it was found.
     """
     rec = content.steps[-1]
+    # trust rule: the optimizer class is the live optimizer's own (code this process runs)
+    optimizer_info = live_optimizer_info(content.optimizer_info)
     inp = StepInputs(
         record=rec, state=content.state, recorded_grads=content.grads, loss_fn=loss_fn,
         scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
-        allow=Allowlist(allow), optimizer_info=content.optimizer_info,
+        allow=Allowlist(allow), optimizer_info=optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
     )
     with deadline(timeout), preserve_live(model):
@@ -337,15 +340,24 @@ def replay(
     samples: bool = True,
     progress: Optional[Progress] = None,
     import_script: bool = False,
+    trust: bool = False,
+    batch_types: Types = None,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
+
+    Code the bundle names (its model factory or ``model_init`` class, loss function, optimizer
+    class outside ``torch.optim``, batch types) runs only when the bundle is trusted: written by
+    this user's Recorder on this machine, trusted with :func:`nanreplay.trust_bundle`, or
+    ``trust=True``. Otherwise pass your own ``model`` / ``model_factory``, ``loss_fn`` (or
+    ``use_loss_fn=False``) and ``batch_types``; see ``docs/security.md``.
 
     Args:
         bundle: a path or an open :class:`~nanreplay.format.bundle.Bundle`.
         model: a model of the recorded architecture; else ``model_factory`` (callable or import
-            path), else the factory recorded in the bundle.
-        loss_fn: ``loss_fn(model, batch) -> loss``; defaults to the recorded one. Without it (or
-            with ``use_loss_fn=False``), the recorded cotangent drives the backward pass.
+            path), else the factory recorded in the bundle (trusted bundles only).
+        loss_fn: ``loss_fn(model, batch) -> loss``; defaults to the recorded one (trusted bundles
+            only). Without it (or with ``use_loss_fn=False``), the recorded cotangent drives the
+            backward pass.
         device: where to replay (default: the recorded parameters' device when present here,
             else CPU).
         ops: run the op-level monitor (names the aten op, the source line, the autograd node and
@@ -361,23 +373,32 @@ def replay(
         import_script: allow importing a factory or loss function from a script that runs code
             at import (a training script without an ``if __name__ == "__main__":`` guard would
             train again; see :func:`nanreplay.core.callables.import_callable`).
+        trust: trust this bundle for this call (run the code it names); review
+            ``nanreplay inspect`` first.
+        batch_types: dataclass types / namedtuple classes (or ``{"module:QualName": cls}``) to
+            rebuild the recorded typed batch nodes as; a trusted bundle's own are imported.
 
     Returns:
         the diagnosis dict (``docs/report.md``), with ``bundle`` and ``device`` added.
 
     Raises:
         FileNotFoundError, BundleFormatError: unreadable bundle.
+        UntrustedBundleError: the bundle is not trusted and names code this call would run
+            (nothing was run; the message lists it).
         ReplayError: no model could be built, or the loss function failed.
         ModelMismatchError: the model does not match the recorded one.
     """
     say = progress or _silent
     own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle) if own else bundle
+    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
     try:
         dev = torch.device(device) if device is not None else recorded_device(b)
         say("rebuilding the model")
         with script_imports(import_script):
-            subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=dev)
+            # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
+            subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=dev,
+                                     types=batch_types)
+        b = b.view(types=bundle_types(b, batch_types))
         model, lf = subject.model, subject.loss_fn
         model = model.to(dev)
         state = b.state()
@@ -387,7 +408,7 @@ def replay(
         history = [b.step(k) for k in b.steps if k <= b.failing_step]
         inp = StepInputs(
             record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
-            optimizer_info=b.meta.get("optimizer"), history=history, reason=dict(b.meta.get("reason") or {}),
+            optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
         diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say)

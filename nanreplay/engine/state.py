@@ -1,8 +1,8 @@
 """Rebuilding what a bundle recorded: the model (from a factory or a recorded class and JSON
 hyperparameters), its step-start weights and buffers, the optimizer and the GradScaler.
 
-Every function here that imports a callable named by a bundle goes through
-:func:`nanreplay.core.callables.import_callable`.
+Code a bundle names (factory, ``model_init`` class, optimizer class) is imported only under the
+trust rule of :mod:`nanreplay.engine.gate`: the caller named it, or the bundle is trusted.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 
 from ..core.callables import import_callable
 from ..core.state import load_buffers
-from ..errors import ModelMismatchError, ReplayError
-from ..format.bundle import Bundle
+from ..errors import ModelMismatchError, ReplayError, UntrustedBundleError
+from ..format.bundle import Bundle, Types
 from ..format.records import Snapshot
+from .gate import recorded_callable, require_trust, resolve_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +54,32 @@ def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[s
     load_buffers(model, buffers if buffers is not None else state.buffers)
 
 
-def build_from_init(init: Any) -> torch.nn.Module:
+def build_from_init(init: Any, *, trusted: bool = False, source: str = "the bundle") -> torch.nn.Module:
     """Build a model from a bundle's ``model_init`` entry, ``{"class": "pkg.mod:Class",
     "kwargs": {...JSON...}}``: ``Class(**kwargs)``, the way Lightning's ``load_from_checkpoint``
-    rebuilds a LightningModule from its saved hyperparameters.
+    rebuilds a LightningModule from its saved hyperparameters. Only for a trusted bundle, and only
+    when the name resolves to a ``torch.nn.Module`` subclass (nothing else is ever called).
+
+    Args:
+        trusted: the bundle ``source`` is trusted (see :mod:`nanreplay.engine.gate`).
 
     Raises:
-        ReplayError: a malformed entry, a class that cannot be imported, or a constructor error.
+        UntrustedBundleError: ``trusted`` is false (nothing was imported).
+        ReplayError: a malformed entry, a name that cannot be imported or is not an
+            ``nn.Module`` subclass, or a constructor error.
     """
     if not isinstance(init, dict) or not isinstance(init.get("class"), str) or not isinstance(init.get("kwargs", {}), dict):
         raise ReplayError(f"the bundle's model_init is {init!r}; expected {{'class': 'pkg.mod:Class', 'kwargs': {{...}}}}: pass --model-factory")
+    # --- trust rule (nanreplay.engine.gate): a bundle-named class runs only for a trusted bundle ---
+    if not trusted:
+        raise UntrustedBundleError(source, {"model class (model_init)": [init["class"]]})
     cls = import_callable(init["class"])
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ReplayError(f"{source}: model_init names {init['class']!r}, a {type(cls).__name__}, not a torch.nn.Module subclass; pass --model-factory")
     try:
         model = cls(**init.get("kwargs", {}))
+    except SystemExit as e:
+        raise ReplayError(f"{init['class']}(**{init.get('kwargs')}) called sys.exit({e.code!r}) instead of building the model") from e
     except Exception as e:
         raise ReplayError(
             f"{init['class']}(**{init.get('kwargs')}) raised {type(e).__name__}: {e}; the recorded hyperparameters do not "
@@ -79,23 +93,31 @@ def build_from_init(init: Any) -> torch.nn.Module:
 def build_model(b: Bundle, model_factory: Union[str, Callable, None] = None) -> torch.nn.Module:
     """A fresh model of the recorded architecture from ``model_factory`` (a zero-argument callable
     or its import path), else from the factory recorded in the bundle ``b``, else from its
-    ``model_init`` (class and JSON kwargs, see :func:`build_from_init`). Weights are not loaded.
+    ``model_init`` (class and JSON kwargs, see :func:`build_from_init`); the recorded ones only
+    when ``b.trusted``. Weights are not loaded.
 
     Raises:
-        ReplayError: no factory recorded or given, the factory cannot be imported, raises, or
-            returns something other than an ``nn.Module``.
+        UntrustedBundleError: the recorded factory or class would be used and ``b`` is not trusted.
+        ReplayError: no factory recorded or given, the factory cannot be imported, raises, calls
+            ``sys.exit``, or returns something other than an ``nn.Module``.
     """
     factory = model_factory or b.model_factory
     if factory is None and b.meta.get("model_init"):
-        return build_from_init(b.meta["model_init"])  # class + JSON hyperparameters (Lightning)
+        # class + JSON hyperparameters (Lightning)
+        return build_from_init(b.meta["model_init"], trusted=b.trusted, source=str(b.path))
     if factory is None:
         raise ReplayError(
             f"{b.path} records no model factory; pass --model-factory module:function "
             "(a zero-argument function returning the model), or give Recorder(model_factory=...) when recording"
         )
-    fn = import_callable(factory) if isinstance(factory, str) else factory
+    if model_factory:
+        fn = import_callable(factory) if isinstance(factory, str) else factory  # the caller named it
+    else:
+        fn = recorded_callable(b, "model factory", factory)  # trust rule: raises unless b is trusted
     try:
         model = fn()
+    except SystemExit as e:  # a factory must not end the process (and so fake a replay's exit code)
+        raise ReplayError(f"the model factory {factory!r} called sys.exit({e.code!r}) instead of returning a model") from e
     except Exception as e:
         raise ReplayError(f"the model factory {factory!r} raised {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
@@ -113,11 +135,11 @@ def build_optimizer(b: Bundle, model: torch.nn.Module, state: Optional[dict] = N
         ModelMismatchError: a recorded parameter FQN is not in ``model``, or ``state`` does not
             fit the rebuilt param groups.
     """
-    return optimizer_from_info(b.meta.get("optimizer") or {}, dict(model.named_parameters()), state, source=str(b.path))
+    return optimizer_from_info(b.meta.get("optimizer") or {}, dict(model.named_parameters()), state, source=str(b.path), trusted=b.trusted)
 
 
 def optimizer_from_info(
-    info: dict, params: dict[str, torch.Tensor], state: Optional[dict] = None, *, source: str = "the bundle"
+    info: dict, params: dict[str, torch.Tensor], state: Optional[dict] = None, *, source: str = "the bundle", trusted: bool = False
 ) -> torch.optim.Optimizer:
     """The recorded optimizer, rebuilt over ``params`` (FQN -> parameter) from a bundle's
     ``meta["optimizer"]`` (class import path, parameter FQNs of each param group, defaults).
@@ -127,14 +149,17 @@ def optimizer_from_info(
     is exactly what the optimizer-update diagnosis replays), then the state is loaded. Without
     it, the recorded defaults are used.
 
+    The class is resolved under the trust rule (:func:`nanreplay.engine.gate.resolve_optimizer`):
+    a ``torch.optim`` optimizer, a class the caller resolved (``info`` an
+    :class:`~nanreplay.engine.gate.OptimizerInfo`), or with ``trusted`` any optimizer class.
+
     Raises:
         ReplayError: no optimizer class recorded, or it cannot be imported or built.
+        UntrustedBundleError: the class is not in ``torch.optim`` and ``trusted`` is false.
         ModelMismatchError: a recorded FQN is missing from ``params``, or ``state`` does not fit.
     """
     cls_path = info.get("class")
-    if not cls_path:
-        raise ReplayError(f"{source} records no optimizer class; record with a nanreplay.Recorder that saw the optimizer")
-    cls = import_callable(cls_path)
+    cls = resolve_optimizer(info, trusted=trusted, source=source)
     fqn_groups = info.get("param_groups_fqns", [])
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]] if state is not None else [{} for _ in fqn_groups]
     if len(hyper) != len(fqn_groups):
@@ -168,12 +193,22 @@ def optimizer_from_info(
 
 
 def recorded_device(b: Bundle) -> torch.device:
-    devs = {v.get("device", "cpu") for v in b.meta.get("model", {}).get("params", {}).values()}
-    dev = next(iter(devs), "cpu")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
+    """The device the recorded parameters lived on when it exists here, else the CPU (with a
+    warning). Never fails on what a bundle says: an unknown device type or index means the CPU."""
+    devs = [v.get("device", "cpu") for v in (b.meta.get("model") or {}).get("params", {}).values()]
+    dev = devs[0] if devs else "cpu"
+    try:
+        device = torch.device(dev)
+        module = getattr(torch, device.type, None) if device.type != "cpu" else None
+        available = device.type == "cpu" or bool(module is not None and module.is_available()
+                                                   and (device.index is None or device.index < module.device_count()))
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+        logger.debug("recorded device %r is not usable here: %s", dev, e)
+        available = False
+    if not available:
         logger.warning("the bundle was recorded on %s; replaying on the CPU (results may differ)", dev)
         return torch.device("cpu")
-    return torch.device(dev)
+    return device
 
 
 def replay_scaler(state: Optional[dict], device: torch.device) -> Any:
@@ -198,7 +233,8 @@ class Subject:
 
 
 def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_factory: Union[str, Callable, None] = None,
-                   loss_fn: Union[str, Callable, None] = None, use_loss_fn: bool = True, device: Any = None) -> Subject:
+                   loss_fn: Union[str, Callable, None] = None, use_loss_fn: bool = True, device: Any = None,
+                   types: Types = None, optimizer: bool = False) -> Subject:
     """The model and loss function to replay bundle ``b`` with, in this order: the ``model`` or
     ``model_factory`` the user gives (the way to replay against edited code: "does my fix remove
     the NaN?"); else the program embedded in the bundle (no import of user code at all, see
@@ -206,38 +242,48 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
     class and JSON hyperparameters (``model_init``). The loss function is the user's, else the
     program's own (a program exported with its loss), else the recorded one.
 
+    The trust rule (:func:`nanreplay.engine.gate.require_trust`) is checked first, for exactly the
+    code this choice would import: an embedded program is data and needs no trust; a recorded
+    factory, class, loss function or batch type (``types`` covers the caller's own) does. With
+    ``optimizer=True`` the caller will also rebuild the recorded optimizer.
+
     Raises:
+        UntrustedBundleError: ``b`` is not trusted and the choice would import code it names
+            (nothing was imported).
         ReplayError: nothing here can build the model (the message says what was tried).
     """
+    from .program import PROGRAM_META_KEY
+
     notes: list[str] = []
     wants_loss = use_loss_fn
     user_loss = loss_fn if use_loss_fn else None
+    program = b.meta.get(PROGRAM_META_KEY) or {}
+    own_model = model is not None or model_factory is not None
+    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
+    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
+    uses_program = (not own_model and bool(program.get("kind"))
+                    and not (program.get("kind") == "loss" and (user_loss is not None or not wants_loss)))
+    require_trust(b, model=own_model or uses_program, types=types, optimizer=optimizer,
+                  loss=user_loss is not None or not wants_loss or (uses_program and program.get("kind") == "loss"))
 
     def resolve_loss(recorded_ok: bool) -> Optional[Callable]:
-        lf = user_loss if user_loss is not None else (b.loss_fn if wants_loss and recorded_ok else None)
-        return import_callable(lf) if isinstance(lf, str) else lf
+        if user_loss is not None:
+            return import_callable(user_loss) if isinstance(user_loss, str) else user_loss
+        if wants_loss and recorded_ok and b.loss_fn:
+            return recorded_callable(b, "loss function", b.loss_fn)  # trust rule checked again
+        return None
 
     if model is not None:
         return Subject(model, resolve_loss(True), "the given model", notes)
     if model_factory is not None:
         return Subject(build_model(b, model_factory), resolve_loss(True), f"the given factory {model_factory if isinstance(model_factory, str) else getattr(model_factory, '__qualname__', model_factory)}", notes)
-    from .program import PROGRAM_META_KEY, build_from_program
+    from .program import build_from_program
 
-    program = b.meta.get(PROGRAM_META_KEY) or {}
+    if uses_program:
+        pmodel, ploss = build_from_program(b, device=device)
+        lf = ploss if ploss is not None and user_loss is None and wants_loss else resolve_loss(True)
+        return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes)
     if program.get("kind"):
-        # a program exported with its loss runs only that loss: a given --loss-fn, or a replay
-        # driven by the recorded cotangent (--no-loss-fn), needs the model's own forward
-        if not (program.get("kind") == "loss" and (user_loss is not None or not wants_loss)):
-            pmodel, ploss = build_from_program(b, device=device)
-            if not wants_loss:
-                lf = None
-            elif user_loss is not None:
-                lf = resolve_loss(False)
-            elif ploss is not None:
-                lf = ploss
-            else:
-                lf = resolve_loss(True) if b.loss_fn else None
-            return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes)
         notes.append("the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory")
     elif program.get("error"):
         notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "

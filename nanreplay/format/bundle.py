@@ -12,24 +12,31 @@ safetensors, manifest, checksums) is :mod:`nanreplay.format.container`.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 import torch
 
 from .. import __version__
-from ..core.callables import CallablePath
+from ..core.callables import CallablePath, torch_optimizer_class
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
-from ..core.tree import tree_from_flat, tree_to_flat
+from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
+from ..core.trust import is_trusted, mark_trusted, revoke_trust
 from ..errors import BundleFormatError
 from .container import FlatBundle, read_flat, write_flat
+from .meta import MetaError, validate_step_meta
 from .records import BundleContent, ForwardRecord, Snapshot, StepRecord
 
-__all__ = ["Bundle", "write_bundle", "open_bundle", "environment"]
+__all__ = ["Bundle", "write_bundle", "open_bundle", "trust_bundle", "untrust_bundle", "environment", "Types"]
+
+#: Typed batch node types a reader accepts: dataclass types and namedtuple classes, or a mapping
+#: from the recorded ``module:QualName`` to one (see :func:`nanreplay.core.tree.accepted_types`).
+Types = Union[Iterable[type], Mapping[str, type], None]
 
 
 def _snapshot_to_flat(snap: Snapshot, prefix: str, tensors: dict, ) -> dict:
@@ -49,12 +56,12 @@ def _snapshot_to_flat(snap: Snapshot, prefix: str, tensors: dict, ) -> dict:
     return meta
 
 
-def _snapshot_from_flat(get: Callable, meta: dict, prefix: str) -> Snapshot:
+def _snapshot_from_flat(get: Callable, meta: dict, prefix: str, types: Types = None) -> Snapshot:
     return Snapshot(
         params={k: get(f"{prefix}params/{k}") for k in meta["params"]},
         buffers={k: get(f"{prefix}buffers/{k}") for k in meta["buffers"]},
-        optimizer=tree_from_flat(get, meta["optimizer"], f"{prefix}optimizer/") if meta.get("optimizer") else None,
-        extra={n: tree_from_flat(get, m, f"{prefix}extra/{n}/") for n, m in meta.get("extra", {}).items()},
+        optimizer=tree_from_flat(get, meta["optimizer"], f"{prefix}optimizer/", types=types) if meta.get("optimizer") else None,
+        extra={n: tree_from_flat(get, m, f"{prefix}extra/{n}/", types=types) for n, m in meta.get("extra", {}).items()},
     )
 
 
@@ -78,14 +85,22 @@ def environment() -> dict:
     }
 
 
-def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True) -> Path:
+def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True, trusted: Optional[bool] = None) -> Path:
     """Write ``content`` to one bundle file; the format follows the extension (``.h5``/``.hdf5``
     or ``.safetensors``). The write is atomic (temporary name, then rename) and, with ``fsync``
     (default), durable; see :func:`nanreplay.format.container.write_flat`.
 
+    Args:
+        trusted: record the new bundle in this user's trust store, so the code it names
+            (factory, loss function, classes) replays without ``--trust``. Default
+            ``content.trusted``: true for content the Recorder built in this process, false for
+            content read from an untrusted bundle. A failure to record it is logged, not raised.
+            A bundle this call overwrites loses its trust entry (its old content is gone).
+
     Raises:
         ValueError: unknown extension. OSError: the file could not be written.
     """
+    replaced = _trusted_digest(path)
     tensors: dict[str, torch.Tensor] = {}
     steps_meta = []
     for rec in content.steps:
@@ -162,37 +177,64 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
     where = {k: p.extras() for k, p in (("model_factory", content.model_factory), ("loss_fn", content.loss_fn)) if isinstance(p, CallablePath) and p.extras()}
     if where:
         meta["callables"] = where  # where each was found when recording: sys.path root, __main__ script
-    return write_flat(path, tensors, meta, fsync=fsync)
+    written = write_flat(path, tensors, meta, fsync=fsync, trusted=content.trusted if trusted is None else trusted)
+    if replaced is not None:
+        with contextlib.suppress(OSError):
+            revoke_trust(replaced)
+    return written
+
+
+def _trusted_digest(path: str | Path) -> Optional[bytes]:
+    """The manifest digest of a trusted bundle already at ``path`` (``None`` when there is none,
+    it is unreadable or not trusted): its trust entry goes when the file is overwritten."""
+    if not Path(path).is_file():
+        return None
+    try:
+        with open_bundle(path) as b:
+            return b._flat.manifest_digest if b.trusted else None
+    except (OSError, BundleFormatError):
+        return None
 
 
 class Bundle:
     """A read-only view of a bundle file; open it with :func:`open_bundle`.
 
-    Tensors are read lazily and verified against their CRC-32. Every method raises
+    Reading imports and calls nothing the file names: the metadata is validated against the
+    schema (:mod:`nanreplay.format.meta`) when the bundle is opened, tensors are read lazily and
+    verified against their CRC-32, and typed batch nodes (namedtuples, dataclasses) come back as
+    dicts of their fields unless their type was passed in ``types``. Every method raises
     :class:`~nanreplay.errors.BundleFormatError` when the file contradicts its own manifest.
 
     Attributes:
-        path: the file. format: ``"hdf5"`` or ``"safetensors"``. meta: the JSON metadata.
+        path: the file. format: ``"hdf5"`` or ``"safetensors"``. meta: the validated JSON metadata.
         failing_step: the step whose gradients were non-finite.
     """
 
-    def __init__(self, flat: FlatBundle) -> None:
+    def __init__(self, flat: FlatBundle, *, types: Types = None, trust: bool = False) -> None:
         self._flat = flat
         self.path = flat.path
         self.format = flat.format
         self.meta = flat.meta
+        self._types = accepted_types(types)
+        self._trust = bool(trust)
+
+        def info(key: str) -> Optional[tuple[torch.dtype, tuple[int, ...]]]:
+            if key not in flat:
+                return None
+            i = flat.info(key)
+            return i.dtype, i.shape
+
         try:
-            if self.meta.get("kind") != "nanreplay.step":
-                raise KeyError("kind")
-            self.failing_step = int(self.meta["failing_step"])
-            self._steps = {int(s["step"]): s for s in self.meta["steps"]}
-            self._state_meta = self.meta["state"]
-            self._grad_keys = list(self.meta["grads"])
-        except (KeyError, TypeError, ValueError) as e:
+            self._facts = validate_step_meta(self.meta, info)
+        except MetaError as e:
             raise BundleFormatError(
-                f"{self.path}: the metadata lacks or mangles the field {e}; expected a step bundle written by "
-                "nanreplay.Recorder. The file was hand-edited or written by another tool: record it again."
+                f"{self.path}: invalid metadata: expected {e.expected} at {e.where}, found {e.found}; the bundle was "
+                "hand-edited, damaged or written by another tool: record it again"
             ) from e
+        self.failing_step: int = self.meta["failing_step"]
+        self._steps = {s["step"]: s for s in self.meta["steps"]}
+        self._state_meta = self.meta["state"]
+        self._grad_keys = list(self.meta["grads"])
 
     # -- context manager -------------------------------------------------------------------
     def close(self) -> None:
@@ -204,6 +246,57 @@ class Bundle:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- trust -----------------------------------------------------------------------------
+    @property
+    def trusted(self) -> bool:
+        """Whether code this bundle names may run: opened with ``trust=True``, or this user's
+        trust store holds its manifest (the Recorder wrote it here, or ``nanreplay trust``)."""
+        return self._trust or is_trusted(self._flat.manifest_digest)
+
+    def view(self, *, types: Types = None, trust: bool = False) -> "Bundle":
+        """A view of the same open file whose reads also rebuild ``types`` and which, with
+        ``trust``, is trusted (see :func:`open_bundle`). Closing either closes the file."""
+        view = object.__new__(Bundle)
+        view.__dict__.update(self.__dict__)
+        view._types = {**self._types, **accepted_types(types)}
+        view._trust = self._trust or bool(trust)
+        return view
+
+    def recorded_types(self, *, inputs_only: bool = True) -> list[str]:
+        """The ``module:QualName`` of every typed node the bundle records (nothing is imported).
+
+        Args:
+            inputs_only: only those in the steps' batches and forward inputs (what replay feeds
+                to the model and loss function); otherwise also cotangents and states.
+        """
+        out: list[str] = []
+        for where, names in self._facts.types.items():
+            if inputs_only and not (".batches[" in where or where.endswith(".inputs")):
+                continue
+            out.extend(n for n in names if n not in out)
+        return out
+
+    def named_code(self) -> dict[str, list[str]]:
+        """Everything this bundle names that replay would import, by kind (nothing is imported):
+        ``model factory``, ``model class (model_init)``, ``loss function``, ``optimizer class``
+        (only when it is not a ``torch.optim`` optimizer, which is looked up without importing
+        anything) and ``batch types``."""
+        out: dict[str, list[str]] = {}
+        if self.model_factory:
+            out["model factory"] = [self.model_factory]
+        init = self.meta.get("model_init")
+        if init:
+            out["model class (model_init)"] = [init["class"]]
+        if self.loss_fn:
+            out["loss function"] = [self.loss_fn]
+        opt = (self.meta.get("optimizer") or {}).get("class")
+        if opt and torch_optimizer_class(opt) is None:
+            out["optimizer class"] = [opt]
+        types = self.recorded_types()
+        if types:
+            out["batch types"] = types
+        return out
+
     # -- access ----------------------------------------------------------------------------
     def tensor(self, key: str) -> torch.Tensor:
         """One stored tensor (CPU, exact dtype and bits)."""
@@ -213,6 +306,10 @@ class Bundle:
                 "the bundle is inconsistent (hand-edited?): record it again"
             )
         return self._flat.get(key)
+
+    def verify(self, key: str) -> None:
+        """Check one tensor's CRC-32 without keeping its data (bounded memory)."""
+        self._flat.verify(key)
 
     def keys(self) -> list[str]:
         return self._flat.keys()
@@ -230,19 +327,32 @@ class Bundle:
             return fn()
         except BundleFormatError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, ArithmeticError, RecursionError, MemoryError) as e:
             raise BundleFormatError(
-                f"{self.path}: the {what} metadata is malformed ({type(e).__name__}: {e}); "
-                "the bundle was hand-edited or is from an incompatible writer: record it again"
+                f"{self.path}: the {what} data is malformed ({type(e).__name__}: {str(e)[:300]}); "
+                "the bundle was hand-edited, damaged or is from an incompatible writer: record it again"
             ) from e
 
-    def step(self, k: int) -> StepRecord:
-        """The ring-buffer record of step ``k`` (KeyError if the bundle does not hold it)."""
+    def _types_for(self, types: Types) -> dict[str, type]:
+        return self._types if types is None else {**self._types, **accepted_types(types)}
+
+    def step(self, k: int, *, types: Types = None) -> StepRecord:
+        """The ring-buffer record of step ``k``.
+
+        Args:
+            types: dataclass / namedtuple types to rebuild typed batch nodes as, on top of those
+                given to :func:`open_bundle`; other typed nodes come back as dicts of their fields.
+
+        Raises:
+            KeyError: the bundle does not hold step ``k``.
+            BundleFormatError: a tensor is damaged or the step's data is malformed.
+        """
         if k not in self._steps:
             raise KeyError(f"step {k} is not in {self.path}; it holds steps {self.steps}")
         m = self._steps[k]
         p = f"steps/{k}/"
         get = self.tensor
+        ty = self._types_for(types)
 
         def build() -> StepRecord:
             return StepRecord(
@@ -250,22 +360,22 @@ class Bundle:
                 rng=RNGState.from_flat(get, m["rng"], f"{p}rng/"),
                 forwards=[
                     ForwardRecord(
-                        inputs=tree_from_flat(get, f["inputs"], f"{p}forward/{i}/inputs/"),
-                        cotangent=tree_from_flat(get, f["cotangent"], f"{p}forward/{i}/cotangent/")
+                        inputs=tree_from_flat(get, f["inputs"], f"{p}forward/{i}/inputs/", types=ty),
+                        cotangent=tree_from_flat(get, f["cotangent"], f"{p}forward/{i}/cotangent/", types=ty)
                         if f.get("cotangent")
                         else None,
                         rng=RNGState.from_flat(get, f["rng"], f"{p}forward/{i}/rng/") if f.get("rng") else None,
                     )
                     for i, f in enumerate(m["forwards"])
                 ],
-                batches=[tree_from_flat(get, b, f"{p}batch/{i}/") for i, b in enumerate(m["batches"])],
+                batches=[tree_from_flat(get, b, f"{p}batch/{i}/", types=ty) for i, b in enumerate(m["batches"])],
                 training=list(m.get("training", [])),
                 lrs=[unfnum(x) for x in m["lrs"]],
                 loss=unfnum(m.get("loss")),
                 grad_norm=unfnum(m.get("grad_norm")),
                 finite=m.get("finite"),
                 buffers={b: get(f"{p}buffers/{b}") for b in m["buffers"]} if m.get("buffers") is not None else None,
-                snapshot=_snapshot_from_flat(get, m["snapshot"], f"{p}snapshot/") if m.get("snapshot") else None,
+                snapshot=_snapshot_from_flat(get, m["snapshot"], f"{p}snapshot/", ty) if m.get("snapshot") else None,
                 autocast=_autocast_meta(m.get("autocast")),
                 scaler_skipped=m.get("scaler_skipped"),
                 stale_inputs=bool(m.get("stale_inputs", False)),
@@ -273,19 +383,23 @@ class Bundle:
 
         return self._guard(f"step {k}", build)
 
-    def state(self) -> Snapshot:
+    def state(self, *, types: Types = None) -> Snapshot:
         """The failing step's pre-step weights, step-start buffers and optimizer state."""
-        return self._guard("state", lambda: _snapshot_from_flat(self.tensor, self._state_meta, "state/"))
+        ty = self._types_for(types)
+        return self._guard("state", lambda: _snapshot_from_flat(self.tensor, self._state_meta, "state/", ty))
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the failing step produced, FQN -> tensor."""
         return {k: self.tensor(f"grads/{k}") for k in self._grad_keys}
 
-    def content(self) -> BundleContent:
+    def content(self, *, types: Types = None) -> BundleContent:
         """Everything the bundle holds, as the :class:`~nanreplay.format.records.BundleContent`
         that :func:`write_bundle` takes: ``write_bundle(path2, open_bundle(path).content())``
         writes a bundle with the same content (tensors bit-exact, the same metadata but for
-        ``created_unix`` and ``environment``, which describe the new write). Reads every tensor.
+        ``created_unix`` and ``environment``, which describe the new write; typed batch nodes
+        not rebuilt through ``types`` are written as the dicts they were read as). The content's
+        ``trusted`` is this bundle's :attr:`trusted`, so a rewrite keeps an untrusted bundle
+        untrusted. Reads every tensor.
 
         Raises:
             BundleFormatError: the file contradicts its own manifest.
@@ -294,8 +408,8 @@ class Bundle:
                  "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis", "extra_tensors", "callables"}
         return BundleContent(
             failing_step=self.failing_step,
-            steps=[self.step(k) for k in self.steps],
-            state=self.state(),
+            steps=[self.step(k, types=types) for k in self.steps],
+            state=self.state(types=types),
             grads=self.grads(),
             model_info=self.meta.get("model") or {},
             optimizer_info=self.meta.get("optimizer") or {},
@@ -305,6 +419,7 @@ class Bundle:
             diagnosis=self.diagnosis,
             extra_meta={k: v for k, v in self.meta.items() if k not in known},
             extra_tensors={k: self.tensor(k) for k in self.meta.get("extra_tensors") or []},
+            trusted=self.trusted,
         )
 
     @property
@@ -341,16 +456,56 @@ def _autocast_meta(m: Any) -> Optional[dict]:
     return {"device_type": m["device_type"], "dtype": m["dtype"]}
 
 
-def open_bundle(path: str | Path) -> Bundle:
-    """Open a bundle read-only. Loading is safe on untrusted files: no pickle, no code runs.
+def open_bundle(path: str | Path, *, types: Types = None, trust: bool = False) -> Bundle:
+    """Open a bundle read-only. Safe on untrusted files: no pickle, nothing the file names is
+    imported or called, memory and time are bounded by the file's size (``docs/security.md``).
+
+    Args:
+        path: the bundle; its container is recognised by its first bytes, whatever its name.
+        types: dataclass types and namedtuple classes (or a mapping from the recorded
+            ``module:QualName`` to one) that typed batch nodes are rebuilt as; any other typed
+            node comes back as a dict of its fields. Never imported from the file.
+        trust: treat the bundle as trusted for code that replay runs (see :attr:`Bundle.trusted`);
+            reading itself never runs code either way.
 
     Raises:
-        FileNotFoundError: no file at ``path``.
-        BundleFormatError: the file is truncated, corrupted, foreign or hand-edited.
+        FileNotFoundError: no file at ``path``. IsADirectoryError: a directory.
+        PermissionError: the file cannot be read.
+        BundleFormatError: the file is not a regular file, or is truncated, corrupted, foreign or
+            hand-edited (the schema of the manifest and of the metadata is checked here).
+        TypeError: ``types`` holds something other than dataclass types and namedtuple classes.
     """
+    accepted_types(types)  # a bad argument fails before the file is touched
     flat = read_flat(path)
     try:
-        return Bundle(flat)
+        return Bundle(flat, types=types, trust=trust)
     except BaseException:
         flat.close()
         raise
+
+
+def trust_bundle(path: str | Path) -> dict[str, list[str]]:
+    """Record the bundle at ``path`` as trusted in this user's trust store (``nanreplay trust``):
+    from now on replay may run the code it names, as long as its manifest is unchanged. Review
+    what it names first (:meth:`Bundle.named_code`, ``nanreplay inspect``).
+
+    Returns:
+        what the bundle names (:meth:`Bundle.named_code`), now trusted.
+
+    Raises:
+        FileNotFoundError, BundleFormatError: as :func:`open_bundle`.
+        PermissionError, OSError: the trust store cannot be written or is not private.
+    """
+    with open_bundle(path) as b:
+        mark_trusted(b._flat.manifest_digest, note=str(Path(path).resolve()))
+        return b.named_code()
+
+
+def untrust_bundle(path: str | Path) -> bool:
+    """Remove the bundle at ``path`` from this user's trust store; returns whether it was there.
+
+    Raises:
+        FileNotFoundError, BundleFormatError: as :func:`open_bundle`.
+    """
+    with open_bundle(path) as b:
+        return revoke_trust(b._flat.manifest_digest)

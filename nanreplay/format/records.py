@@ -101,7 +101,15 @@ class StepRecord:
 
 @dataclass
 class BundleContent:
-    """Everything a bundle holds, in memory. See ``docs/bundle-format.md``."""
+    """Everything a bundle holds, in memory. See ``docs/bundle-format.md``.
+
+    ``trusted``: whether the code this content names (model factory, loss function, classes in
+    the metadata) may run on replay without asking; :func:`~nanreplay.format.bundle.write_bundle`
+    records a bundle written from trusted content in this user's trust store. ``True`` for
+    content built in this process (the Recorder); :meth:`~nanreplay.format.bundle.Bundle.content`
+    sets it to whether the bundle read was trusted, so rewriting a stranger's bundle does not
+    make it trusted.
+    """
 
     failing_step: int
     steps: list[StepRecord]
@@ -117,3 +125,4 @@ class BundleContent:
     # tensors stored under their own keys, outside the layout above (e.g. an embedded program's
     # constants under ``program/``); listed in ``meta["extra_tensors"]``
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    trusted: bool = True

@@ -25,7 +25,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..engine.state import recorded_device, replay_subject
-from ..format.bundle import Bundle, open_bundle
+from ..engine.gate import bundle_types
+from ..format.bundle import Bundle, Types, open_bundle
 from .common import STATUSES, Runner, Search
 from .ddmin import ddmin
 from .layers import bisect_layers
@@ -59,8 +60,14 @@ def bisect(
     max_replays: int = 64,
     threshold: float = 10.0,
     progress: Optional[Callable[[int], None]] = None,
+    trust: bool = False,
+    batch_types: Types = None,
 ) -> dict:
     """Search a bundle for the cause of its non-finite step by replaying variations of it.
+
+    Code the bundle names runs only when it is trusted (or ``trust=True``); otherwise pass your
+    own ``model`` / ``model_factory``, ``loss_fn`` and ``batch_types`` (see
+    :func:`nanreplay.diagnosis.api.replay` and ``docs/security.md``).
 
     Args:
         bundle: a bundle path or an open :class:`~nanreplay.format.bundle.Bundle`; read, never written.
@@ -78,6 +85,8 @@ def bisect(
         threshold: ``steps`` only: a step whose grad norm or optimizer update norm exceeds
             ``threshold`` x the median of the earlier replayed steps' leaves the healthy range.
         progress: called with ``1`` after each replay (the CLI's progress bar).
+        trust: trust this bundle for this call (run the code it names).
+        batch_types: dataclass types / namedtuple classes to rebuild typed batch nodes as.
 
     Returns:
         a JSON-able dict: ``over``, ``bundle``, ``step`` (failing step), ``status`` (one of
@@ -90,6 +99,7 @@ def bisect(
     Raises:
         ValueError: unknown ``over``, ``max_replays`` < 1 or ``threshold`` <= 1.
         FileNotFoundError, BundleFormatError: unreadable bundle.
+        UntrustedBundleError: the bundle is not trusted and names code the search would run.
         ReplayError: the search needs what the bundle lacks (a snapshot, a batch), or no model
             could be built. ModelMismatchError: the model does not fit the bundle.
     """
@@ -100,10 +110,13 @@ def bisect(
     if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a multiple of the median of earlier steps), got {threshold}")
     own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle) if own else bundle
+    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
     try:
         dev = torch.device(device) if device is not None else recorded_device(b)
-        subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, device=dev)
+        # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
+        subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, device=dev,
+                                 types=batch_types, optimizer=over == "steps")
+        b = b.view(types=bundle_types(b, batch_types))
         search = Search(over=over, bundle=b, model=subject.model.to(dev), loss_fn=subject.loss_fn, device=dev, runner=Runner(max_replays, progress),
                         failing=b.step(b.failing_step), state=b.state(), threshold=threshold)
         search.warnings.extend(subject.notes)

@@ -1,0 +1,784 @@
+"""Fault-injection fuzzer for reading bundles: every damaged or hostile file must end in a
+``BundleFormatError`` (CLI exit 4), or read fine, with bounded memory and time, and run no code.
+
+Method. Four seed bundles are recorded by a real ``Recorder`` (two formats x two shapes of
+content: a dict batch with a loss function and weight snapshots; a namedtuple batch with nested
+defaultdict / deque / OrderedDict and model-only cotangents). Each mutant is one seed with one
+mutation, drawn reproducibly from ``(--seed, mutant index)``:
+
+* ``bitflip``: 1 to 8 random bits; ``bytes``: 1 to 4 random bytes set to 0x00/0xff/0x7f/0x80/random;
+  ``int64``: an 8-byte little-endian integer at an aligned offset set to a huge or negative value;
+  ``truncate``: the file cut at a random length;
+* ``json``: one random edit of the manifest (a value replaced by another type, a huge or negative
+  number, a deep nesting, a hostile import path, a deleted key, a swapped subtree, an edited tree
+  spec), written back properly (h5py for HDF5, a re-serialised header for safetensors), so the
+  container stays valid and the schema is what is tested;
+* ``h5struct`` (HDF5 seeds, via h5py): external / soft links (also for ``/tensors`` and the
+  manifest), virtual datasets, external raw storage, chunked + gzip datasets and manifests,
+  changed dtypes and shapes, variable-length attributes, extra groups and datasets, deleted datasets;
+* ``stheader`` (safetensors seeds): edited dtype strings, shapes and data offsets, removed or added
+  tensors, non-string metadata, a wrong header length.
+
+Each mutant is checked in a child process forked from a worker that imported torch and
+nanreplay but computed nothing (so the fork is safe), under a memory limit (``RLIMIT_AS``) and a
+wall-clock limit, in four stages: ``open_bundle`` + reading every step, the state and the
+gradients; ``nanreplay inspect --json``; ``nanreplay inspect`` (text); and ``replay`` with the
+seed's model factory and loss function passed explicitly (so only the bundle's data is under
+test). A stage's outcome is ``ok``, ``BundleFormatError`` (exit 4 for the CLI), or anything else,
+by signature (exception type, stage, first words of the message). A child killed by a signal is a
+``crash``; one over the time limit a ``timeout``. The peak RSS of every child is measured
+(``wait4``) and reported above the worker's own RSS at fork time.
+
+Run: ``python bench/fuzz.py --mutants 10000`` (``--workers`` defaults to the number of CPUs;
+``--keep DIR`` saves every mutant that did not end in ok/BundleFormatError, with its description).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import random
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+HERE = Path(__file__).resolve()
+ROOT = Path(os.environ.get("NANREPLAY_FUZZ_CODE") or HERE.parents[1])  # the nanreplay tree under test (see --code)
+MARKER = Path(tempfile.gettempdir()) / "nanreplay-fuzz-pwned"  # what the hostile code names in the edits would create
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------------ seed models
+def _torch():
+    import torch
+
+    return torch
+
+
+class Pair(NamedTuple):
+    x: Any
+    y: Any
+
+
+def make_model():
+    torch = _torch()
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+
+
+def dict_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean() / batch["x"][:, :1].abs().sum()
+
+
+def pair_loss(model, batch):
+    return ((model(batch.x) - batch.y) ** 2).mean()
+
+
+def make_seeds(out: Path) -> list[Path]:
+    """Record the four seed bundles into ``out`` (a subprocess: the fuzzer's workers never compute)."""
+    torch = _torch()
+    from nanreplay import NonFiniteGradientError, Recorder
+
+    paths = []
+    for fmt in ("h5", "safetensors"):
+        # seed A: dict batch, a loss function, snapshots of every step, Adam
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        try:
+            with Recorder(model, opt, loss_fn=dict_loss, model_factory=make_model, out_dir=out / f"a_{fmt}", bundle_format=fmt,
+                          snapshot_every=1, capacity=3, diagnose=False) as rec:
+                for step in range(3):
+                    x = torch.randn(5, 4)
+                    if step == 2:
+                        x[:, 0] = 0.0  # division by a zero sum: NaN loss and gradients
+                    batch = {"x": x, "y": torch.randn(5, 2), "meta": {"step": step, "tag": "s", "f": 0.5}}
+                    rec.record(batch)
+                    loss = dict_loss(model, batch)
+                    rec.log_loss(loss)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        except NonFiniteGradientError as e:
+            paths.append(Path(e.bundle_path))
+        # seed B: a namedtuple batch in nested containers, no loss function (cotangents), SGD
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        try:
+            with Recorder(model, opt, model_factory=make_model, out_dir=out / f"b_{fmt}", bundle_format=fmt, capacity=2, diagnose=False) as rec:
+                for step in range(2):
+                    x = torch.randn(3, 4)
+                    extra = collections.OrderedDict(d=collections.defaultdict(list, k=[1, 2]), q=collections.deque([1.5, 2], maxlen=4))
+                    rec.record({"pair": Pair(x, torch.randn(3, 2)), "extra": extra, "nan": float("nan")})
+                    out_ = model(x)
+                    (out_.sum() * (float("inf") if step == 1 else 1.0)).backward()
+                    opt.step()
+                    opt.zero_grad()
+        except NonFiniteGradientError as e:
+            paths.append(Path(e.bundle_path))
+    return paths
+
+
+# ------------------------------------------------------------------------------------ mutations
+def _manifest(path: Path) -> tuple[dict, str]:
+    from nanreplay.format.container import read_flat
+
+    with read_flat(path) as b:
+        return json.loads(json.dumps(b.manifest)), b.format
+
+
+def _st_split(data: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _st_join(header: dict, body: bytes, raw_text: Optional[str] = None) -> bytes:
+    text = (raw_text if raw_text is not None else json.dumps(header, separators=(",", ":"))).encode("utf-8", "surrogatepass")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + body
+
+
+def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+def _get(obj: Any, path: tuple) -> Any:
+    for p in path:
+        obj = obj[p]
+    return obj
+
+
+def _set(obj: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    _get(obj, path[:-1])[path[-1]] = value
+    return obj
+
+
+_HOSTILE_STRINGS = ["subprocess:getoutput", "os:system", "/tmp/evil.py:run", "builtins:eval", "sys:exit", "", "\udcff",
+                    "x" * 5000, "nan", "inf", "-inf", "1e999", "torch.optim:Optimizer", "..", "cuda:99", "mps", "meta"]
+
+
+def _random_value(rng: random.Random) -> Any:
+    return rng.choice([
+        None, True, False, 0, -1, 1, 2**31, 2**32 + 1, 2**63, -(2**63) - 1, 10**30, 1.5, -0.0, 1e308, 3.0,
+        rng.choice(_HOSTILE_STRINGS), [], {}, [1, 2, 3], {"a": 1}, [[[[[]]]]], "nan",
+        {"json": 1}, {"float": "nan"}, {"repr": "x", "type": "y"}, list(range(700)),
+    ])
+
+
+def _edit_spec(spec: str, rng: random.Random) -> str:
+    doc = json.loads(spec)
+    paths = _paths(doc)
+    p = rng.choice(paths)
+    choice = rng.randrange(7)
+    if choice == 0:
+        _set(doc, p, _random_value(rng))
+    elif choice == 1:  # a hostile node type / context
+        node = {"type": rng.choice(["collections.defaultdict", "nanreplay.tree.TypedNode", "builtins.dict", "collections.namedtuple", "x.y"]),
+                "context": rng.choice([{"default_factory_module": "subprocess", "default_factory_name": "getoutput", "dict_context": []},
+                                       ["subprocess:getoutput", "dataclass", []], "[{\"__enum__\": true, \"fqn\": \"os:environ\", \"name\": \"HOME\"}]", "null", 5]),
+                "children_spec": []}
+        doc = _set(doc, p, node) if p else doc
+    elif choice == 2:
+        node = {"type": "builtins.list", "context": "null", "children_spec": []}
+        inner = node
+        for _ in range(rng.choice([70, 200, 3000])):
+            child = {"type": "builtins.list", "context": "null", "children_spec": []}
+            inner["children_spec"].append(child)
+            inner = child
+        doc = [1, node]
+    elif choice == 3:
+        doc = [rng.choice([0, 2, "1", None]), doc[1] if isinstance(doc, list) and len(doc) > 1 else doc]
+    elif choice == 4:
+        target = _get(doc, p)
+        if isinstance(target, dict) and target:
+            del target[rng.choice(list(target))]
+    elif choice == 5:
+        target = _get(doc, p)
+        if isinstance(target, list) and target:
+            target.append(target[0])
+    else:
+        return spec[: rng.randrange(len(spec))]
+    return json.dumps(doc)
+
+
+def _edit_json(manifest: dict, rng: random.Random) -> tuple[dict, str]:
+    paths = [p for p in _paths(manifest) if p]
+    specs = [p for p in paths if p[-1] == "spec"]
+    if specs and rng.random() < 0.25:
+        p = rng.choice(specs)
+        _set(manifest, p, _edit_spec(_get(manifest, p), rng))
+        return manifest, f"spec edit at {'/'.join(map(str, p))}"
+    p = rng.choice(paths)
+    op = rng.randrange(8)
+    if op <= 2:
+        v = _random_value(rng)
+        _set(manifest, p, v)
+        return manifest, f"set {'/'.join(map(str, p))} = {str(v)[:40]!r}"
+    if op == 3:
+        parent = _get(manifest, p[:-1])
+        if isinstance(parent, dict):
+            del parent[p[-1]]
+        else:
+            parent.pop(p[-1])
+        return manifest, f"delete {'/'.join(map(str, p))}"
+    if op == 4:
+        depth = rng.choice([60, 63, 70, 500, 5000])
+        _set(manifest, p, f"__DEEP__{depth}")  # spliced into the JSON text by _write_manifest
+        return manifest, f"deep nesting ({depth}) at {'/'.join(map(str, p))}"
+    if op == 5:
+        q = rng.choice(paths)
+        try:
+            a, b = _get(manifest, p), _get(manifest, q)
+            _set(manifest, p, json.loads(json.dumps(b)))
+            _set(manifest, q, json.loads(json.dumps(a)))
+        except (KeyError, IndexError, TypeError):
+            pass
+        return manifest, f"swap {'/'.join(map(str, p))} <-> {'/'.join(map(str, q))}"
+    if op == 6:
+        v = _get(manifest, p)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            _set(manifest, p, rng.choice([v + 1, v - 1, -v, v * 1000, 2**62, 10**400 if rng.random() < 0.1 else 2**40]))
+        elif isinstance(v, str):
+            _set(manifest, p, rng.choice(_HOSTILE_STRINGS) if rng.random() < 0.5 else v[::-1])
+        return manifest, f"tweak {'/'.join(map(str, p))}"
+    for key, value in (("model_factory", "subprocess:getoutput"), ("loss_fn", "/tmp/evil.py:run"),
+                       ("model_init", {"class": "subprocess:Popen", "kwargs": {"args": ["touch", str(MARKER)]}})):
+        if rng.random() < 0.5:
+            manifest["meta"][key] = value
+    return manifest, "hostile code names"
+
+
+def _write_manifest(data: bytes, fmt: str, manifest: dict, tmp: Path, rng: random.Random, raw_text: Optional[str] = None) -> bytes:
+    text = raw_text if raw_text is not None else json.dumps(manifest, separators=(",", ":"))
+    text = re.sub(r'"__DEEP__(\d+)"', lambda m: "[" * int(m.group(1)) + "0" + "]" * int(m.group(1)), text)
+    if fmt == "safetensors":
+        header, body = _st_split(data)
+        header["__metadata__"]["nanreplay_manifest"] = text
+        return _st_join(header, body)
+    import h5py
+    import numpy as np
+
+    tmp.write_bytes(data)
+    with h5py.File(tmp, "r+") as f:
+        del f["__manifest__"]
+        f.create_dataset("__manifest__", data=np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8))
+    return tmp.read_bytes()
+
+
+def _h5struct(seed: Path, tmp: Path, rng: random.Random) -> str:
+    import h5py
+    import numpy as np
+
+    tmp.write_bytes(seed.read_bytes())
+    with h5py.File(tmp, "r+") as f:
+        names = list(f["tensors"])
+        name = rng.choice(names)
+        ds = f["tensors"][name]
+        data, dtype = ds[()], ds.dtype
+        op = rng.randrange(14)
+        if op == 0:
+            del f["tensors"][name]
+            f["tensors"][name] = h5py.ExternalLink(str(seed), f"/tensors/{name}")
+            return f"external link for {name}"
+        if op == 1:
+            f.move("tensors", "tensors_old")
+            f["tensors"] = h5py.ExternalLink(str(seed), "/tensors")
+            return "external link for /tensors"
+        if op == 2:
+            del f["tensors"][name]
+            f["tensors"][name] = h5py.SoftLink(f"/tensors/{rng.choice(names)}")
+            return f"soft link for {name}"
+        if op == 3:
+            del f["tensors"][name]
+            layout = h5py.VirtualLayout(shape=data.shape, dtype=dtype)
+            layout[...] = h5py.VirtualSource(str(seed), f"/tensors/{name}".replace("%", "%%"), shape=data.shape)
+            f["tensors"].create_virtual_dataset(name, layout)
+            return f"virtual dataset {name}"
+        if op == 4 and data.ndim:
+            del f["tensors"][name]
+            ext = tmp.with_suffix(".raw")
+            np.ascontiguousarray(data).tofile(ext)
+            f["tensors"].create_dataset(name, shape=data.shape, dtype=dtype, external=[(str(ext), 0, data.nbytes)])
+            return f"external storage for {name}"
+        if op == 5 and data.ndim:
+            del f["tensors"][name]
+            f["tensors"].create_dataset(name, data=data, chunks=True, compression="gzip")
+            return f"gzip dataset {name}"
+        if op == 6:
+            raw = f["__manifest__"][()]
+            del f["__manifest__"]
+            f.create_dataset("__manifest__", data=raw, chunks=True, compression="gzip", shuffle=True)
+            return "gzip manifest"
+        if op == 7:
+            del f["tensors"][name]
+            f["tensors"][name] = data.astype(np.float64) if data.dtype != np.float64 else data.astype(np.float32)
+            return f"dtype change {name}"
+        if op == 8 and data.ndim and data.size > 1:
+            del f["tensors"][name]
+            f["tensors"][name] = data.reshape(-1)[::-1].copy() if data.ndim > 1 else data.reshape(1, -1)
+            return f"shape change {name}"
+        if op == 9:
+            ds.attrs[rng.choice(["torch_dtype", "x"])] = rng.choice(["float16", "\u00e9" * 1000, "garbage"])
+            return f"vlen attribute on {name}"
+        if op == 10:
+            g = f.create_group("extra")
+            for i in range(rng.choice([1, 50, 2000])):
+                g.create_dataset(f"d{i}", data=np.zeros(2))
+            return "extra datasets"
+        if op == 11:
+            del f["tensors"][name]
+            return f"deleted {name}"
+        if op == 12:
+            raw = f["__manifest__"][()].tobytes().decode()
+            del f["__manifest__"]
+            f["__manifest__"] = raw
+            return "manifest as a string dataset"
+        f.create_group(f"tensors/{name}_g").create_dataset("x", data=np.zeros(3))
+        return "group inside /tensors"
+
+
+def _stheader(data: bytes, rng: random.Random) -> tuple[bytes, str]:
+    header, body = _st_split(data)
+    keys = [k for k in header if k != "__metadata__"]
+    k = rng.choice(keys)
+    op = rng.randrange(9)
+    if op == 0:
+        header[k]["dtype"] = rng.choice(["F64", "F16", "I64", "BOOL", "U8", "F8_E4M3", "C64", "XX", "BF16"])
+        return _st_join(header, body), f"dtype of {k}"
+    if op == 1:
+        header[k]["shape"] = rng.choice([[], [0], [2**40], [1] * 70, [-1], list(reversed(header[k]["shape"]))])
+        return _st_join(header, body), f"shape of {k}"
+    if op == 2:
+        b, e = header[k]["data_offsets"]
+        header[k]["data_offsets"] = rng.choice([[b, e + 8], [b - 4, e - 4], [0, e - b], [b, 2**62], [e, b]])
+        return _st_join(header, body), f"offsets of {k}"
+    if op == 3:
+        del header[k]
+        return _st_join(header, body), f"removed {k}"
+    if op == 4:
+        header["ghost"] = {"dtype": "F32", "shape": [2**20], "data_offsets": [len(body), len(body) + 2**22]}
+        return _st_join(header, body), "added a huge tensor past the end"
+    if op == 5:
+        header["__metadata__"]["nanreplay_manifest"] = rng.choice([None, 5, ["x"], {"a": 1}])
+        return _st_join(header, body), "non-string manifest"
+    if op == 6:
+        n = int.from_bytes(data[:8], "little")
+        return (n + rng.choice([-8, 8, 2**40, -n])).to_bytes(8, "little", signed=False) + data[8:], "header length"
+    if op == 7:
+        text = json.dumps(header, separators=(",", ":"))
+        text = text[:-1] + f',"{k}":' + json.dumps(header[k]) + "}"
+        return _st_join(header, body, text), "duplicate key"
+    return _st_join(header, body, json.dumps(header) + " " * rng.choice([0, 1000])), "reserialised with padding"
+
+
+def mutate(seed: Path, index: int, base_seed: int, tmp: Path) -> tuple[bytes, str]:
+    """The mutant ``index`` of ``seed``: its bytes and a description."""
+    rng = random.Random(base_seed * 1_000_003 + index)
+    data = seed.read_bytes()
+    fmt = "hdf5" if data[:8] == b"\x89HDF\r\n\x1a\n" else "safetensors"
+    ops = ["bitflip", "bytes", "int64", "truncate", "json", "json", "h5struct" if fmt == "hdf5" else "stheader"]
+    op = rng.choice(ops)
+    if op == "bitflip":
+        buf = bytearray(data)
+        flips = [rng.randrange(len(buf) * 8) for _ in range(rng.randint(1, 8))]
+        for bit in flips:
+            buf[bit // 8] ^= 1 << (bit % 8)
+        return bytes(buf), f"bitflip {flips}"
+    if op == "bytes":
+        buf = bytearray(data)
+        at = [rng.randrange(len(buf)) for _ in range(rng.randint(1, 4))]
+        for a in at:
+            buf[a] = rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])
+        return bytes(buf), f"bytes at {at}"
+    if op == "int64":
+        buf = bytearray(data)
+        a = rng.randrange(len(buf) // 8) * 8
+        v = rng.choice([2**31, 2**32, 2**40, 2**62, 2**64 - 1, 2**63, 2**48 + 3])
+        buf[a:a + 8] = v.to_bytes(8, "little")
+        return bytes(buf), f"int64 {v} at {a}"
+    if op == "truncate":
+        n = rng.randrange(len(data))
+        return data[:n], f"truncate to {n}"
+    if op == "json":
+        manifest, fmt2 = _manifest(seed)
+        manifest, what = _edit_json(manifest, rng)
+        try:
+            return _write_manifest(data, fmt2, manifest, tmp, rng), f"json: {what}"
+        except (ValueError, OverflowError) as e:  # an edit json cannot write (a huge deep nest)
+            return data, f"json edit not writable ({e})"
+    if op == "h5struct":
+        what = _h5struct(seed, tmp, rng)
+        return tmp.read_bytes(), f"h5: {what}"
+    out, what = _stheader(data, rng)
+    return out, f"st: {what}"
+
+
+# ------------------------------------------------------------------------------------ checking
+def _signature(stage: str, e: BaseException) -> str:
+    msg = re.sub(r"\d+", "N", str(e).splitlines()[0] if str(e) else "")
+    msg = re.sub(r"/[^\s:']+", "PATH", msg)
+    return f"{stage}: {type(e).__name__}: {msg[:90]}"
+
+
+def check(path: Path, seed_name: str) -> dict:
+    """Run every stage on ``path``; return ``{stage: outcome}`` (outcome ``ok``, ``BundleFormatError``
+    or a signature)."""
+    import torch
+    from click.testing import CliRunner
+
+    from nanreplay import BundleFormatError, open_bundle, replay
+    from nanreplay.cli import main
+
+    torch.set_num_threads(1)
+    out: dict[str, str] = {}
+    try:
+        with open_bundle(path) as b:
+            for k in b.steps:
+                b.step(k)
+            b.state()
+            b.grads()
+        out["read"] = "ok"
+    except BundleFormatError:
+        out["read"] = "BundleFormatError"
+    except Exception as e:  # noqa: BLE001 - classified, that is the point
+        out["read"] = _signature("read", e)
+    for stage, args in (("inspect --json", ["inspect", "--json", str(path)]), ("inspect", ["inspect", str(path)])):
+        r = CliRunner().invoke(main, args)
+        if r.exit_code == 0:
+            out[stage] = "ok"
+        elif r.exit_code == 4 and r.exception is not None and isinstance(r.exception, SystemExit) and "Traceback" not in r.output:
+            out[stage] = "BundleFormatError"
+        else:
+            exc = r.exception if r.exception is not None and not isinstance(r.exception, SystemExit) else None
+            out[stage] = _signature(stage, exc) if exc is not None else f"{stage}: exit {r.exit_code}: {re.sub(r'[0-9]+', 'N', r.output.strip().splitlines()[-1] if r.output.strip() else '')[:90]}"
+    typed = {"batch_types": [Pair]} if "batch_types" in inspect.signature(replay).parameters else {}  # (older nanreplay: no such argument)
+    try:
+        if seed_name.startswith("a"):
+            replay(path, model_factory=make_model, loss_fn=dict_loss, samples=False)
+        else:
+            replay(path, model_factory=make_model, use_loss_fn=False, samples=False, **typed)
+        out["replay"] = "ok"
+    except BundleFormatError:
+        out["replay"] = "BundleFormatError"
+    except Exception as e:  # noqa: BLE001
+        out["replay"] = _signature("replay", e)
+    return out
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_one(seed: Path, index: int, base_seed: int, work: Path, timeout: float, mem: int, keep: Optional[Path], same_name: bool = False) -> dict:
+    tmp = work / f"scratch{index}.h5"
+    try:
+        data, what = mutate(seed, index, base_seed, tmp)
+    except Exception as e:  # noqa: BLE001 - a mutation the editing library refused: flip a bit of the seed instead
+        data = bytearray(seed.read_bytes())
+        bit = random.Random(index).randrange(len(data) * 8)
+        data[bit // 8] ^= 1 << (bit % 8)
+        data, what = bytes(data), f"bitflip [{bit}] (the drawn mutation failed: {type(e).__name__})"
+    finally:
+        tmp.unlink(missing_ok=True)
+    name = "m" + seed.suffix if same_name else random.Random(index).choice(["m.h5", "m.safetensors", "m.txt", "m"])  # names must not matter
+    path = work / f"{index}-{name}"
+    path.write_bytes(data)
+    r, w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: limits, then every stage
+        os.close(r)
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + mem, resource.RLIM_INFINITY))
+            result = check(path, seed.parent.name)
+            os.write(w, json.dumps(result).encode())
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, json.dumps({"child": _signature("child", e)}).encode())
+        os._exit(0)
+    os.close(w)
+    status, usage, timed_out = None, None, False
+    while True:
+        wpid, status, usage = os.wait4(pid, os.WNOHANG)
+        if wpid:
+            break
+        if time.monotonic() - t0 > timeout:
+            os.kill(pid, signal.SIGKILL)
+            _, status, usage = os.wait4(pid, 0)
+            timed_out = True
+            break
+        time.sleep(0.005)
+    raw = b""
+    while True:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        raw += chunk
+    os.close(r)
+    elapsed = time.monotonic() - t0
+    if timed_out:
+        stages = {"all": "timeout"}
+    elif os.WIFSIGNALED(status):
+        stages = {"all": f"crash: signal {os.WTERMSIG(status)}"}
+    else:
+        try:
+            stages = json.loads(raw or b"{}") or {"all": "child: no result"}
+        except ValueError:
+            stages = {"all": "child: unreadable result"}
+    bad = [v for v in stages.values() if v not in ("ok", "BundleFormatError")]
+    if bad and keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / path.name).write_bytes(data)
+        (keep / (path.name + ".txt")).write_text(json.dumps({"seed": str(seed), "index": index, "mutation": what, "stages": stages}, indent=1))
+    path.unlink()
+    tmp.with_suffix(".raw").unlink(missing_ok=True)
+    return {"index": index, "seed": seed.parent.name, "mutation": what.split(" ")[0] + (" " + what.split(" ")[1] if what.startswith(("h5:", "st:", "json:")) else ""),
+            "stages": stages, "peak_rss_kb": usage.ru_maxrss if usage else 0, "seconds": elapsed,
+            "file_bytes": len(data), "marker": MARKER.exists()}
+
+
+def _baseline_kb() -> int:
+    """Peak RSS of a child forked from this worker that does nothing: what every check starts from."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    _, _, usage = os.wait4(pid, 0)
+    return usage.ru_maxrss
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    # One thread, so no OpenMP pool exists when children are forked; one warm-up check per seed,
+    # so the children do not each pay torch's and nanreplay's lazy initialisation (seconds).
+    torch.set_num_threads(1)
+    seeds = [Path(p) for p in args.seeds.split(",")]
+    for seed in seeds:
+        assert set(check(seed, seed.parent.name).values()) == {"ok"}, f"the seed {seed} does not read and replay cleanly"
+    base = _baseline_kb()
+    work = Path(tempfile.mkdtemp(prefix="nanreplay-fuzz-"))
+    for line in sys.stdin:
+        index = int(line)
+        seed = seeds[index % len(seeds)]
+        res = run_one(seed, index, args.seed, work, args.timeout, args.memory << 20, Path(args.keep) if args.keep else None, args.same_name)
+        res["base_rss_kb"] = base
+        sys.stdout.write(json.dumps(res) + "\n")
+        sys.stdout.flush()
+
+
+_WORST_CASE_CHILD = """
+import resource, sys, time
+from click.testing import CliRunner
+from nanreplay import BundleFormatError, open_bundle
+from nanreplay.cli import main
+t = time.perf_counter()
+if sys.argv[1] == "open":
+    try:
+        with open_bundle(sys.argv[2]):
+            outcome = "opened"
+    except BundleFormatError as e:
+        outcome = "BundleFormatError: " + str(e).split(": ", 2)[1]
+else:
+    r = CliRunner().invoke(main, ["inspect", "--json", sys.argv[2]])
+    outcome = f"inspect exit {r.exit_code}"
+print(f"{outcome}|{time.perf_counter() - t:.1f}|{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
+"""
+
+
+def worst_cases(env: dict) -> int:
+    """Files crafted for the largest memory and time a reader can be made to spend, each measured
+    in a fresh process against the same process opening a small valid bundle."""
+    out = Path(tempfile.mkdtemp(prefix="nanreplay-worst-"))
+    seeds = [Path(p) for p in subprocess.run([sys.executable, str(HERE), "--make-seeds", str(out / "seeds")], env=env,
+                                             capture_output=True, text=True, check=True).stdout.split()]
+    small = next(p for p in seeds if p.suffix == ".safetensors")
+    data = small.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    manifest = json.loads(header["__metadata__"]["nanreplay_manifest"])
+
+    def st_file(name: str, manifest: dict, header: dict, size: Optional[int] = None, text: Optional[str] = None) -> Path:
+        h = dict(header)
+        h["__metadata__"] = {"nanreplay_manifest": text if text is not None else json.dumps(manifest, separators=(",", ":"))}
+        raw = json.dumps(h, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        p = out / name
+        with open(p, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw + body)
+            if size is not None:
+                f.truncate(8 + len(raw) + size)
+        return p
+
+    cases = []
+    text = json.dumps(manifest, separators=(",", ":"))
+    budget = (64 << 20) - len(text) - 64
+    bomb = text[:-1] + ',"pad":[' + ",".join(["[]"] * (budget // 3)) + "]}"
+    cases.append(("open", st_file("json_bomb.safetensors", manifest, header, text=bomb), "a 64 MiB manifest of empty JSON lists (the most Python objects per byte)"))
+    n_lists = (1 << 22) - 4000  # just under the caps: the most a manifest can make the parser build
+    capped = text[:-1] + ',"pad":[' + "[]," * n_lists + "1.5," * ((1 << 23) - n_lists - 4000) + "0]}"
+    cases.append(("open", st_file("json_at_caps.safetensors", manifest, header, text=capped),
+                  "a manifest just under the caps (4.2 M empty lists and 4.2 M floats, parsed, then refused by the schema)"))
+    leaf = '{"type":null,"context":null,"children_spec":[]}'
+    for count, what in ((600_000, "a tree spec string of 600 000 leaves (1.2 M JSON containers inside a string of the manifest)"),
+                        (500_000, "a tree spec string of 500 000 leaves, just under the spec cap (decoded, then refused)")):
+        m3 = json.loads(text)
+        rec = next(s for s in m3["meta"]["steps"] if s["step"] == m3["meta"]["failing_step"])["batches"][0]
+        rec["spec"] = '[1,{"type":"builtins.list","context":"null","children_spec":[' + ",".join([leaf] * count) + "]}]"
+        cases.append(("open", st_file(f"spec_{count}.safetensors", m3, header), what))
+    huge = dict(header)
+    m2 = json.loads(text)
+    size = 4 << 30
+    huge["huge"] = {"dtype": "F32", "shape": [size // 4], "data_offsets": [len(body), len(body) + size]}
+    m2["tensors"]["huge"] = {"dtype": "float32", "shape": [size // 4], "nbytes": size, "crc32": 0}
+    cases.append(("inspect", st_file("sparse_4gib.safetensors", m2, huge, size=len(body) + size), "a 4 GiB tensor in a sparse file (147 KiB on disk)"))
+    cases.insert(0, ("inspect", small, f"a valid {small.stat().st_size // 1024} KiB bundle (the baseline)"))
+    print("worst cases (each in a fresh process; peak RSS includes Python, torch and nanreplay):")
+    for mode, path, what in cases:
+        r = subprocess.run([sys.executable, "-c", _WORST_CASE_CHILD, mode, str(path)], env=env, capture_output=True, text=True)
+        outcome, seconds, rss = (r.stdout.strip().splitlines() or ["?|?|0"])[-1].split("|")
+        disk = path.stat().st_blocks * 512
+        print(f"  {mode:<8} {what}: file {path.stat().st_size / 2**20:.0f} MiB ({disk / 2**20:.1f} MiB on disk) -> {outcome}; "
+              f"{seconds} s, peak RSS {int(rss) / 1024:.0f} MiB")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mutants", type=int, default=10000)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mutant (all stages)")
+    ap.add_argument("--memory", type=int, default=2048, help="MiB of address space a mutant's check may add")
+    ap.add_argument("--keep", help="directory for the mutants that ended in anything but ok / BundleFormatError")
+    ap.add_argument("--json", help="write every result to this file (JSON lines)")
+    ap.add_argument("--code", help="the directory holding the nanreplay package to test (default: this checkout), e.g. an older release for a before/after figure")
+    ap.add_argument("--worst-cases", action="store_true", help="measure the files crafted for the most memory and time instead of fuzzing")
+    ap.add_argument("--same-name", action="store_true", help="give every mutant its seed's extension (by default names vary: .h5, .safetensors, .txt, none)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--make-seeds", help=argparse.SUPPRESS)
+    ap.add_argument("--seeds", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.make_seeds:
+        print("\n".join(str(p) for p in make_seeds(Path(args.make_seeds))))
+        return 0
+    if args.worker:
+        worker(args)
+        return 0
+
+    home = tempfile.mkdtemp(prefix="nanreplay-fuzz-home-")
+    if args.code:
+        os.environ["NANREPLAY_FUZZ_CODE"] = str(Path(args.code).resolve())
+    code = os.environ.get("NANREPLAY_FUZZ_CODE") or str(ROOT)
+    env = {**os.environ, "NANREPLAY_HOME": home, "PYTHONPATH": os.pathsep.join([code, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    if args.worst_cases:
+        return worst_cases(env)
+    seed_dir = Path(tempfile.mkdtemp(prefix="nanreplay-fuzz-seeds-"))
+    out = subprocess.run([sys.executable, str(HERE), "--make-seeds", str(seed_dir)], env=env, capture_output=True, text=True, check=True)
+    seeds = [Path(p) for p in out.stdout.split()]
+    assert len(seeds) == 4, out.stderr
+    print(f"seeds: {', '.join(f'{p.parent.name}/{p.name} ({p.stat().st_size} B)' for p in seeds)}", flush=True)
+    procs = [subprocess.Popen([sys.executable, str(HERE), "--worker", "--seeds", ",".join(map(str, seeds)), "--seed", str(args.seed),
+                               "--timeout", str(args.timeout), "--memory", str(args.memory)] + (["--keep", args.keep] if args.keep else [])
+                              + (["--same-name"] if args.same_name else []),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1) for _ in range(args.workers)]
+    t0 = time.monotonic()
+    results: list[dict] = []
+    pending = {p: None for p in procs}
+    next_index = 0
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    for p in procs:
+        sel.register(p.stdout, selectors.EVENT_READ, p)
+    for p in procs:
+        if next_index < args.mutants:
+            p.stdin.write(f"{next_index}\n"); p.stdin.flush(); pending[p] = next_index; next_index += 1
+    sink = open(args.json, "w") if args.json else None
+    while any(v is not None for v in pending.values()):
+        for key, _ in sel.select():
+            p = key.data
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit(f"a fuzz worker died (exit {p.wait()}); see its stderr")
+            res = json.loads(line)
+            results.append(res)
+            if sink:
+                sink.write(line)
+            pending[p] = None
+            if next_index < args.mutants:
+                p.stdin.write(f"{next_index}\n"); p.stdin.flush(); pending[p] = next_index; next_index += 1
+            if len(results) % 500 == 0:
+                print(f"  {len(results)} mutants, {time.monotonic() - t0:.0f} s", flush=True)
+    for p in procs:
+        p.stdin.close()
+        p.wait()
+    if sink:
+        sink.close()
+    return report(results, time.monotonic() - t0, args)
+
+
+def report(results: list[dict], seconds: float, args: argparse.Namespace) -> int:
+    per_mutant = collections.Counter()
+    per_stage = collections.Counter()
+    others = collections.Counter()
+    for r in results:
+        outcomes = list(r["stages"].values())
+        if any(o not in ("ok", "BundleFormatError") for o in outcomes):
+            per_mutant["other"] += 1
+        elif "BundleFormatError" in outcomes:
+            per_mutant["BundleFormatError"] += 1
+        else:
+            per_mutant["ok (mutation without effect on what is read)"] += 1
+        for stage, o in r["stages"].items():
+            kind = o if o in ("ok", "BundleFormatError") else ("crash" if o.startswith("crash") else "timeout" if o == "timeout" else "other")
+            per_stage[(stage, kind)] += 1
+            if kind not in ("ok", "BundleFormatError"):
+                others[o] += 1
+    extra = [(r["peak_rss_kb"] - r["base_rss_kb"]) / 1024 for r in results]
+    worst = max(results, key=lambda r: r["peak_rss_kb"] - r["base_rss_kb"])
+    by_op = collections.Counter(r["mutation"].split(" ")[0] for r in results)
+    print(f"\n{len(results)} mutants of {len({r['seed'] for r in results})} seed bundles in {seconds:.0f} s ({args.workers} workers), seed {args.seed}")
+    print("mutations: " + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items())))
+    print("per mutant: " + ", ".join(f"{k}: {v}" for k, v in sorted(per_mutant.items())))
+    print("per stage:")
+    for stage in ("read", "inspect --json", "inspect", "replay", "all"):
+        row = {k: v for (s, k), v in per_stage.items() if s == stage}
+        if row:
+            print(f"  {stage:<15} " + ", ".join(f"{k} {v}" for k, v in sorted(row.items())))
+    print(f"other outcomes (exceptions other than BundleFormatError, crashes, timeouts): {sum(others.values())}")
+    for sig, n in others.most_common(40):
+        print(f"  {n:5d}  {sig}")
+    print(f"peak RSS of a check above an idle forked child's: max {max(extra):.1f} MiB (mutant {worst['index']}, {worst['file_bytes']} B file, "
+          f"{worst['mutation']}), median {sorted(extra)[len(extra) // 2]:.1f} MiB; idle child {results[0]['base_rss_kb'] / 1024:.0f} MiB, "
+          f"largest absolute peak {max(r['peak_rss_kb'] for r in results) / 1024:.0f} MiB")
+    slow = max(results, key=lambda r: r["seconds"])
+    print(f"slowest mutant: {slow['seconds']:.1f} s (all stages, mutant {slow['index']}, {slow['mutation']})")
+    markers = sum(r["marker"] for r in results)
+    print(f"marker files created by hostile code names: {markers}")
+    return 0 if not others and not markers else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

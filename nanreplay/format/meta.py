@@ -1,0 +1,411 @@
+"""The schema of a step bundle's metadata (``manifest["meta"]``), checked when a bundle is opened.
+
+:func:`validate_step_meta` checks every field that nanreplay reads (types, ranges, string
+lengths, the tree specs of batches, inputs, cotangents and optimizer states, the allowlist rules),
+and that every tensor the metadata refers to exists in the file with a plausible dtype and
+shape (RNG states, tree leaves, weights, buffers, gradients), before anything else reads them.
+After it passed, the readers in :mod:`nanreplay.format.bundle` can index the metadata without
+guarding each access, and a damaged or hostile file fails in one place, with one message.
+
+Unknown keys are allowed (a newer writer may add some) and are never interpreted; they are
+bounded like the rest of the manifest (size, nesting depth). The layout is specified in
+``docs/bundle-format.md`` ("Logical layout").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.allowlist import AllowRule
+from ..core.tree import SpecError, SpecNode, decode_spec, spec_types
+
+__all__ = ["MetaError", "InfoFn", "MetaFacts", "validate_step_meta", "MAX_STEPS", "MAX_NAME"]
+
+#: Longest string accepted where nanreplay reads a name (an FQN, an import path, a key).
+MAX_NAME = 4096
+#: Most ring-buffer steps, forwards per step and batches per step accepted.
+MAX_STEPS = 100_000
+_MAX_INT = 2**63 - 1
+_FNUM_STRINGS = ("nan", "inf", "-inf")
+_AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
+_CACHED_SPEC = 1 << 16
+_SCALER_FIELDS = {"scale": (int, float), "growth_factor": (int, float), "backoff_factor": (int, float),
+                  "growth_interval": (int,), "_growth_tracker": (int,)}
+
+
+class MetaError(ValueError):
+    """The metadata violates the schema: ``where`` (e.g. ``meta.steps[0].rng``), what was
+    expected and what was found."""
+
+    def __init__(self, where: str, expected: str, found: str) -> None:
+        self.where, self.expected, self.found = where, expected, found
+        super().__init__(f"{where}: expected {expected}, found {found}")
+
+
+#: ``info(key)`` -> ``(torch dtype, shape)`` of a stored tensor, or ``None`` when absent.
+InfoFn = Callable[[str], Optional[tuple[torch.dtype, tuple[int, ...]]]]
+
+
+@dataclass
+class MetaFacts:
+    """What validation learnt, for the readers: the small decoded tree specs (by their JSON text)
+    and the typed-node types each tree records (``where`` -> ``module:QualName`` list)."""
+
+    specs: dict[str, SpecNode] = field(default_factory=dict)
+    types: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+                                     list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+class _Checker:
+    def __init__(self, info: InfoFn) -> None:
+        self.info = info
+        self.facts = MetaFacts()
+
+    # -- scalars ---------------------------------------------------------------------------
+    def obj(self, v: Any, where: str, required: tuple[str, ...] = ()) -> dict:
+        if not isinstance(v, dict):
+            raise MetaError(where, "an object", _kind(v))
+        missing = [k for k in required if k not in v]
+        if missing:
+            raise MetaError(where, f"the fields {list(required)}", f"no {missing}")
+        return v
+
+    def array(self, v: Any, where: str, max_len: int = MAX_STEPS) -> list:
+        if not isinstance(v, list):
+            raise MetaError(where, "a list", _kind(v))
+        if len(v) > max_len:
+            raise MetaError(where, f"at most {max_len} entries", f"{len(v)}")
+        return v
+
+    def integer(self, v: Any, where: str, lo: int = 0, hi: int = _MAX_INT, *, null: bool = False) -> Optional[int]:
+        if v is None and null:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise MetaError(where, f"an integer in [{lo}, {hi}]" + (" or null" if null else ""), _show(v))
+        return v
+
+    def string(self, v: Any, where: str, *, null: bool = False, max_len: int = MAX_NAME) -> Optional[str]:
+        if v is None and null:
+            return None
+        if not isinstance(v, str) or len(v) > max_len:
+            raise MetaError(where, f"a string of at most {max_len} characters" + (" or null" if null else ""), _kind(v) if not isinstance(v, str) else f"{len(v)} characters")
+        return v
+
+    def boolean(self, v: Any, where: str, *, null: bool = True) -> Optional[bool]:
+        if (v is None and null) or isinstance(v, bool):
+            return v
+        raise MetaError(where, "true, false" + (" or null" if null else ""), _show(v))
+
+    def fnum(self, v: Any, where: str) -> None:
+        """A float as :func:`nanreplay.core.jsonable.fnum` writes it: a number, one of the
+        strings 'nan', 'inf', '-inf', or null."""
+        if v is None or (isinstance(v, str) and v in _FNUM_STRINGS):
+            return
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return
+        raise MetaError(where, "a finite number, 'nan', 'inf', '-inf' or null", _show(v))
+
+    def names(self, v: Any, where: str, max_len: int = 10_000_000) -> list[str]:
+        for i, n in enumerate(self.array(v, where, max_len)):
+            self.string(n, f"{where}[{i}]")
+        if len(set(v)) != len(v):
+            raise MetaError(where, "names without repeats", "a repeated name")
+        return v
+
+    # -- tensors ---------------------------------------------------------------------------
+    def tensor(self, key: str, where: str, *, dtype: Optional[torch.dtype] = None, shape: Optional[tuple] = None,
+               ndim: Optional[int] = None) -> tuple[torch.dtype, tuple[int, ...]]:
+        found = self.info(key)
+        if found is None:
+            raise MetaError(where, f"tensor {key[:200]!r} (the metadata refers to it)", "no such tensor in the file")
+        t_dtype, t_shape = found
+        if (dtype is not None and t_dtype != dtype) or (shape is not None and t_shape != shape) or (ndim is not None and len(t_shape) != ndim):
+            want = " ".join(x for x in (str(dtype).replace("torch.", "") if dtype else "", str(list(shape)) if shape is not None else (f"{ndim}-D" if ndim is not None else "")) if x)
+            raise MetaError(where, f"tensor {key[:200]!r} of {want}", f"{str(t_dtype).replace('torch.', '')} {list(t_shape)}")
+        return found
+
+    # -- records ---------------------------------------------------------------------------
+    def rng(self, v: Any, where: str, prefix: str) -> None:
+        m = self.obj(v, where, ("python_version", "numpy_name", "numpy_pos", "numpy_has_gauss", "numpy_cached_gaussian"))
+        self.integer(m["python_version"], f"{where}.python_version", 0, 255)
+        g = m.get("python_gauss_next")
+        if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool)):
+            raise MetaError(f"{where}.python_gauss_next", "a number or null", _show(g))
+        if m["numpy_name"] != "MT19937":
+            raise MetaError(f"{where}.numpy_name", "'MT19937'", _show(m["numpy_name"]))
+        self.integer(m["numpy_pos"], f"{where}.numpy_pos", 0, 624)
+        self.integer(m["numpy_has_gauss"], f"{where}.numpy_has_gauss", 0, 1)
+        c = m["numpy_cached_gaussian"]
+        if not (isinstance(c, (int, float)) and not isinstance(c, bool)):
+            raise MetaError(f"{where}.numpy_cached_gaussian", "a number", _show(c))
+        devices = self.integer(m.get("cuda_devices", 0), f"{where}.cuda_devices", 0, 1024)
+        self.tensor(f"{prefix}python", where, dtype=torch.int64, shape=(625,))
+        self.tensor(f"{prefix}numpy", where, dtype=torch.int64, shape=(624,))
+        self.tensor(f"{prefix}torch_cpu", where, dtype=torch.uint8, ndim=1)
+        for i in range(devices or 0):
+            self.tensor(f"{prefix}cuda/{i}", where, dtype=torch.uint8, ndim=1)
+
+    def tree(self, v: Any, where: str, prefix: str, *, root: Optional[str] = None) -> SpecNode:
+        m = self.obj(v, where, ("spec", "n"))
+        n = self.integer(m["n"], f"{where}.n", 0, 10**8)
+        spec = self.string(m["spec"], f"{where}.spec", max_len=1 << 26)
+        node = self.facts.specs.get(spec)
+        if node is None:
+            try:
+                node = decode_spec(spec)
+            except SpecError as e:
+                raise MetaError(f"{where}.spec", "a valid tree spec", str(e)) from None
+            if len(spec) <= _CACHED_SPEC:  # the same small specs repeat (a batch per step); large ones are decoded again
+                self.facts.specs[spec] = node
+        if node.leaves != n:
+            raise MetaError(f"{where}.n", f"the spec's leaf count {node.leaves}", str(n))
+        keys, values = m.get("keys", {}), m.get("values", {})
+        self.obj(keys, f"{where}.keys")
+        self.obj(values, f"{where}.values")
+        if len(keys) + len(values) != n:
+            raise MetaError(where, f"'keys' and 'values' covering its {n} leaves exactly", f"{len(keys)} keys and {len(values)} values")
+        for i, key in keys.items():
+            if not (i.isdigit() and int(i) < n and str(int(i)) == i) or i in values:
+                raise MetaError(f"{where}.keys", f"leaf indices in [0, {n}) not also in 'values'", _show(i))
+            if not isinstance(key, str) or not key.startswith(prefix):
+                raise MetaError(f"{where}.keys[{i}]", f"a tensor key under {prefix!r}", _show(key))
+            self.tensor(key, f"{where}.keys[{i}]")
+        for i, rec in values.items():
+            if not (i.isdigit() and int(i) < n and str(int(i)) == i):
+                raise MetaError(f"{where}.values", f"leaf indices in [0, {n})", _show(i))
+            ok = isinstance(rec, dict) and (
+                (len(rec) == 1 and "json" in rec)
+                or (len(rec) == 1 and rec.get("float") in _FNUM_STRINGS)
+                or (set(rec) == {"repr", "type"} and isinstance(rec["repr"], str) and isinstance(rec["type"], str)))
+            if not ok:
+                raise MetaError(f"{where}.values[{i}]", "{'json': v}, {'float': 'nan'|'inf'|'-inf'} or {'repr': str, 'type': str}", _show(rec))
+        if root == "inputs" and not (node.kind == "tuple" and len(node.children) == 2
+                                     and node.children[0].kind in ("tuple", "list") and node.children[1].kind in ("dict", "odict", "ddict")):
+            raise MetaError(f"{where}.spec", "(args, kwargs): a tuple of a tuple and a dict", f"a {node.kind} node")
+        types = spec_types(node)
+        if types:
+            self.facts.types[where] = types
+        return node
+
+    def optimizer_state(self, v: Any, where: str, prefix: str, groups: Optional[list]) -> None:
+        node = self.tree(v, where, prefix)
+        # a state_dict(): {"state": {...}, "param_groups": [{..., "params": [ids]}, ...]}
+        if node.kind not in ("dict", "odict") or set(node.context) != {"state", "param_groups"}:
+            raise MetaError(f"{where}.spec", "an optimizer state_dict() with 'state' and 'param_groups'", f"a {node.kind} node")
+        pg = node.children[list(node.context).index("param_groups")]
+        if pg.kind not in ("list", "tuple") or any(g.kind not in ("dict", "odict") or "params" not in g.context for g in pg.children):
+            raise MetaError(f"{where}.spec", "'param_groups' as a list of dicts with 'params'", "another structure")
+        if groups is not None and len(pg.children) != len(groups):
+            raise MetaError(where, f"{len(groups)} param groups (as meta.optimizer.param_groups_fqns)", f"{len(pg.children)}")
+
+    def scaler_state(self, v: Any, where: str, prefix: str) -> None:
+        node = self.tree(v, where, prefix)
+        if node.kind not in ("dict", "odict") or any(c.kind != "leaf" for c in node.children):
+            raise MetaError(f"{where}.spec", "a GradScaler state_dict(): a flat dict", f"a {node.kind} node")
+        if not node.context:
+            return  # a disabled scaler's state_dict() is empty
+        unknown = set(node.context) - set(_SCALER_FIELDS)
+        if unknown or len(node.context) != len(_SCALER_FIELDS):
+            raise MetaError(f"{where}.spec", f"the keys {sorted(_SCALER_FIELDS)}", _show(sorted(map(str, node.context))))
+        values = v.get("values", {})
+        for i, name in enumerate(node.context):
+            rec = values.get(str(i))
+            value = rec.get("json") if isinstance(rec, dict) and "json" in rec else (float(rec["float"]) if isinstance(rec, dict) and "float" in rec else None)
+            if not isinstance(value, _SCALER_FIELDS[name]) or isinstance(value, bool):
+                raise MetaError(f"{where}.values", f"{name} as {' or '.join(t.__name__ for t in _SCALER_FIELDS[name])}", _show(rec))
+
+    def snapshot(self, v: Any, where: str, prefix: str, groups: Optional[list], params_info: dict) -> list[str]:
+        m = self.obj(v, where, ("params", "buffers"))
+        params = self.names(m["params"], f"{where}.params")
+        for k in params:
+            dtype, shape = self.tensor(f"{prefix}params/{k}", f"{where}.params")
+            rec = params_info.get(k)
+            if rec is not None and (list(shape) != rec["shape"] or str(dtype).replace("torch.", "") != rec["dtype"]):
+                raise MetaError(f"{where}.params", f"parameter {k[:200]!r} as meta.model.params says ({rec['dtype']} {rec['shape']})",
+                                f"{str(dtype).replace('torch.', '')} {list(shape)}")
+        for k in self.names(m["buffers"], f"{where}.buffers"):
+            self.tensor(f"{prefix}buffers/{k}", f"{where}.buffers")
+        if m.get("optimizer") is not None:
+            self.optimizer_state(m["optimizer"], f"{where}.optimizer", f"{prefix}optimizer/", groups)
+        extra = self.obj(m.get("extra", {}), f"{where}.extra")
+        for name, rec in extra.items():
+            self.string(name, f"{where}.extra")
+            if name == "scaler":
+                self.scaler_state(rec, f"{where}.extra[{name!r}]", f"{prefix}extra/{name}/")
+            else:
+                self.tree(rec, f"{where}.extra[{name[:100]!r}]", f"{prefix}extra/{name}/")
+        return params
+
+    def step(self, v: Any, where: str, groups: Optional[list], params_info: dict) -> int:
+        m = self.obj(v, where, ("step", "rng", "forwards", "batches", "lrs"))
+        k = self.integer(m["step"], f"{where}.step")
+        p = f"steps/{k}/"
+        self.rng(m["rng"], f"{where}.rng", f"{p}rng/")
+        for i, fw in enumerate(self.array(m["forwards"], f"{where}.forwards")):
+            fw = self.obj(fw, f"{where}.forwards[{i}]", ("inputs",))
+            self.tree(fw["inputs"], f"{where}.forwards[{i}].inputs", f"{p}forward/{i}/inputs/", root="inputs")
+            if fw.get("cotangent") is not None:
+                self.tree(fw["cotangent"], f"{where}.forwards[{i}].cotangent", f"{p}forward/{i}/cotangent/")
+            if fw.get("rng") is not None:
+                self.rng(fw["rng"], f"{where}.forwards[{i}].rng", f"{p}forward/{i}/rng/")
+        for i, b in enumerate(self.array(m["batches"], f"{where}.batches")):
+            self.tree(b, f"{where}.batches[{i}]", f"{p}batch/{i}/")
+        self.names(m.get("training", []), f"{where}.training")
+        for i, lr in enumerate(self.array(m["lrs"], f"{where}.lrs")):
+            self.fnum(lr, f"{where}.lrs[{i}]")
+        self.fnum(m.get("loss"), f"{where}.loss")
+        self.fnum(m.get("grad_norm"), f"{where}.grad_norm")
+        self.boolean(m.get("finite"), f"{where}.finite")
+        self.boolean(m.get("stale_inputs", False), f"{where}.stale_inputs")
+        self.boolean(m.get("scaler_skipped"), f"{where}.scaler_skipped")
+        if m.get("buffers") is not None:
+            for b in self.names(m["buffers"], f"{where}.buffers"):
+                self.tensor(f"{p}buffers/{b}", f"{where}.buffers")
+        if m.get("snapshot") is not None:
+            self.snapshot(m["snapshot"], f"{where}.snapshot", f"{p}snapshot/", groups, params_info)
+        ac = m.get("autocast")
+        if ac is not None:
+            ac = self.obj(ac, f"{where}.autocast", ("device_type", "dtype"))
+            if not (isinstance(ac["device_type"], str) and _DEVICE.fullmatch(ac["device_type"]) and ac["dtype"] in _AUTOCAST_DTYPES):
+                raise MetaError(f"{where}.autocast", f"{{'device_type': a device type, 'dtype': one of {list(_AUTOCAST_DTYPES)}}}", _show(ac))
+        return k
+
+    def tensors_info(self, v: Any, where: str) -> dict:
+        m = self.obj(v, where)
+        for name, rec in m.items():
+            self.string(name, f"{where}")
+            rec = self.obj(rec, f"{where}[{name[:100]!r}]", ("shape", "dtype", "device"))
+            shape = self.array(rec["shape"], f"{where}[{name[:100]!r}].shape", 64)
+            for d in shape:
+                self.integer(d, f"{where}[{name[:100]!r}].shape")
+            self.string(rec["dtype"], f"{where}[{name[:100]!r}].dtype", max_len=64)
+            if not (isinstance(rec["device"], str) and _DEVICE.fullmatch(rec["device"])):
+                raise MetaError(f"{where}[{name[:100]!r}].device", "a device such as 'cpu' or 'cuda:0'", _show(rec["device"]))
+        return m
+
+
+def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
+    """Check a step bundle's metadata against the schema and against the tensors in the file.
+
+    Args:
+        meta: ``manifest["meta"]`` (already strict JSON, bounded in size and depth).
+        info: ``info(key)`` -> ``(dtype, shape)`` of a stored tensor, or ``None``.
+
+    Returns:
+        the decoded tree specs and the typed-node types each tree records.
+
+    Raises:
+        MetaError: the first violation, with where it is, what was expected and what was found.
+    """
+    c = _Checker(info)
+    m = c.obj(meta, "meta", ("kind", "failing_step", "steps", "state", "grads"))
+    if m["kind"] != "nanreplay.step":
+        raise MetaError("meta.kind", "'nanreplay.step'", _show(m["kind"]))
+    failing = c.integer(m["failing_step"], "meta.failing_step")
+    if m.get("created_unix") is not None and not isinstance(m["created_unix"], (int, float)):
+        raise MetaError("meta.created_unix", "a number", _show(m["created_unix"]))
+    if m.get("environment") is not None:
+        c.obj(m["environment"], "meta.environment")
+    reason = c.obj(m.get("reason") or {}, "meta.reason")
+    for name in ("nonfinite_grad", "nonfinite_loss", "nonfinite_update"):
+        c.boolean(reason.get(name), f"meta.reason.{name}")
+    c.fnum(reason.get("grad_norm"), "meta.reason.grad_norm")
+    c.fnum(reason.get("loss"), "meta.reason.loss")
+    for name in ("action", "message", "scaler_failure"):
+        c.string(reason.get(name), f"meta.reason.{name}", null=True, max_len=1 << 16)
+    if reason.get("scaler") is not None:
+        s = c.obj(reason["scaler"], "meta.reason.scaler")
+        for name in ("enabled", "skipped", "grads_unscaled"):
+            c.boolean(s.get(name), f"meta.reason.scaler.{name}")
+        for name in ("consecutive_skips", "total_skips"):
+            c.integer(s.get(name), f"meta.reason.scaler.{name}", null=True)
+        c.fnum(s.get("scale_after"), "meta.reason.scaler.scale_after")
+    for where, d in (("meta.reason.distributed", reason.get("distributed")), ("meta.distributed", m.get("distributed"))):
+        if d is not None:
+            d = c.obj(d, where)
+            c.integer(d.get("rank"), f"{where}.rank", null=True)
+            c.integer(d.get("world_size"), f"{where}.world_size", null=True)
+            for i, r in enumerate(c.array(d.get("origin_ranks", []), f"{where}.origin_ranks")):
+                c.integer(r, f"{where}.origin_ranks[{i}]")
+            c.boolean(d.get("is_origin"), f"{where}.is_origin")
+            c.string(d.get("origin_method"), f"{where}.origin_method", null=True)
+            if d.get("grads") not in (None, "local", "reduced"):
+                raise MetaError(f"{where}.grads", "'local', 'reduced' or null", _show(d.get("grads")))
+    c.integer(m.get("rank"), "meta.rank", null=True)
+    c.integer(m.get("world_size"), "meta.world_size", 1 if m.get("world_size") is not None else 0, null=True)
+
+    model = c.obj(m.get("model") or {}, "meta.model")
+    c.string(model.get("class"), "meta.model.class", null=True)
+    params_info = c.tensors_info(model.get("params", {}), "meta.model.params")
+    c.tensors_info(model.get("buffers", {}), "meta.model.buffers")
+    for i, row in enumerate(c.array(model.get("modules", []), "meta.model.modules", 10_000_000)):
+        if not (isinstance(row, list) and len(row) == 2 and all(isinstance(x, str) and len(x) <= MAX_NAME for x in row)):
+            raise MetaError(f"meta.model.modules[{i}]", "[fqn, class name]", _show(row))
+
+    opt = c.obj(m.get("optimizer") or {}, "meta.optimizer")
+    c.string(opt.get("class"), "meta.optimizer.class", null=True)
+    groups = None
+    if opt.get("param_groups_fqns") is not None:
+        groups = c.array(opt["param_groups_fqns"], "meta.optimizer.param_groups_fqns", 1_000_000)
+        for i, g in enumerate(groups):
+            c.names(g, f"meta.optimizer.param_groups_fqns[{i}]")
+    if opt.get("defaults") is not None:
+        c.obj(opt["defaults"], "meta.optimizer.defaults")
+
+    c.string(m.get("model_factory"), "meta.model_factory", null=True)
+    c.string(m.get("loss_fn"), "meta.loss_fn", null=True)
+    if m.get("model_init") is not None:
+        init = c.obj(m["model_init"], "meta.model_init", ("class",))
+        c.string(init["class"], "meta.model_init.class")
+        c.obj(init.get("kwargs", {}), "meta.model_init.kwargs")
+    ro = c.obj(m.get("replay_options") or {}, "meta.replay_options")
+    for i, rule in enumerate(c.array(ro.get("allow_nonfinite", []), "meta.replay_options.allow_nonfinite", 10_000)):
+        c.string(rule, f"meta.replay_options.allow_nonfinite[{i}]")
+        try:
+            AllowRule.parse(rule)
+        except ValueError as e:
+            raise MetaError(f"meta.replay_options.allow_nonfinite[{i}]", "an allowlist rule MODULE:OP[:-inf]", str(e)[:200]) from None
+    if m.get("lightning") is not None:
+        c.obj(m["lightning"], "meta.lightning")
+    d = m.get("diagnosis")
+    if d is not None:
+        c.obj(d, "meta.diagnosis")
+        c.string(d.get("summary"), "meta.diagnosis.summary", null=True, max_len=1 << 20)
+
+    state_params = c.snapshot(m["state"], "meta.state", "state/", groups, params_info)
+    if groups is not None:
+        known = set(state_params)
+        for i, g in enumerate(groups):
+            missing = [f for f in g if f not in known]
+            if missing:
+                raise MetaError(f"meta.optimizer.param_groups_fqns[{i}]", "parameters listed in meta.state.params", _show(missing[:3]))
+    shapes = {k: c.info(f"state/params/{k}") for k in state_params}
+    for k in c.names(m["grads"], "meta.grads"):
+        dtype, shape = c.tensor(f"grads/{k}", "meta.grads")
+        want = shapes.get(k)
+        if want is not None and want[1] != shape:
+            raise MetaError("meta.grads", f"gradient {k[:200]!r} of the parameter's shape {list(want[1])}", f"{list(shape)}")
+    held = set()
+    for i, s in enumerate(c.array(m["steps"], "meta.steps")):
+        k = c.step(s, f"meta.steps[{i}]", groups, params_info)
+        if k in held:
+            raise MetaError(f"meta.steps[{i}].step", "step numbers without repeats", str(k))
+        held.add(k)
+    if held and failing not in held:
+        raise MetaError("meta.failing_step", f"one of the steps held {sorted(held)[:8]}", str(failing))
+    return c.facts
