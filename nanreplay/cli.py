@@ -293,6 +293,7 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
             "file_bytes": b.path.stat().st_size,
             "keys": {k: {"shape": list(i.shape), "dtype": str(i.dtype).replace("torch.", ""), "nbytes": i.nbytes} for k, i in infos.items()} if keys else None,
             "diagnosis": b.diagnosis,
+            "diagnosis_error": b.meta.get("diagnosis_error") if isinstance(b.meta.get("diagnosis_error"), str) else None,
             "trusted": b.trusted,
             "code": b.named_code(),
             **{k: b.meta[k] for k in ("rank", "world_size", "distributed") if k in b.meta},
@@ -322,7 +323,8 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
             + ("  [weights snapshot]" if s["snapshot"] else "")
         )
     d = info.get("diagnosis")
-    echo(f"  stored diagnosis: {st((d or {}).get('summary') or '(none)', bold=bool(d))}")
+    none = f"(none: {info['diagnosis_error']})" if info.get("diagnosis_error") else "(none)"
+    echo(f"  stored diagnosis: {st((d or {}).get('summary') or none, bold=bool(d))}")
     code = info.get("code") or {}
     listing = "; ".join(f"{kind} {', '.join(names)}" for kind, names in code.items()) or "none"
     trusted = "trusted (replay runs it)" if info.get("trusted") else st("NOT trusted (replay refuses it; `nanreplay trust` after review)", fg="yellow")

@@ -771,7 +771,8 @@ class Recorder:
 
     def _diagnose_into(self, content: BundleContent, path: Path) -> bool:
         """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds, into
-        ``content.diagnosis``; returns whether it produced one."""
+        ``content.diagnosis`` (or, when it stops early, why into ``meta["diagnosis_error"]``);
+        returns whether ``content`` changed."""
         from ..diagnosis.api import diagnose_live
 
         step = content.failing_step
@@ -794,7 +795,8 @@ class Recorder:
         except Exception as e:
             logger.warning("nanreplay: the in-process diagnosis of step %d stopped (%s: %s); the bundle %s holds everything: "
                            "run `nanreplay replay %s`", step, type(e).__name__, e, path, _shell_path(path))
-            return False
+            content.extra_meta["diagnosis_error"] = f"{type(e).__name__}: {e}"[:2000]  # the bundle says why it has none
+            return True
         finally:
             self._replaying = False
         if self.dist is not None:

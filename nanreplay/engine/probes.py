@@ -143,28 +143,37 @@ def node_forward_op(node: Optional[str]) -> Optional[str]:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
 
 
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64,
+          torch.complex32: torch.complex64, torch.complex64: torch.complex128}
+
+
+def _precision(dtype: torch.dtype) -> int:
+    """Bytes of one real component: complex64 counts as float32 (4)."""
+    return dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize
 
 
 def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[torch.Tensor]) -> Optional[dict]:
-    """Recompute one op with its floating inputs cast to a wider dtype (float16/bfloat16 ->
-    float32, float32 -> float64) and say whether the result is finite there. Only for ops that
-    do not write into their inputs (the inputs must still be the ones the op saw).
+    """Recompute one op with its floating and complex inputs cast to a wider dtype
+    (float16/bfloat16 -> float32, float32 -> float64, complex64 -> complex128) and say whether the
+    result is finite there. Only for ops that do not write into their inputs (the inputs must
+    still be the ones the op saw). Inputs no wider than the output's precision are widened, each
+    within its kind (a float32 operand of a complex64 op becomes float64).
 
     Returns:
-        ``{"dtype": "float64", "finite": bool, "absmax": float | None}``, or ``None`` when the op
-        cannot be recomputed (float64 already, an in-place op, a failure).
+        ``{"dtype": "float64", "finite": bool, "absmax": float | None}`` (``dtype``: the widened
+        output's; ``absmax`` of the finite values, of the magnitude for complex), or ``None`` when
+        the op cannot be recomputed (float64/complex128 already, an in-place op, a failure).
     """
     low = next((t.dtype for t in outs if t.dtype in _WIDER), None)
     if low is None:
         return None
-    wide = _WIDER[low]
+    bits = _precision(low)
 
     def up(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dtype in _WIDER and x.dtype.itemsize <= low.itemsize:
-            return x.detach().to(wide)
-        if isinstance(x, torch.dtype) and x in _WIDER and x.itemsize <= low.itemsize:
-            return wide
+        if isinstance(x, torch.Tensor) and x.dtype in _WIDER and _precision(x.dtype) <= bits:
+            return x.detach().to(_WIDER[x.dtype])
+        if isinstance(x, torch.dtype) and x in _WIDER and _precision(x) <= bits:
+            return _WIDER[x]
         return x
 
     try:
@@ -179,7 +188,7 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
     finite = all(bool(torch.isfinite(t).all()) for t in ts)
     fin = [t[torch.isfinite(t)] for t in ts]
     absmax = max((float(t.abs().max()) for t in fin if t.numel()), default=None)
-    return {"dtype": str(wide).replace("torch.", ""), "finite": finite, "absmax": absmax}
+    return {"dtype": str(ts[0].dtype).replace("torch.", ""), "finite": finite, "absmax": absmax}
 
 
 def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], limit: int = 64) -> Optional[dict]:
