@@ -120,3 +120,67 @@ def test_the_rule_reads_markers_and_fences(tmp_path):
     got = snippets(md)
     assert [(s.line, s.code, s.skip) for s in got] == [(2, "a = 1\n", None), (6, "b = a\n", "needs CUDA")]
     assert os.path.basename(got[0].file) == "x.md"
+
+
+# -- docs/architecture.md against the code ------------------------------------------------------
+
+ARCH = ROOT / "docs" / "architecture.md"
+
+
+def _arch_rows() -> dict[str, list[str]]:
+    """The package table: package -> the modules its row lists."""
+    rows = {}
+    for line in ARCH.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`\w+`", cells[0]):
+            rows[cells[0].strip("`")] = [m.removesuffix(".py") for m in re.findall(r"`([\w.]+)`", cells[1])]
+    return rows
+
+
+def test_architecture_layers_are_those_the_import_test_enforces():
+    from test_architecture import LAYERS
+
+    text = ARCH.read_text()
+    m = re.search(r"<!-- layers:.*?-->\n```\n(.*?)\n```", text, re.S)
+    assert m, "docs/architecture.md lost its layer line"
+    assert [p.strip() for p in m.group(1).split("<")] == LAYERS
+    assert list(_arch_rows()) == LAYERS, "the package table must list every layer, in the same order"
+
+
+def test_architecture_lists_every_package_and_module():
+    pkg = ROOT / "nanreplay"
+    rows = _arch_rows()
+    actual = {p.name: sorted(q.stem for q in p.glob("*.py") if q.stem != "__init__") for p in pkg.iterdir() if (p / "__init__.py").exists()}
+    actual.update({p.stem: [p.stem] for p in pkg.glob("*.py") if p.stem != "__init__"})
+    assert set(rows) == set(actual), f"packages: the doc lists {sorted(rows)}, the code has {sorted(actual)}"
+    for name, modules in actual.items():
+        assert sorted(rows[name]) == modules, f"{name}: the doc lists {sorted(rows[name])}, the code has {modules}"
+
+
+def test_architecture_names_exist():
+    """Every dotted name the page cites (`nanreplay.diagnosis.origin.STAGES`, `engine.run.run_step`)
+    is importable: the module exists and has the attribute."""
+    import importlib
+
+    from test_architecture import LAYERS
+
+    cited = set(re.findall(r"`((?:nanreplay\.)?(?:%s)\.[\w.]+)`" % "|".join(LAYERS), ARCH.read_text()))
+    cited = {c for c in cited if not c.endswith(".py")}  # file names, checked by the package table
+    assert len(cited) > 30, cited
+    missing = []
+    for name in sorted(cited):
+        parts = name.removeprefix("nanreplay.").split(".")
+        for i in range(len(parts), 0, -1):  # the longest prefix that is a module, the rest attributes
+            try:
+                obj = importlib.import_module("nanreplay." + ".".join(parts[:i]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[i:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(name)
+            break
+        else:
+            missing.append(name)
+    assert not missing, f"docs/architecture.md cites names the code lacks: {missing}"
