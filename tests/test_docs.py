@@ -184,3 +184,34 @@ def test_architecture_names_exist():
         else:
             missing.append(name)
     assert not missing, f"docs/architecture.md cites names the code lacks: {missing}"
+
+
+# -- docs/bundle-format.md against the writer ---------------------------------------------------
+
+def test_bundle_format_documents_every_meta_field_the_recorder_writes(sqrt_bundle):
+    from nanreplay import open_bundle
+
+    text = (ROOT / "docs" / "bundle-format.md").read_text()
+    rows = {}
+    for line in text.split("### `meta` fields", 1)[1].splitlines():
+        if line.startswith("| `"):
+            first, rest = line[2:].split(" | ", 1)
+            for name in re.findall(r"`(\w+)`", first):
+                rows[name] = rest
+    with open_bundle(sqrt_bundle) as b:
+        meta = b.meta
+    assert {"replay_options", "program", "callables", "extra_tensors"} <= set(rows)
+    assert sorted(set(meta) - set(rows)) == [], "meta fields the spec does not list"
+    assert sorted(k for k in meta["reason"] if f"`{k}`" not in rows["reason"]) == [], "reason fields the spec does not list"
+    # the typed node's context, as the spec states it: the three-element list [type path, kind, field names]
+    import collections
+    import json
+
+    from torch.utils._pytree import treespec_dumps
+
+    from nanreplay.core.tree import flatten_typed
+
+    pair = collections.namedtuple("Pair", "a b")
+    node = json.loads(treespec_dumps(flatten_typed(pair(torch.ones(1), 2))[1]))[1]
+    assert node["type"] == "nanreplay.tree.TypedNode" and node["context"] == [f"{__name__}:Pair", "namedtuple", ["a", "b"]]
+    assert "whose context is the three-element list\n`[<\"module:QualName\">, <\"namedtuple\"|\"dataclass\">, [<field name>, ...]]`" in text
