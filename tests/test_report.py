@@ -90,6 +90,7 @@ def test_timeline_holds_the_ring_buffer_losses_grad_norms_and_lrs(out_dir):
     assert info.value.diagnosis["timeline"] == tl
 
 
+@pytest.mark.slow
 def test_allowlisted_masks_are_attached_to_their_modules(out_dir):
     model = fm.make_attn()
     x = torch.randn(6, 5, 6)
@@ -280,6 +281,7 @@ def test_status_line_only_after_the_delay_and_erased(capsys):
 # ---------------------------------------------------------------------------------------------
 # matplotlib stays out of everything but the report
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_matplotlib_is_imported_only_by_the_report(nested_div_bundle):
     pytest.importorskip("matplotlib")
     code = f"""
