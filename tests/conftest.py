@@ -45,3 +45,29 @@ def digits_bundle(tmp_path_factory) -> Path:
     assert mod.main(["--out-dir", str(out)]) == 0
     (bundle,) = out.glob("nanreplay-step*.h5")
     return bundle
+
+
+# -- the shared failure scenarios (tests/scenarios.py), one fixture each ------------------------
+
+@pytest.fixture
+def nested_div_bundle(out_dir) -> Path:
+    """0/0 born in the forward pass of ``encoder.block.norm``, sample 2 (scenarios.division_by_zero_in_a_submodule)."""
+    import scenarios
+
+    return Path(scenarios.division_by_zero_in_a_submodule(out_dir).bundle_path)
+
+
+@pytest.fixture
+def sqrt_bundle(out_dir) -> Path:
+    """+Inf born in backward of sqrt at 0, module ``root``, sample 1 (scenarios.sqrt_at_zero)."""
+    import scenarios
+
+    return Path(scenarios.sqrt_at_zero(out_dir).bundle_path)
+
+
+@pytest.fixture
+def unreproducible_bundle(out_dir) -> Path:
+    """A NaN gradient written after backward: the replay says ``not reproduced`` (scenarios.unreproducible)."""
+    import scenarios
+
+    return Path(scenarios.unreproducible(out_dir).bundle_path)

@@ -12,6 +12,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 import failure_models as fm
 import models
+import scenarios
 from helpers import fail_once
 from nanreplay import NonFiniteGradientError, Recorder, replay
 from nanreplay.core.allowlist import AllowRule, Allowlist
@@ -23,13 +24,7 @@ def _strict_json(diag: dict) -> dict:
 
 
 def test_forward_division_by_zero_in_a_submodule(out_dir):
-    model = models.make_nested()
-    with torch.no_grad():
-        model.encoder["block"].proj.weight.copy_(torch.eye(8))
-        model.encoder["block"].proj.bias.fill_(-1.0)
-    x = 2.0 + torch.rand(6, 8)
-    x[2] = 0.0  # only row 2: relu(0 - 1) = 0 everywhere, then 0 / 0
-    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
+    err = scenarios.division_by_zero_in_a_submodule(out_dir)  # only row 2: relu(0 - 1) = 0 everywhere, then 0 / 0
     diag = _strict_json(replay(err.bundle_path))
     o = diag["origin"]
     assert (diag["phase"], o["op"], o["module"], o["samples"]) == ("forward", "div", "encoder.block.norm", [2])
@@ -44,6 +39,7 @@ def test_forward_division_by_zero_in_a_submodule(out_dir):
     assert diag["samples"]["method"] == "non-finite rows of the producer op's output"
     assert diag["summary"].startswith("NaN born in the forward pass in op div at models.py:")
     assert "in module encoder.block.norm (SafeDiv), step 0, samples [2]" in diag["summary"]
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
     assert err.diagnosis["summary"] == diag["summary"]  # the in-process diagnosis says the same
 
 
@@ -65,14 +61,8 @@ def test_log_of_zero_inside_where_reports_the_causal_chain(out_dir):
     assert diag["samples"]["method"] == "non-finite rows of the producer op's output"  # LogBackward's output has the batch rows
 
 
-def test_sqrt_at_zero_in_backward(out_dir):
-    model = models.make_sqrt()
-    with torch.no_grad():
-        model.fc.bias.zero_()
-    x = torch.randn(5, 4)
-    x[1] = 0.0
-    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
-    diag = replay(err.bundle_path)
+def test_sqrt_at_zero_in_backward(sqrt_bundle):
+    diag = replay(sqrt_bundle)
     o = diag["origin"]
     assert (diag["phase"], o["node"], o["module"], o["samples"]) == ("backward", "SqrtBackward0", "root", [1])
     assert diag["classification"] == {**diag["classification"], "cause": "numerics", "detail": "sqrt derivative at 0"}
@@ -80,6 +70,8 @@ def test_sqrt_at_zero_in_backward(out_dir):
     assert o["nonfinite"] == "+Inf"
     assert diag["summary"].startswith("+Inf born in backward of sqrt (SqrtBackward0) at models.py:")
     assert "in module root (SqrtLayer), step 0, samples [1]; forward was finite; cause: numerics (sqrt derivative at 0)" in diag["summary"]
+    assert all(row["output"]["nan"] == 0 for row in diag["health"])  # the forward was finite
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
 
 
 def _attn_batch(n: int = 6, L: int = 5):
@@ -170,14 +162,11 @@ def test_one_bad_sample_in_the_input(out_dir):
     x = torch.randn(8, 8)
     x[5, 3] = float("nan")
     batch = {"image": x, "label": torch.randn(8, 4)}
-    loss_fn = models.mean_loss.__globals__["F"].mse_loss
-
     err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, input_mse, out_dir, model_factory=models.make_mlp)
     diag = replay(err.bundle_path)
     assert (diag["phase"], diag["origin"]["leaf"], diag["origin"]["samples"]) == ("input", "batch['image']", [5])
     assert diag["classification"]["cause"] == "bad input data"
     assert diag["summary"].startswith("non-finite value in the input data at batch['image'], step 0, samples [5]")
-    assert callable(loss_fn)
 
 
 def input_mse(model, batch):
@@ -260,24 +249,19 @@ def test_exploding_gradients_from_a_learning_rate_spike(out_dir, caplog):
     assert diag["history"]["exploding"] and any("grad norm rose to" in e for e in c["evidence"])
 
 
-def test_cli_json_and_allow_option(out_dir):
+def test_cli_json_and_allow_option(sqrt_bundle):
     from click.testing import CliRunner
 
     from nanreplay.cli import main
 
-    model = models.make_sqrt()
-    with torch.no_grad():
-        model.fc.bias.zero_()
-    x = torch.randn(4, 4)
-    x[2] = 0.0
-    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
-    r = CliRunner().invoke(main, ["replay", err.bundle_path, "--json", "--allow", "root:mul"])
+    bundle = str(sqrt_bundle)
+    r = CliRunner().invoke(main, ["replay", bundle, "--json", "--allow", "root:mul"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["origin"]["node"] == "SqrtBackward0" and d["classification"]["cause"] == "numerics" and "root:mul:-inf" not in d["allowlist"]
     assert "root:mul" in d["allowlist"]
-    r = CliRunner().invoke(main, ["replay", err.bundle_path])
+    r = CliRunner().invoke(main, ["replay", bundle])
     assert r.exit_code == 0 and r.output.startswith("+Inf born in backward of sqrt (SqrtBackward0)")
     assert "autograd node: SqrtBackward0" in r.output
-    r = CliRunner().invoke(main, ["replay", err.bundle_path, "--allow", "nocolon"])
+    r = CliRunner().invoke(main, ["replay", bundle, "--allow", "nocolon"])
     assert r.exit_code == 2 and "an allowlist rule is 'MODULE:OP'" in r.output

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanreplay import BundleContent, open_bundle, write_bundle
-from helpers import fail_once
-from models import make_sqrt, mean_loss
+import scenarios
 
 
 def _same(a, b) -> bool:
@@ -14,13 +13,7 @@ def _same(a, b) -> bool:
 
 
 def test_content_round_trips_through_write_bundle(tmp_path, out_dir):
-    model = make_sqrt()
-    with torch.no_grad():
-        model.fc.bias.zero_()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(4, 4)
-    x[0] = 0.0  # sqrt'(0) = inf in backward
-    err = fail_once(model, opt, {"x": x}, mean_loss, out_dir, diagnose=False)
+    err = scenarios.sqrt_at_zero(out_dir, optimizer=torch.optim.Adam, diagnose=False)  # Adam: optimizer state to round-trip
     with open_bundle(err.bundle_path) as b:
         content = b.content()
         assert isinstance(content, BundleContent)
@@ -32,4 +25,4 @@ def test_content_round_trips_through_write_bundle(tmp_path, out_dir):
         # the same metadata, but for what describes the write itself
         differs = {"created_unix", "environment"}
         assert {k: v for k, v in a.meta.items() if k not in differs} == {k: v for k, v in c.meta.items() if k not in differs}
-        assert torch.equal(c.step(c.failing_step).batches[0]["x"], x)
+        assert torch.equal(c.step(c.failing_step).batches[0]["x"], a.step(a.failing_step).batches[0]["x"])

@@ -6,11 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
-import models
-from nanreplay import NonFiniteGradientError, Recorder
 from nanreplay.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,22 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args: str):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture
-def nested_bundle(out_dir) -> Path:
-    model = models.make_nested()
-    with torch.no_grad():
-        model.encoder["block"].proj.bias.fill_(-1.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(6, 8) * 3
-    x[2] = 0.0
-    with Recorder(model, opt, loss_fn=models.mean_loss, model_factory=models.make_nested, out_dir=out_dir) as rec:
-        rec.record({"x": x})
-        models.mean_loss(model, {"x": x}).backward()
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    return Path(info.value.bundle_path)
 
 
 def test_digits_example_end_to_end(digits_bundle):
@@ -50,18 +31,18 @@ def test_digits_example_end_to_end(digits_bundle):
     assert info["failing_step"] == json.loads(_run("replay", "--json", digits_bundle).output)["step"]
 
 
-def test_replay_json_and_text(nested_bundle):
-    r = _run("replay", "--json", nested_bundle)
+def test_replay_json_and_text(nested_div_bundle):
+    r = _run("replay", "--json", nested_div_bundle)
     assert r.exit_code == 0
     diag = json.loads(r.output)
     assert diag["origin"]["module"] == "encoder.block.norm"
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
-    text = _run("replay", nested_bundle).output
+    text = _run("replay", nested_div_bundle).output
     assert "encoder.block.norm (SafeDiv)" in text and "producer" in text
 
 
-def test_inspect_lists_steps_keys_and_diagnosis(nested_bundle):
-    r = _run("inspect", nested_bundle)
+def test_inspect_lists_steps_keys_and_diagnosis(nested_div_bundle):
+    r = _run("inspect", nested_div_bundle)
     assert r.exit_code == 0
     assert "failing step: 0" in r.output
     assert "state/params/encoder.block.proj.weight" in r.output
@@ -77,8 +58,8 @@ def test_missing_path_is_a_clean_error():
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
 @pytest.mark.parametrize("command", ["replay", "inspect"])
-def test_corrupted_bundle_is_a_clean_error(nested_bundle, tmp_path, damage, command):
-    data = bytearray(nested_bundle.read_bytes())
+def test_corrupted_bundle_is_a_clean_error(nested_div_bundle, tmp_path, damage, command):
+    data = bytearray(nested_div_bundle.read_bytes())
     bad = tmp_path / "bad.h5"
     if damage == "truncate":
         bad.write_bytes(bytes(data[: len(data) // 2]))
@@ -94,21 +75,14 @@ def test_corrupted_bundle_is_a_clean_error(nested_bundle, tmp_path, damage, comm
     assert r.output.startswith("Error: ") and "Traceback" not in r.output
 
 
-def test_not_reproduced_has_its_own_exit_code(out_dir):
-    model = models.make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Recorder(model, opt, model_factory=models.make_mlp, out_dir=out_dir) as rec:
-        model(torch.randn(4, 8)).sum().backward()
-        model.fc1.bias.grad[0] = float("nan")  # corrupted after the fact: no replay can produce it
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    r = _run("replay", info.value.bundle_path)
+def test_not_reproduced_has_its_own_exit_code(unreproducible_bundle):
+    r = _run("replay", unreproducible_bundle)
     assert r.exit_code == 3
     assert "not reproduced" in r.output.splitlines()[0]
 
 
-def test_model_that_does_not_match_exits_5(nested_bundle):
-    r = _run("replay", "--model-factory", "models:make_mlp", nested_bundle)
+def test_model_that_does_not_match_exits_5(nested_div_bundle):
+    r = _run("replay", "--model-factory", "models:make_mlp", nested_div_bundle)
     assert r.exit_code == 5
     assert "the model does not match the bundle" in r.output
 
@@ -120,12 +94,29 @@ def test_help(command):
 
 
 def test_cli_help_does_not_import_torch():
+    """``nanreplay --help`` and every subcommand's ``--help``, run as the console script runs
+    them, in a fresh process: each prints its usage, exits 0, and torch is never imported."""
     import subprocess
     import sys
 
-    code = "import sys, nanreplay.cli; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    commands = [[]] + [[name] for name in sorted(main.commands)]
+    code = (
+        "import sys\n"
+        "from nanreplay.cli import main\n"
+        "for args in %r:\n"
+        "    try:\n"
+        "        main(args + ['--help'], prog_name='nanreplay')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (args, e.code)\n"
+        "    print('@@', ' '.join(args), 'torch' in sys.modules, flush=True)\n"
+    ) % (commands,)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    marks = [line.split() for line in r.stdout.splitlines() if line.startswith("@@")]
+    assert len(marks) == len(commands) >= 6
+    assert all(m[-1] == "False" for m in marks), marks
+    for args in commands:
+        assert f"Usage: nanreplay {' '.join(args)}".strip() in r.stdout, args
 
 
 def test_digits_failure_is_batch_level_not_blamed_on_samples(digits_bundle):

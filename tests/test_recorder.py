@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import models
+from scenarios import hook_count, poisoned_step
 from nanreplay import NonFiniteGradientError, Recorder, RecorderConfig, open_bundle
 
 
@@ -19,13 +20,6 @@ def _poison_step(model: nn.Module, opt, rec: Recorder, x, *, bad: bool):
     opt.zero_grad()
     loss.backward()
     opt.step()
-
-
-def _hook_counts(model: nn.Module) -> int:
-    n = 0
-    for m in model.modules():
-        n += len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
-    return n
 
 
 def _opt_state(opt) -> dict:
@@ -44,17 +38,19 @@ def _assert_same_state(a: dict, b: dict) -> None:
                 assert v == w
 
 
-def test_close_removes_every_hook(out_dir):
-    model = models.make_nested()
+def test_close_removes_every_hook_and_training_goes_on_unwatched(out_dir):
+    model = models.make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = _hook_counts(model)
-    pre_opt = len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)
+    before = hook_count(model, opt)
     rec = Recorder(model, opt, out_dir=out_dir)
-    assert _hook_counts(model) > before
+    assert hook_count(model, opt) > before
+    _poison_step(model, opt, rec, torch.randn(4, 8), bad=False)
     rec.close()
     rec.close()  # idempotent
-    assert _hook_counts(model) == before
-    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == pre_opt
+    assert hook_count(model, opt) == before
+    _poison_step(model, opt, None, torch.randn(4, 8), bad=True)  # no recorder any more: the NaN step goes through
+    assert not torch.isfinite(model.fc1.weight).all()
+    assert not out_dir.exists() and rec.nonfinite_steps == []
 
 
 def test_hooks_removed_when_the_loop_raises(out_dir):
@@ -63,8 +59,7 @@ def test_hooks_removed_when_the_loop_raises(out_dir):
     with pytest.raises(NonFiniteGradientError):
         with Recorder(model, opt, out_dir=out_dir, diagnose=False):
             _poison_step(model, opt, None, torch.randn(4, 8), bad=True)
-    assert _hook_counts(model) == 0
-    assert len(opt._optimizer_step_pre_hooks) == 0
+    assert hook_count(model, opt) == 0
 
 
 def test_raise_dumps_and_leaves_weights_uncorrupted(out_dir):
@@ -178,10 +173,8 @@ def test_gradient_accumulation_captures_every_micro_batch(out_dir):
         for x in xs:
             model(x).pow(2).mean().backward()
         torch.no_grad()(model)(torch.randn(5, 8))  # an evaluation forward is not part of the step
-        model.fc1.weight.grad[0, 0] = float("nan")
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    with open_bundle(info.value.bundle_path) as b:
+        err = poisoned_step(opt, model.fc1.weight)
+    with open_bundle(err.bundle_path) as b:
         rec0 = b.step(0)
         assert len(rec0.forwards) == 3
         for fw, x in zip(rec0.forwards, xs):
@@ -241,13 +234,11 @@ def test_inputs_overwritten_before_the_switch_to_copies_are_marked_stale(out_dir
             buf.copy_(torch.full((4, 8), float(i)))
             model(buf).sum().backward()
             if i == 1:
-                model.fc1.weight.grad[0, 0] = float("nan")
-                with pytest.raises(NonFiniteGradientError) as info:
-                    opt.step()
+                err = poisoned_step(opt, model.fc1.weight)
             else:
                 opt.step()
                 opt.zero_grad()
-    with open_bundle(info.value.bundle_path) as b:
+    with open_bundle(err.bundle_path) as b:
         assert b.step(0).stale_inputs is True
         assert b.step(1).stale_inputs is False  # copied: the reuse was seen when it was captured
         assert torch.equal(b.step(1).forwards[0].inputs[0][0], torch.full((4, 8), 1.0))

@@ -10,6 +10,7 @@ import torch
 
 import models
 from helpers import fail_once
+from scenarios import poisoned_step
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle, replay
 from nanreplay.errors import ModelMismatchError, ReplayError
 
@@ -24,14 +25,12 @@ def test_dropout_model_replays_exact_gradients(out_dir):
             loss = models.mse_loss(model, (x, y))
             loss.backward()
             if step == 2:
-                model.fc2.bias.grad[0] = float("nan")  # poison after the fact: the replay's grads differ only there
-                with pytest.raises(NonFiniteGradientError) as info:
-                    opt.step()
+                err = poisoned_step(opt, model.fc2.bias)  # poison after the fact: the replay's grads differ only there
             else:
                 opt.step()
                 opt.zero_grad()
     # replay from the bundle in a fresh model: dropout masks must be the same
-    with open_bundle(info.value.bundle_path) as b:
+    with open_bundle(err.bundle_path) as b:
         recorded = b.grads()
         model2 = models.make_dropout_mlp()
         diag = replay(b, model=model2)
@@ -60,49 +59,8 @@ def test_dropout_nan_step_reproduced_exactly(out_dir):
     assert diag["origin"]["samples"] == [3]
 
 
-def _nested_failure(out_dir):
-    model = models.make_nested()
-    with torch.no_grad():
-        model.encoder["block"].proj.bias.fill_(-1.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(6, 8) * 3
-    x[2] = 0.0  # row 2: relu(proj(0)) = relu(-1) = 0 everywhere, then 0 / 0 in encoder.block.norm
-    return fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
-
-
-def test_forward_nan_in_nested_submodule_is_attributed_to_it(out_dir):
-    err = _nested_failure(out_dir)
-    for diag in (err.diagnosis, replay(err.bundle_path)):
-        assert diag["phase"] == "forward"
-        assert diag["origin"]["module"] == "encoder.block.norm"
-        assert diag["origin"]["class"] == "SafeDiv"
-        assert diag["origin"]["op"] == "div"
-        assert diag["reproduction"]["verdict"] == "reproduced exactly"
-        roles = {row["module"]: row["role"] for row in diag["health"]}
-        assert roles["encoder.block.norm"] == "producer"
-        assert roles["encoder.block.out"] == "propagator"  # a later layer only passes it on
-        assert roles.get("encoder.block") != "producer"     # nor is the parent blamed
-
-
-def test_nan_born_only_in_backward_is_reported_as_backward(out_dir):
-    model = models.make_sqrt()
-    with torch.no_grad():
-        model.fc.bias.zero_()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(5, 4)
-    x[0] = 0.0  # row 0: fc(0) = 0, its norm sqrt(0) = 0 is finite, its derivative is not
-    err = fail_once(model, opt, {"x": x}, models.mean_loss, out_dir, model_factory=models.make_sqrt)
-    diag = replay(err.bundle_path)
-    assert diag["phase"] == "backward"
-    assert diag["origin"]["module"] == "root"
-    assert all(row["output"]["nan"] == 0 for row in diag["health"])  # the forward was finite
-    assert diag["reproduction"]["verdict"] == "reproduced exactly"
-    assert "backward" in diag["summary"]
-
-
-def test_model_only_replay_uses_the_recorded_cotangent(out_dir):
-    err = _nested_failure(out_dir)
-    diag = replay(err.bundle_path, use_loss_fn=False)
+def test_model_only_replay_uses_the_recorded_cotangent(nested_div_bundle):
+    diag = replay(nested_div_bundle, use_loss_fn=False)
     assert diag["mode"] == "cotangent"
     assert diag["origin"]["module"] == "encoder.block.norm"
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
@@ -124,12 +82,11 @@ def test_nonfinite_cotangent_is_born_in_the_loss(out_dir):
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
 
 
-def test_model_mismatch_is_a_clear_error(out_dir):
-    err = _nested_failure(out_dir)
+def test_model_mismatch_is_a_clear_error(nested_div_bundle):
     with pytest.raises(ModelMismatchError, match="the model does not match the bundle"):
-        replay(err.bundle_path, model=models.make_mlp())
+        replay(nested_div_bundle, model=models.make_mlp())
     with pytest.raises(ReplayError, match="could not import 'no_such_module:f'"):
-        replay(err.bundle_path, model_factory="no_such_module:f")
+        replay(nested_div_bundle, model_factory="no_such_module:f")
 
 
 @dataclasses.dataclass
@@ -170,10 +127,7 @@ def test_bundle_round_trips_nested_batch_and_optimizer_state(out_dir, fmt, opt_n
         state = {k: {kk: (vv.clone() if isinstance(vv, torch.Tensor) else vv) for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
         rec.record(batch)
         nested_loss(model, batch).backward()
-        model.fc1.weight.grad[0, 0] = float("nan")
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    path = info.value.bundle_path
+        path = poisoned_step(opt, model.fc1.weight).bundle_path
     assert path.endswith(".h5" if fmt == "h5" else ".safetensors")
     with open_bundle(path) as b:  # reading imports nothing the file names: typed nodes are dicts of their fields
         plain = b.step(2).batches[0]

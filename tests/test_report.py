@@ -32,28 +32,11 @@ def _run(*args: str, **kw):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False, **kw)
 
 
-def _forward_nan_bundle(out_dir) -> Path:
-    """encoder.block.norm divides 0/0 for sample 2 only (tests/models.py)."""
-    model = models.make_nested()
-    with torch.no_grad():
-        model.encoder["block"].proj.weight.copy_(torch.eye(8))
-        model.encoder["block"].proj.bias.fill_(-1.0)
-    x = 2.0 + torch.rand(6, 8)
-    x[2] = 0.0
-    err = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x}, models.mean_loss, out_dir, model_factory=models.make_nested)
-    return Path(err.bundle_path)
-
-
-@pytest.fixture
-def nested_bundle(out_dir) -> Path:
-    return _forward_nan_bundle(out_dir)
-
-
 # ---------------------------------------------------------------------------------------------
 # the diagnosis keys the report draws from
 # ---------------------------------------------------------------------------------------------
-def test_forward_modules_list_every_module_call_with_roles_and_health(nested_bundle):
-    diag = replay(nested_bundle)
+def test_forward_modules_list_every_module_call_with_roles_and_health(nested_div_bundle):
+    diag = replay(nested_div_bundle)
     mods = diag["forward_modules"]
     # every module call in completion order (a parent after its children; the ModuleDict is never called)
     assert [m["module"] for m in mods] == ["encoder.block.proj", "encoder.block.norm", "encoder.block.out", "encoder.block", "head", ""]
@@ -107,6 +90,7 @@ def test_timeline_holds_the_ring_buffer_losses_grad_norms_and_lrs(out_dir):
     assert info.value.diagnosis["timeline"] == tl
 
 
+@pytest.mark.slow
 def test_allowlisted_masks_are_attached_to_their_modules(out_dir):
     model = fm.make_attn()
     x = torch.randn(6, 5, 6)
@@ -139,12 +123,12 @@ def _html_checks(page: str, summary: str) -> None:
     assert json.loads(data)["summary"] == summary
 
 
-def test_report_writes_one_self_contained_page(nested_bundle, tmp_path, monkeypatch):
+def test_report_writes_one_self_contained_page(nested_div_bundle, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    r = _run("report", nested_bundle)
+    r = _run("report", nested_div_bundle)
     assert r.exit_code == EXIT_OK, r.output
-    out = nested_bundle.with_suffix(".html")  # default: beside the bundle
-    diag = replay(nested_bundle)
+    out = nested_div_bundle.with_suffix(".html")  # default: beside the bundle
+    diag = replay(nested_div_bundle)
     assert r.output.splitlines()[0] == diag["summary"]
     assert f"report written to {out}" in r.output
     _html_checks(out.read_text(encoding="utf-8"), diag["summary"])
@@ -152,12 +136,12 @@ def test_report_writes_one_self_contained_page(nested_bundle, tmp_path, monkeypa
     opened = []
     monkeypatch.setattr(click, "launch", lambda url, **kw: opened.append(url) or 0)
     target = tmp_path / "sub" / "r.html"
-    r = _run("report", nested_bundle, "-o", target, "--no-samples", "--open")
+    r = _run("report", nested_div_bundle, "-o", target, "--no-samples", "--open")
     assert r.exit_code == EXIT_OK and target.exists() and not target.with_name("r.html.tmp").exists()
     assert opened == [str(target)]
 
 
-def test_report_no_replay_uses_the_stored_diagnosis(nested_bundle, tmp_path, monkeypatch):
+def test_report_no_replay_uses_the_stored_diagnosis(nested_div_bundle, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import nanreplay.diagnosis.api as api
 
@@ -166,27 +150,27 @@ def test_report_no_replay_uses_the_stored_diagnosis(nested_bundle, tmp_path, mon
 
     monkeypatch.setattr(api, "replay", no_replay)
     out = tmp_path / "stored.html"
-    r = _run("report", "--no-replay", nested_bundle, "-o", out)
+    r = _run("report", "--no-replay", nested_div_bundle, "-o", out)
     assert r.exit_code == EXIT_OK, r.output
     assert "from the stored diagnosis" in r.output
     from nanreplay import open_bundle
 
-    with open_bundle(nested_bundle) as b:
+    with open_bundle(nested_div_bundle) as b:
         stored = b.diagnosis
     assert "forward_modules" in stored and "timeline" in stored  # the Recorder's in-process diagnosis has the new keys
     _html_checks(out.read_text(encoding="utf-8"), stored["summary"])
 
 
-def test_report_without_matplotlib_names_the_extra(nested_bundle, tmp_path, monkeypatch):
+def test_report_without_matplotlib_names_the_extra(nested_div_bundle, tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     out = tmp_path / "r.html"
-    r = _run("report", nested_bundle, "-o", out)
+    r = _run("report", nested_div_bundle, "-o", out)
     assert r.exit_code == EXIT_USAGE
     assert "pip install 'nanreplay[report]'" in r.output and "Traceback" not in r.output
     assert not out.exists()
-    r = _run("bisect", nested_bundle, "--over", "samples", "--html", out)
+    r = _run("bisect", nested_div_bundle, "--over", "samples", "--html", out)
     assert r.exit_code == EXIT_USAGE and "nanreplay[report]" in r.output
 
 
@@ -214,29 +198,20 @@ def test_report_no_replay_without_a_stored_diagnosis_exits_5(out_dir, tmp_path):
     assert r.exit_code == EXIT_REPLAY and "without --no-replay" in r.output
 
 
-def test_report_of_a_failure_that_does_not_reproduce_exits_3(out_dir, tmp_path):
+def test_report_of_a_failure_that_does_not_reproduce_exits_3(unreproducible_bundle, tmp_path):
     pytest.importorskip("matplotlib")
-    from nanreplay import NonFiniteGradientError, Recorder
-
-    model = models.make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Recorder(model, opt, model_factory=models.make_mlp, out_dir=out_dir):
-        model(torch.randn(4, 8)).sum().backward()
-        model.fc1.bias.grad[0] = float("nan")
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
     out = tmp_path / "r.html"
-    r = _run("report", info.value.bundle_path, "-o", out)
+    r = _run("report", unreproducible_bundle, "-o", out)
     assert r.exit_code == EXIT_NOT_REPRODUCED and out.exists()
     assert "not reproduced" in out.read_text(encoding="utf-8")
 
 
-def test_bisect_html_shows_the_replays_tried(nested_bundle, tmp_path):
+def test_bisect_html_shows_the_replays_tried(nested_div_bundle, tmp_path):
     pytest.importorskip("matplotlib")
-    r = _run("bisect", nested_bundle, "--over", "samples", "--json", "--html")
+    r = _run("bisect", nested_div_bundle, "--over", "samples", "--json", "--html")
     assert r.exit_code == EXIT_OK, r.output
     res = json.loads(r.stdout)
-    out = nested_bundle.with_name(f"{nested_bundle.stem}-bisect-samples.html")
+    out = nested_div_bundle.with_name(f"{nested_div_bundle.stem}-bisect-samples.html")
     assert f"bisect page written to {out}" in r.stderr
     # every replay is in `trials`, in order, with what it varied
     assert [t["replay"] for t in res["trials"]] == list(range(1, res["replays"] + 1))
@@ -245,20 +220,20 @@ def test_bisect_html_shows_the_replays_tried(nested_bundle, tmp_path):
     page = out.read_text(encoding="utf-8")
     assert 'data-plot="trials"' in page and "1 of 6 samples: 2" in page and res["answer"].split(";")[0] in page
     named = tmp_path / "b.html"
-    assert _run("bisect", nested_bundle, "--over", "samples", f"--html={named}").exit_code == EXIT_OK and named.exists()
+    assert _run("bisect", nested_div_bundle, "--over", "samples", f"--html={named}").exit_code == EXIT_OK and named.exists()
 
 
-def test_page_from_a_diagnosis_without_the_new_keys(nested_bundle):
+def test_page_from_a_diagnosis_without_the_new_keys(nested_div_bundle):
     """A diagnosis stored by an older nanreplay lacks timeline/forward_modules/batch_leaves: the
     page rebuilds the timeline from the bundle's steps and draws the health rows it has."""
     pytest.importorskip("matplotlib")
     from nanreplay import open_bundle
     from nanreplay.report.html import render_html
 
-    with open_bundle(nested_bundle) as b:
+    with open_bundle(nested_div_bundle) as b:
         meta = dict(b.meta)
     old = {k: v for k, v in meta["diagnosis"].items() if k not in ("timeline", "forward_modules", "batch_leaves")}
-    page = render_html(old, meta=meta, bundle_name=nested_bundle.name)
+    page = render_html(old, meta=meta, bundle_name=nested_div_bundle.name)
     assert 'data-plot="timeline"' in page and 'data-plot="modules"' in page
     assert f"holds only the {len(old['health'])} rows of the health table" in page
     assert "encoder.block.norm" in page and "torch" in page
@@ -267,25 +242,25 @@ def test_page_from_a_diagnosis_without_the_new_keys(nested_bundle):
 # ---------------------------------------------------------------------------------------------
 # the terminal: plain when piped, colour on request, progress only on a terminal
 # ---------------------------------------------------------------------------------------------
-def test_replay_output_is_plain_and_unchanged_when_piped(nested_bundle):
-    diag = replay(nested_bundle)
-    r = _run("replay", nested_bundle)  # CliRunner's stdout is not a terminal
+def test_replay_output_is_plain_and_unchanged_when_piped(nested_div_bundle):
+    diag = replay(nested_div_bundle)
+    r = _run("replay", nested_div_bundle)  # CliRunner's stdout is not a terminal
     assert r.exit_code == 0
     assert r.stdout == render_report(diag) + "\n"
     assert "\x1b[" not in r.stdout and r.stderr == ""  # no colour, no progress line
-    j = _run("replay", "--json", nested_bundle)
+    j = _run("replay", "--json", nested_div_bundle)
     assert json.loads(j.stdout) == json.loads(json.dumps(diag, default=str))
     assert j.stdout == json.dumps(json.loads(j.stdout), indent=2) + "\n" and "\x1b[" not in j.stdout
-    assert _run("replay", "--json", "--color", nested_bundle).stdout == j.stdout  # --json stays plain
+    assert _run("replay", "--json", "--color", nested_div_bundle).stdout == j.stdout  # --json stays plain
 
 
-def test_color_flag_styles_the_same_text(nested_bundle):
-    plain = _run("replay", nested_bundle).stdout
-    colored = _run("replay", "--color", nested_bundle).stdout
+def test_color_flag_styles_the_same_text(nested_div_bundle):
+    plain = _run("replay", nested_div_bundle).stdout
+    colored = _run("replay", "--color", nested_div_bundle).stdout
     assert "\x1b[" in colored and click.unstyle(colored) == plain
-    assert _run("replay", "--no-color", nested_bundle).stdout == plain
+    assert _run("replay", "--no-color", nested_div_bundle).stdout == plain
     for args in (["inspect"], ["bisect", "--over", "samples"]):
-        p, c = _run(*args, nested_bundle).stdout, _run(*args, "--color", nested_bundle).stdout
+        p, c = _run(*args, nested_div_bundle).stdout, _run(*args, "--color", nested_div_bundle).stdout
         assert "\x1b[" not in p and "\x1b[" in c and click.unstyle(c) == p
 
 
@@ -306,14 +281,15 @@ def test_status_line_only_after_the_delay_and_erased(capsys):
 # ---------------------------------------------------------------------------------------------
 # matplotlib stays out of everything but the report
 # ---------------------------------------------------------------------------------------------
-def test_matplotlib_is_imported_only_by_the_report(nested_bundle):
+@pytest.mark.slow
+def test_matplotlib_is_imported_only_by_the_report(nested_div_bundle):
     pytest.importorskip("matplotlib")
     code = f"""
 import sys
 from click.testing import CliRunner
 import nanreplay
 from nanreplay.cli import main
-bundle = {str(nested_bundle)!r}
+bundle = {str(nested_div_bundle)!r}
 assert "matplotlib" not in sys.modules, "import nanreplay"
 diag = nanreplay.replay(bundle)
 for args in (["replay", bundle], ["replay", "--json", bundle], ["inspect", bundle], ["bisect", bundle, "--over", "samples"]):
