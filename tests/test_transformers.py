@@ -99,6 +99,21 @@ def test_hf_loss_divides_like_the_trainer_and_model_from_config_builds_offline()
         hf_loss(model, {"inputs": {"input_ids": ids}})
 
 
+def test_the_recorded_model_init_rebuilds_the_model_without_a_program():
+    """The fallback when a bundle holds no program: the callback's model_init names nanreplay's
+    own builder (a function, allowed beside nn.Module classes), only for a trusted bundle."""
+    from nanreplay.engine.state import build_from_init
+    from nanreplay.errors import UntrustedBundleError
+
+    init = {"class": "nanreplay.integrations.transformers:model_from_config",
+            "kwargs": {"model_class": "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel", "config": _config().to_dict()}}
+    assert isinstance(build_from_init(init, trusted=True), transformers.GPT2LMHeadModel)
+    with pytest.raises(UntrustedBundleError):
+        build_from_init(init, trusted=False)
+    with pytest.raises(Exception, match="not a torch.nn.Module subclass"):
+        build_from_init({"class": "nanreplay.integrations.transformers:hf_loss", "kwargs": {}}, trusted=True)
+
+
 def test_callback_refuses_to_manage_the_action():
     with pytest.raises(ValueError, match="action"):
         NanReplayCallback(action="raise")

@@ -54,11 +54,17 @@ def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[s
     load_buffers(model, buffers if buffers is not None else state.buffers)
 
 
+#: nanreplay's own functions a ``model_init`` entry may name instead of an ``nn.Module`` class:
+#: the Hugging Face callback's builder (a transformers model class and its config as JSON)
+MODEL_BUILDERS = frozenset({"nanreplay.integrations.transformers:model_from_config"})
+
+
 def build_from_init(init: Any, *, trusted: bool = False, source: str = "the bundle") -> torch.nn.Module:
     """Build a model from a bundle's ``model_init`` entry, ``{"class": "pkg.mod:Class",
     "kwargs": {...JSON...}}``: ``Class(**kwargs)``, the way Lightning's ``load_from_checkpoint``
     rebuilds a LightningModule from its saved hyperparameters. Only for a trusted bundle, and only
-    when the name resolves to a ``torch.nn.Module`` subclass (nothing else is ever called).
+    when the name resolves to a ``torch.nn.Module`` subclass or to one of nanreplay's own model
+    builders (:data:`MODEL_BUILDERS`; nothing else is ever called).
 
     Args:
         trusted: the bundle ``source`` is trusted (see :mod:`nanreplay.engine.gate`).
@@ -74,7 +80,7 @@ def build_from_init(init: Any, *, trusted: bool = False, source: str = "the bund
     if not trusted:
         raise UntrustedBundleError(source, {"model class (model_init)": [init["class"]]})
     cls = import_callable(init["class"])
-    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)) and init["class"] not in MODEL_BUILDERS:
         raise ReplayError(f"{source}: model_init names {init['class']!r}, a {type(cls).__name__}, not a torch.nn.Module subclass; pass --model-factory")
     try:
         model = cls(**init.get("kwargs", {}))
