@@ -82,6 +82,14 @@ class Recorder:
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
 
+    Random streams: per-step capture only reads the RNG states (it never advances a generator),
+    and the Recorder's own random work at a dump (program check, in-process diagnosis) draws
+    from private generators when other threads are alive (:class:`~nanreplay.core.rng.ReplayRNG`),
+    so training threads, this one included, see the same draws as without nanreplay. Limits with
+    other threads alive: a model or loss function that draws from Python's ``random`` or NumPy's
+    global generator in ``forward`` is replayed with other numbers and advances those shared
+    streams; on CUDA, attention kernels with built-in dropout draw from the device's generator.
+
     Example::
 
         with Recorder(model, opt, loss_fn=step_loss) as rec:
