@@ -424,9 +424,9 @@ class Recorder:
         self.step += 1
         self._current = None
         self._pending_loss = None
-        self._evict()
         if pre is not None and rec is not None and self._check_update(rec, pre):
             self._pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
+        self._evict()  # after the release: the recycled slot counts against the budget too
 
     def _verify_skip(self) -> None:
         """After a skipped step: the version counters prove the optimizer left every parameter
