@@ -317,3 +317,75 @@ def test_dataclass_batch_tensors_are_copied_and_sliced_like_any_other(out_dir):
     assert kept[0].image is not buf and torch.equal(kept[0].image, torch.zeros(4, 8))  # a copy, not the refilled buffer
     sliced = take_rows(kept[1], [1, 3], 4)
     assert isinstance(sliced, ImageBatch) and sliced.image.shape == (2, 8) and torch.equal(sliced.label, torch.tensor([1, 3]))
+
+
+def _storage_bytes_held(rec: Recorder, model: nn.Module) -> int:
+    """Counted here, independently of ``Recorder.held_bytes``: the bytes of every storage the
+    Recorder keeps alive beyond the live parameters and buffers (each storage once; a view keeps
+    its whole storage): the ring's batches, forward inputs, cotangents, step-start buffers and
+    snapshots, the recycled snapshot slot, the sync-free latch and the check_update copy."""
+    from torch.utils import _pytree as pytree
+
+    seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    total = 0
+
+    def add(tree) -> None:
+        nonlocal total
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+
+    for r in rec.ring:
+        add([r.batches, r.buffers, [(fw.inputs, fw.cotangent) for fw in r.forwards]])
+        if r.snapshot is not None:
+            add([r.snapshot.params, r.snapshot.buffers, r.snapshot.optimizer, r.snapshot.extra])
+    add([s.tensors for s in rec._pool._free])
+    if rec._pre_update is not None:
+        add([rec._pre_update.params, rec._pre_update.buffers, rec._pre_update.optimizer])
+    if rec._latch is not None:
+        add([rec._latch.params, rec._latch.opt, rec._latch.grads])
+    return total
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(check_update=True), dict(check_every=3)], ids=["plain", "check_update", "check_every"])
+def test_memory_budget_holds_after_every_step_counting_storages(out_dir, opts, caplog):
+    """Batches are views of one large loader tensor (64 KiB each storage), weight snapshots every
+    step (about 3x the parameters for Adam): with a budget of a few steps, the storage bytes the
+    Recorder holds stay within the budget at every step, counted here storage by storage."""
+    model = models.make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    budget = 3 * (4 * 16 * 256 * 4) + 2 * 3 * params  # three steps' batch storages, two snapshots
+    loaders = [torch.randn(256, 16, 4).unbind(2)[0] for _ in range(12)]  # non-contiguous (256, 16) views: 64 KiB storages
+    peaks = []
+    with Recorder(model, opt, out_dir=out_dir, snapshot_every=1, capacity=8, memory_budget=budget, diagnose=False, **opts) as rec:
+        for i in range(12):
+            batch = loaders[i][:4, :8]  # 128 bytes of elements, a 64 KiB storage behind them
+            rec.record(batch)
+            model(batch).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            held = _storage_bytes_held(rec, model)
+            peaks.append(held)
+            assert held <= budget, (i, held, budget)
+            assert rec.held_bytes() >= held - 4096, (i, rec.held_bytes(), held)  # what the Recorder counts is what it holds
+        assert len(rec.ring) < 8  # steps were evicted to honour the budget, not only by capacity
+    assert max(peaks) > budget // 2  # the budget was the binding limit
+
+
+def test_a_snapshot_larger_than_the_budget_is_refused_once_with_a_warning(out_dir, caplog):
+    model = models.make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    one_snapshot = 3 * sum(p.numel() * 4 for p in model.parameters())
+    budget = one_snapshot // 2
+    with Recorder(model, opt, out_dir=out_dir, snapshot_every=1, capacity=4, memory_budget=budget, diagnose=False) as rec:
+        for i in range(6):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert _storage_bytes_held(rec, model) <= budget, i
+        assert all(r.snapshot is None for r in rec.ring)
+        assert rec.ring.snapshots_refused
+    warnings = [r for r in caplog.records if "does not fit in memory_budget" in r.getMessage()]
+    assert len(warnings) == 1

@@ -82,6 +82,14 @@ class Recorder:
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
 
+    Random streams: per-step capture only reads the RNG states (it never advances a generator),
+    and the Recorder's own random work at a dump (program check, in-process diagnosis) draws
+    from private generators when other threads are alive (:class:`~nanreplay.core.rng.ReplayRNG`),
+    so training threads, this one included, see the same draws as without nanreplay. Limits with
+    other threads alive: a model or loss function that draws from Python's ``random`` or NumPy's
+    global generator in ``forward`` is replayed with other numbers and advances those shared
+    streams; on CUDA, attention kernels with built-in dropout draw from the device's generator.
+
     Example::
 
         with Recorder(model, opt, loss_fn=step_loss) as rec:
@@ -416,9 +424,9 @@ class Recorder:
         self.step += 1
         self._current = None
         self._pending_loss = None
-        self._evict()
         if pre is not None and rec is not None and self._check_update(rec, pre):
             self._pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
+        self._evict()  # after the release: the recycled slot counts against the budget too
 
     def _verify_skip(self) -> None:
         """After a skipped step: the version counters prove the optimizer left every parameter

@@ -10,19 +10,24 @@ Generators covered:
   (capturing must never initialise CUDA as a side effect).
 
 Capture costs a few microseconds on the host and never synchronises a GPU: the CUDA state
-is the Philox seed and offset, kept on the host.
+is the Philox seed and offset, kept on the host. Capture only reads: no generator advances.
+
+:class:`ReplayRNG` is how nanreplay's own random work (replays, the dropout of an in-process
+diagnosis, the check of an exported program) draws from recorded states without consuming or
+rewinding the generators the user's threads draw from (see its docstring for the limits).
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
-__all__ = ["RNGState"]
+__all__ = ["RNGState", "ReplayRNG", "sole_thread"]
 
 
 @dataclass
@@ -145,3 +150,179 @@ class RNGState:
         except (ValueError, TypeError, OverflowError, RuntimeError) as e:
             raise ValueError(f"RNG state under {prefix!r} cannot be restored: {type(e).__name__}: {e}") from e
         return cls(python=python, numpy=numpy_state, torch_cpu=cpu, torch_cuda=cuda)
+
+
+# -- replaying recorded states without touching another thread's generators -----------------------
+
+def sole_thread() -> bool:
+    """Whether the calling thread is the only Python thread alive. Then nothing else in the process
+    draws from the process-wide generators while it works (no other thread exists to do so, and
+    only this one could start one), so setting them and putting them back is safe."""
+    return threading.active_count() == 1
+
+
+class ReplayRNG:
+    """Context manager: a scope in which nanreplay draws random numbers (a replayed step's
+    dropout, random ops of a model or loss function) from recorded states, and after which every
+    generator another thread uses is as if nanreplay had never run: not consumed, not rewound.
+
+    * Alone in the process (:func:`sole_thread` on entry): :meth:`load` sets the process-wide
+      generators (Python ``random``, NumPy's global one, torch CPU and CUDA) to the recorded
+      state, and exit puts back the states found on entry. Exact for every generator.
+    * With other threads alive: the process-wide generators are never set. Torch random ops
+      called in this thread without an explicit ``generator=`` (``bernoulli_`` under CPU dropout,
+      ``randn``, ``rand_like``, ``normal_``, ...) are routed by a thread-local dispatch mode to
+      private ``torch.Generator`` objects, one per device, that :meth:`load` sets to the recorded
+      state (and that start as copies of the live states otherwise). Other threads are not seen by
+      the mode: their draws keep going to the shared generators, undisturbed.
+
+    Limits with other threads alive: Python's ``random`` and NumPy's global generator are
+    process-wide objects with no per-thread redirection, so they are not set to the recorded
+    state; a model or loss function that draws from them in ``forward`` replays with other numbers
+    and advances the shared stream (:attr:`untouched` lists them). On CUDA, kernels that draw
+    without a generator argument (fused ``native_dropout`` is routed to an unfused ``bernoulli_``
+    on the private generator, so its masks differ from training's; the flash / memory-efficient
+    attention kernels' dropout is not routed at all and draws from the device's shared generator).
+    """
+
+    def __init__(self) -> None:
+        self.shared = False                 # other threads alive: private generators
+        self._saved: RNGState | None = None
+        self._mode: _PrivateGenerators | None = None
+        self.untouched: tuple[str, ...] = ()
+
+    def __enter__(self) -> "ReplayRNG":
+        self.shared = not sole_thread()
+        if self.shared:
+            self._mode = _PrivateGenerators()
+            self._mode.__enter__()
+            self.untouched = ("python random", "numpy global")
+        else:
+            self._saved = RNGState.capture()
+        return self
+
+    def load(self, state: RNGState) -> None:
+        """Draw from ``state`` from now on within this scope (see the class docstring)."""
+        if self._mode is not None:
+            self._mode.load(state)
+        else:
+            state.restore()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(*exc)
+        elif self._saved is not None:
+            saved, self._saved = self._saved, None
+            saved.restore()
+
+
+def _device_key(device: torch.device) -> str | None:
+    """``"cpu"``, ``"cuda:N"``, or ``None`` for devices left alone (meta, others)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return None
+
+
+_PLANS: dict[Any, Any] = {}
+
+
+def _plan(func: Any) -> Any:
+    """How to give ``func`` (an aten overload) a generator: ``("arg", index)`` for an op with a
+    ``generator`` argument, ``("overload", other)`` for an op with a twin overload that takes one
+    (``randn`` / ``randn.generator``), ``("dropout",)`` for ``native_dropout``, ``None`` for an op
+    that draws nothing. Cached per overload."""
+    if func in _PLANS:
+        return _PLANS[func]
+    names = [a.name for a in func._schema.arguments]
+    plan: Any = None
+    if "generator" in names:
+        plan = ("arg", names.index("generator"))
+    elif func is torch.ops.aten.native_dropout.default:
+        plan = ("dropout",)
+    else:
+        packet = func.overloadpacket
+        for name in packet.overloads():
+            other = getattr(packet, name)
+            other_names = [a.name for a in other._schema.arguments]
+            if "generator" in other_names and [n for n in other_names if n != "generator"] == names:
+                plan = ("overload", other, other_names.index("generator"))
+                break
+    _PLANS[func] = plan
+    return plan
+
+
+def _op_device(args: tuple, kwargs: dict) -> torch.device:
+    for x in (*args, kwargs.get("out"), kwargs.get("self")):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    dev = kwargs.get("device")
+    if dev is not None:
+        return torch.device(dev)
+    return torch.get_default_device()
+
+
+try:
+    from torch.utils._python_dispatch import TorchDispatchMode as _Mode
+except ImportError:  # pragma: no cover - torch always has it since 2.0
+    _Mode = object  # type: ignore[assignment,misc]
+
+
+class _PrivateGenerators(_Mode):  # type: ignore[misc,valid-type]
+    """A thread-local dispatch mode giving every CPU / CUDA random op without an explicit
+    generator a private generator of its device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gens: dict[str, torch.Generator] = {}
+
+    def load(self, state: RNGState) -> None:
+        g = torch.Generator()
+        g.set_state(state.torch_cpu)
+        self._gens["cpu"] = g
+        if state.torch_cuda and torch.cuda.is_available():
+            for i, s in enumerate(state.torch_cuda[: torch.cuda.device_count()]):
+                g = torch.Generator(device=f"cuda:{i}")
+                g.set_state(s)
+                self._gens[f"cuda:{i}"] = g
+
+    def _gen(self, key: str) -> torch.Generator:
+        g = self._gens.get(key)
+        if g is None:  # a copy of the live state: reading it consumes nothing
+            if key == "cpu":
+                g = torch.Generator()
+                g.set_state(torch.get_rng_state())
+            else:
+                g = torch.Generator(device=key)
+                g.set_state(torch.cuda.get_rng_state(torch.device(key)))
+            self._gens[key] = g
+        return g
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        plan = _plan(func)
+        if plan is None:
+            return func(*args, **kwargs)
+        key = _device_key(_op_device(args, kwargs))
+        if key is None:
+            return func(*args, **kwargs)
+        if plan[0] == "dropout":
+            x, p, train = (list(args) + [kwargs.get("p"), kwargs.get("train")])[:3] if len(args) < 3 else args[:3]
+            if not train or p == 0 or x.numel() == 0:
+                return func(*args, **kwargs)
+            keep = 1.0 - p
+            mask = torch.empty_like(x).bernoulli_(keep, generator=self._gen(key))
+            return x * mask * (1.0 / keep if keep > 0 else 0.0), mask.bool()
+        if plan[0] == "overload":
+            func, index = plan[1], plan[2]
+        else:
+            index = plan[1]
+        kwarg_only = func._schema.arguments[index].kwarg_only
+        if not kwarg_only and index < len(args):
+            if args[index] is None:
+                args = args[:index] + (self._gen(key),) + args[index + 1:]
+        elif kwargs.get("generator") is None:
+            kwargs["generator"] = self._gen(key)
+        return func(*args, **kwargs)

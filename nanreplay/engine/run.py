@@ -23,7 +23,7 @@ from torch.utils.module_tracker import ModuleTracker
 from ..core.allowlist import Allowlist
 from ..core.batch import batch_size, rows_of
 from ..core.numerics import Health, is_float, tensor_health
-from ..core.rng import RNGState
+from ..core.rng import ReplayRNG
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
 from ..errors import ReplayError
 from ..format.records import Snapshot, StepRecord
@@ -153,10 +153,11 @@ def _batch_root(rec: StepRecord, uses_loss: bool, i: int) -> str:
     return f"inputs[{i}]"
 
 
-def _rng_restorer(rec: StepRecord) -> Callable:
+def _rng_restorer(rec: StepRecord, rng: ReplayRNG) -> Callable:
     """A forward pre-hook for the top-level model that puts back, before its i-th grad-enabled
     forward of the replayed step, the RNG states recorded before the i-th forward in training
-    (draws the loop made between micro-batches, e.g. augmentation, then replay exactly)."""
+    (draws the loop made between micro-batches, e.g. augmentation, then replay exactly), into
+    the replay's generators ``rng``."""
     count = [0]
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
@@ -165,7 +166,7 @@ def _rng_restorer(rec: StepRecord) -> Callable:
         i = count[0]
         count[0] += 1
         if i < len(rec.forwards) and rec.forwards[i].rng is not None:
-            rec.forwards[i].rng.restore()
+            rng.load(rec.forwards[i].rng)
         return None
 
     return hook
@@ -266,7 +267,9 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
-    ``.grad``.
+    ``.grad``. The step draws from its recorded RNG states through a
+    :class:`~nanreplay.core.rng.ReplayRNG`: no generator another thread uses is consumed or
+    rewound, and the process's RNG states are as they were once it returns.
 
     Args:
         ops: run the op monitor (births, provenance, taint; anomaly mode for backward source lines).
@@ -308,10 +311,18 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    rng_hook = model.register_forward_pre_hook(_rng_restorer(rec))
+    rng = ReplayRNG()
+    rng_hook = model.register_forward_pre_hook(_rng_restorer(rec, rng))
     try:
-        with _deterministic(), _anomaly(ops), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
-            rec.rng.restore()
+        # the step's random draws come from its recorded states, and no other thread's generator
+        # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
+        with rng, _deterministic(), _anomaly(ops), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
+            rng.load(rec.rng)
+            if rng.shared:
+                run.warnings.append(
+                    "other threads were running, so the replay drew torch's random numbers from private generators set to the "
+                    f"recorded states and left the process-wide {' and '.join(rng.untouched)} generators alone: draws the step "
+                    "made from those (if any) are not reproduced")
             if mode == "loss_fn":
                 run.with_loss(scaler, autocast)
             else:
@@ -331,11 +342,14 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
 
 @contextlib.contextmanager
 def preserve_live(model: torch.nn.Module) -> Iterator[None]:
-    """Around an in-process replay: keep the live gradients, buffers, module modes and RNG."""
+    """Around an in-process replay: keep the live gradients, buffers and module modes; random
+    draws made within come from a :class:`~nanreplay.core.rng.ReplayRNG` scope, so no generator
+    the user's threads draw from is consumed or rewound."""
     grads = {p: p.grad for p in model.parameters()}
     bufs = {n: b.detach().clone() for n, b in model.named_buffers()}
     modes = {m: m.training for m in model.modules()}
-    rng = RNGState.capture()
+    rng = ReplayRNG()
+    rng.__enter__()
     try:
         yield
     finally:
@@ -347,4 +361,4 @@ def preserve_live(model: torch.nn.Module) -> Iterator[None]:
                     b.copy_(bufs[n])
         for m, t in modes.items():
             m.train(t)
-        rng.restore()
+        rng.__exit__(None, None, None)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.rng import RNGState
+from ..core.rng import ReplayRNG
 from .compare import compare_grads
 from .program import _first_line, load_program, program_loss
 from .run import StepInputs, run_step
@@ -21,7 +21,8 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
     on the program it was exported to, and say why the program is unfaithful (its gradients do not
     reproduce the recorded ones, e.g. a custom ``torch.autograd.Function`` whose backward is not
     part of an exported program), or ``None`` when it reproduces them. Touches no live tensor:
-    weights are read, buffers copied, and the process's RNG states put back after."""
+    weights are read, buffers copied, and random draws come from a
+    :class:`~nanreplay.core.rng.ReplayRNG` (no other thread's generator consumed or rewound)."""
     state = content.state
 
     def get(key: str) -> torch.Tensor:
@@ -31,17 +32,15 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
             return state.buffers[key[len("state/buffers/"):]].detach().clone()
         return tensors[key]
 
-    rng = RNGState.capture()
     try:
-        pm = load_program(meta, get)
-        lf = program_loss if pm.kind == "loss" else loss_fn
-        inp = StepInputs(record=content.steps[-1], state=state, recorded_grads=content.grads, loss_fn=lf, scaler=state.extra.get("scaler"),
-                         grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"))
-        res = run_step(pm, inp, ops=False)
+        with ReplayRNG():
+            pm = load_program(meta, get)
+            lf = program_loss if pm.kind == "loss" else loss_fn
+            inp = StepInputs(record=content.steps[-1], state=state, recorded_grads=content.grads, loss_fn=lf, scaler=state.extra.get("scaler"),
+                             grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"))
+            res = run_step(pm, inp, ops=False)
     except Exception as e:  # noqa: BLE001 - an unfaithful program is dropped, never raised into training
         return f"the exported program could not replay the step ({type(e).__name__}: {_first_line(e)})"
-    finally:
-        rng.restore()
     verdict = compare_grads(content.grads, res.grads)
     if verdict["verdict"] == "not reproduced":
         return (f"the exported program does not reproduce the step's gradients ({verdict.get('detail')}); a custom "

@@ -1,0 +1,133 @@
+"""Recorder.close() undoes what it did to a DDP model: module and optimizer hooks are removed, and
+the origin comm hook (which DDP cannot unregister) becomes a pure pass-through that checks and
+keeps nothing, on close() and when the ``with`` block raises. Two gloo processes on the CPU."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import models
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")]
+
+WORLD = 2
+JOIN_TIMEOUT_S = 90
+
+
+def _hooks(*modules: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks) for mod in modules for m in mod.modules())
+
+
+def _train(ddp, opt, steps: int, gen: torch.Generator) -> None:
+    for _ in range(steps):
+        loss = ddp(torch.randn(6, 8, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _scenario(rank: int, how: str) -> dict:
+    from nanreplay import Recorder
+    from nanreplay.capture.ddp import RankContext
+
+    calls = {"n": 0}
+    original = RankContext.note_bucket
+
+    def counting(self, bucket, keep=True):  # counts the comm hook's work on the Recorder's side
+        calls["n"] += 1
+        return original(self, bucket, keep)
+
+    RankContext.note_bucket = counting
+    try:
+        model = models.make_mlp()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(rank)
+        before = (_hooks(ddp), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))
+        out: dict = {"before": before}
+        if how == "close":
+            rec = Recorder(ddp, opt, out_dir=f"/tmp/unused-{os.getpid()}", diagnose=False)
+            _train(ddp, opt, 2, gen)
+            out["hooked"], out["calls_open"] = rec.dist.hooked, calls["n"]
+            rec.close()
+            rec.close()  # idempotent
+        else:
+            try:
+                with Recorder(ddp, opt, out_dir=f"/tmp/unused-{os.getpid()}", diagnose=False) as rec:
+                    _train(ddp, opt, 2, gen)
+                    out["hooked"], out["calls_open"] = rec.dist.hooked, calls["n"]
+                    raise KeyError("the loop's own error")
+            except KeyError:
+                out["raised"] = True
+        n = calls["n"]
+        ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        _train(ddp, opt, 3, gen)  # DDP still calls the comm hook: a pass-through now
+        out["calls_after"] = calls["n"] - n
+        out["kept_after"] = [len(rec.dist._buckets), len(rec.dist._local), rec.dist._local_bad is not None]
+        out["after"] = (_hooks(ddp), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))
+        out["ring_steps"] = len(rec.ring)
+        # gradients are still averaged across ranks through the wrapped all-reduce: weights stay equal
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
+        dist.all_gather(gathered, flat)
+        out["ranks_agree"] = all(torch.equal(gathered[0], g) for g in gathered)
+        out["trained"] = any(not torch.equal(ref[k], v) for k, v in model.state_dict().items())
+        return out
+    finally:
+        RankContext.note_bucket = original
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30))
+    results = {}
+    try:
+        for how in ("close", "exception"):
+            results[how] = _scenario(rank, how)
+            dist.barrier()
+    except Exception as e:  # noqa: BLE001 - handed to the test
+        results["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("ddp_close")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.start_processes(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD} ranks did not finish within {JOIN_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [r.get("error") for r in results] == [None] * WORLD
+    return results
+
+
+@pytest.mark.parametrize("how", ["close", "exception"])
+def test_close_removes_hooks_and_makes_the_comm_hook_a_pass_through(ranks, how):
+    for r in ranks:
+        res = r[how]
+        assert res["hooked"] and res["calls_open"] > 0  # the origin hook was working while open
+        assert res["after"] == res["before"]  # module and optimizer hooks: all removed
+        assert res["calls_after"] == 0 and res["kept_after"] == [0, 0, False]  # checks and keeps nothing
+        assert res["ring_steps"] <= 2  # the ring stopped growing at close
+        assert res["trained"] and res["ranks_agree"]  # the wrapped all-reduce still averages gradients
+    if how == "exception":
+        assert all(r[how]["raised"] for r in ranks)
