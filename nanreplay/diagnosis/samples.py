@@ -135,7 +135,9 @@ def _whole_batch(c: _Case) -> Optional[dict]:
 def _per_sample(c: _Case) -> Optional[dict]:
     if not c.search or c.found.phase not in ("forward", "loss", "backward"):
         return None
-    return per_sample_replay(c.model, c.inp, phase=c.found.phase, device=c.device, progress=c.progress)
+    rows = (c.found.birth or {}).get("rows") or {}
+    every_row = bool(rows.get("indices")) and rows.get("count", len(rows["indices"])) == rows.get("size", -1) > 1
+    return per_sample_replay(c.model, c.inp, phase=c.found.phase, device=c.device, progress=c.progress, every_row_bad=every_row)
 
 
 #: the samples rule, in order: the first method that answers decides
@@ -175,7 +177,7 @@ def _slice_record(rec: StepRecord, idx: list[int], size: int) -> StepRecord:
 
 
 def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, device: Optional[torch.device] = None, max_runs: int = 32,
-                      progress: Optional[Callable[[str], None]] = None) -> Optional[dict]:
+                      progress: Optional[Callable[[str], None]] = None, every_row_bad: bool = False) -> Optional[dict]:
     """The samples of the failing step's batch that alone make the step non-finite, by replaying
     subsets (bisection along the batch dimension).
 
@@ -189,6 +191,11 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         phase: ``"forward"``/``"loss"`` (a non-finite model output or loss counts) or
             ``"backward"`` (a non-finite gradient counts).
         max_runs: cap on the extra replays.
+        every_row_bad: every row of the birth op's output is non-finite (along a dimension that is
+            not the batch's, e.g. the flattened batch x sequence rows of a linear layer). Then
+            the first and the last sample are replayed alone first; when both are non-finite the
+            failure does not depend on particular samples (2 replays instead of a bisection's
+            2B - 2).
 
     Returns:
         ``{"indices", "batch_size", "method": "per-sample replay", "batch_level", "runs",
@@ -215,7 +222,7 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         load_buffers(model, inp.state.buffers)
         sub = dataclasses.replace(inp, record=_slice_record(inp.record, idx, size), recorded_grads={})
         try:
-            res = run_step(model, sub, ops=False, device=device)
+            res = run_step(model, sub, ops=False, device=device, lean=True)
         except DiagnosisTimeout:
             raise
         except Exception as e:  # e.g. a loss that needs two samples; one sample cannot be judged alone
@@ -234,6 +241,10 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         mid = len(idx) // 2
         return search(idx[:mid], False) + search(idx[mid:], False)
 
+    if every_row_bad and size > 1 and bad([0]) and bad([size - 1]):
+        return {"indices": [], "batch_size": size, "method": "per-sample replay", "batch_level": True, "runs": state["runs"],
+                "complete": True, "warnings": [f"every row of the birth op's output is non-finite and samples 0 and {size - 1} alone are "
+                                               "non-finite too: the failure does not depend on particular samples (or comes from the weights)"]}
     found = search(list(range(size)), size > 1) if size > 1 else ([0] if bad([0]) else [])
     out = {"indices": found, "batch_size": size, "method": "per-sample replay", "batch_level": False, "runs": state["runs"],
            "complete": state["complete"], "warnings": []}

@@ -136,15 +136,23 @@ class ModuleMonitor:
     """Forward outputs of every module, in completion order, and backward events: the cotangent
     at each module's output and each parameter's gradient. Each event holds ``summary`` (a small
     dict: ``nan``, ``posinf``, ``neginf``, ``numel``, ``absmax`` of the finite values, ``dtype``,
-    ``shape``); counts are computed only for non-finite tensors."""
+    ``shape``); counts are computed only for non-finite tensors.
 
-    def __init__(self, model: torch.nn.Module, *, backward: bool = True) -> None:
+    Args:
+        backward: also record the backward events (output cotangents, parameter gradients).
+        counts: count NaN/+Inf/-Inf elements of non-finite outputs; ``False`` (a lean replay that
+            only asks *whether* something is non-finite, e.g. per-sample replays) gives 0/1 flags
+            instead, which costs one reduction per output.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, backward: bool = True, counts: bool = True) -> None:
         self.fqn = {id(m): n for n, m in model.named_modules()}
         self.classes = {n: type(m).__name__ for n, m in model.named_modules()}
         self.events: list[dict] = []
         self._stack: list[bool] = []
         self._handles: list[Any] = []
         self.phase = "forward"
+        self.counts = counts
         for name, m in model.named_modules():
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
@@ -161,7 +169,7 @@ class ModuleMonitor:
         check_deadline()
         inputs_finite = self._stack.pop() if self._stack else True
         outs = [t for t in tensor_leaves(out) if is_float(t)]
-        summary = _summary(outs)
+        summary = _summary(outs, counts=self.counts)
         name = self.fqn.get(id(mod), "?")
         self.events.append({"phase": self.phase, "module": name, "class": type(mod).__name__, "inputs_finite": inputs_finite,
                             "output": summary, "born": inputs_finite and summary is not None and _summary_nonfinite(summary)})
@@ -197,8 +205,10 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return nan or inf
 
 
-def _summary(ts: list[torch.Tensor]) -> Optional[dict]:
-    """The small health summary of module events: counts only when something is non-finite."""
+def _summary(ts: list[torch.Tensor], *, counts: bool = True) -> Optional[dict]:
+    """The small health summary of module events: counts only when something is non-finite, and
+    only with ``counts`` (else ``nan``/``posinf`` are 0/1 flags: ``posinf`` stands for any Inf,
+    and is only known when there is no NaN)."""
     ts = [t for t in ts if isinstance(t, torch.Tensor) and is_float(t)]
     if not ts:
         return None
@@ -209,9 +219,10 @@ def _summary(ts: list[torch.Tensor]) -> Optional[dict]:
             bad = True
         else:
             absmax = max(absmax, m)
-    if not bad:
-        return {"nan": 0, "posinf": 0, "neginf": 0, "numel": sum(t.numel() for t in ts), "absmax": absmax,
-                "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
+    if not bad or not counts:
+        flags = [flags_of(t)[:2] for t in ts] if bad else []
+        return {"nan": int(any(n for n, _ in flags)), "posinf": int(any(i for _, i in flags)), "neginf": 0,
+                "numel": sum(t.numel() for t in ts), "absmax": absmax, "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
     h = tensor_health(ts)
     assert h is not None
     return {"nan": h.nan, "posinf": h.posinf, "neginf": h.neginf, "numel": h.numel, "absmax": h.absmax, "dtype": h.dtype, "shape": h.shape}

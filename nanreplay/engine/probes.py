@@ -194,13 +194,14 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
 def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], limit: int = 64) -> Optional[dict]:
     """The batch rows of the first floating output that hold a non-finite value: along its first
     dimension of length ``batch`` (the replayed micro-batch's size), else along dimension 0.
-    Returns ``{"size", "dim", "indices"}``."""
+    Returns ``{"size", "dim", "count", "indices"}`` (``count`` non-finite rows, the first
+    ``limit`` of them in ``indices``)."""
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
     if t is None:
         return None
     dim = next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0
     bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(t.shape[dim], -1)).all(dim=1)
-    return {"size": int(t.shape[dim]), "dim": dim, "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+    return {"size": int(t.shape[dim]), "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
 
 
 def calling_module(module_ids: dict[int, str], depth: int = 40) -> Optional[str]:

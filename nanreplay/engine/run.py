@@ -175,9 +175,9 @@ def _rng_restorer(rec: StepRecord, rng: ReplayRNG) -> Callable:
 class _Run:
     """One replay in progress: the monitors, the phase bookkeeping and what was collected."""
 
-    def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device]) -> None:
+    def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device], lean: bool = False) -> None:
         self.model, self.inp, self.device = model, inp, device
-        self.mon = ModuleMonitor(model)
+        self.mon = ModuleMonitor(model, backward=not lean, counts=not lean)
         self.tracker = ModuleTracker()
         self.opmon = OpMonitor(self.tracker, model, allow=inp.allow) if ops else None
         self.losses: list[Optional[Health]] = []
@@ -263,7 +263,8 @@ def _as_health(summary: Optional[dict]) -> Optional[Health]:
                   mean=None, absmax=summary.get("absmax"), dtype=summary["dtype"], shape=summary["shape"])
 
 
-def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None) -> ReplayResult:
+def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None,
+             lean: bool = False) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -273,6 +274,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
 
     Args:
         ops: run the op monitor (births, provenance, taint; anomaly mode for backward source lines).
+        lean: only whether outputs, losses and gradients are finite matters (per-sample replays,
+            searches): module events carry 0/1 flags instead of counts and no backward events.
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -300,7 +303,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
-    run = _Run(model, inp, ops, device)
+    run = _Run(model, inp, ops, device, lean=lean and not ops)
     if rec.stale_inputs:
         run.warnings.append(
             f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "
