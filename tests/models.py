@@ -231,3 +231,58 @@ class Branchy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         return self.aux(h) if self.use_aux else h
+
+
+class RootHead(nn.Module):
+    """``sqrt(x)``: NaN where ``x < 0``, in the output and in the gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class RootMLP(nn.Module):
+    """A tiny MLP ending in ``sqrt``: finite for inputs of magnitude about 1 (the last layer's
+    bias 2.0 outweighs ``-0.05 * sum(relu(h))``), NaN born in ``head`` (op ``sqrt``) for inputs
+    scaled by 100. Inputs ``[B, 4]``, output ``[B, 1]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.fc2.weight.fill_(-0.05)
+            self.fc2.bias.fill_(2.0)
+        self.head = RootHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(torch.relu(self.fc1(x))))
+
+
+def make_root_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return RootMLP()
+
+
+def root_mean_loss(model: nn.Module, batch) -> torch.Tensor:
+    (x,) = batch
+    return model(x).mean()
+
+
+class CompiledOnlyNaN(nn.Module):
+    """Finite in eager mode; under ``torch.compile`` (``torch.compiler.is_compiling()``) its
+    forward takes ``log(h - 100)``, NaN: a stand-in for a NaN that only compiled code produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if torch.compiler.is_compiling():
+            h = torch.log(h - 100.0)
+        return h
+
+
+def make_compiled_only_nan() -> nn.Module:
+    torch.manual_seed(0)
+    return CompiledOnlyNaN()
