@@ -7,7 +7,8 @@ Exit codes (stable, for scripts):
 1     an unexpected error (a bug: please report it)
 2     usage error (bad option, missing argument) -- click's own code; for ``report`` and
       ``bisect --html`` also: the ``report`` extra (matplotlib) is not installed
-3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page)
+3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page);
+      with ``replay --compile``: neither the eager nor the compiled replay reproduced it
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
       (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
@@ -197,12 +198,14 @@ def main(verbose: int) -> None:
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import (a training script without an `if __name__ == \"__main__\":` guard trains again).")
+@click.option("--compile", "compile_", is_flag=True, help="Also replay the step with the model under torch.compile (same weights, batch and RNG states) and say whether the NaN appears only under compile.")
+@click.option("--compile-backend", default="inductor", show_default=True, metavar="BACKEND", help="The torch.compile backend of --compile (inductor, aot_eager, eager, ...).")
 @_trust_opt
 @_batch_type_opt
 @_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
-           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, trust: bool, batch_types: tuple,
-           color: Optional[bool]) -> None:
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, compile_: bool, compile_backend: str,
+           trust: bool, batch_types: tuple, color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     The code BUNDLE names (model factory, loss function, classes) runs only when the bundle is
@@ -213,13 +216,19 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
                                allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script,
-                               trust=trust, batch_types=_import_types(batch_types))
+                               trust=trust, batch_types=_import_types(batch_types), compile=compile_backend if compile_ else False)
     if as_json:
         click.echo(_dump_json(diag), color=False)
     else:
         click.echo(render_report(diag, rows=rows, color=color is not False), color=color)
-    if diag["reproduction"]["verdict"] == "not reproduced":
+    if not _reproduced(diag):
         sys.exit(EXIT_NOT_REPRODUCED)
+
+
+def _reproduced(diag: dict) -> bool:
+    """The eager replay reproduced the failure, or (``--compile``) the compiled one did."""
+    compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
+    return (diag.get("reproduction") or {}).get("verdict") != "not reproduced" or compiled.startswith("reproduced")
 
 
 @main.command()

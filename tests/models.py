@@ -270,7 +270,8 @@ def root_mean_loss(model: nn.Module, batch) -> torch.Tensor:
 
 class CompiledOnlyNaN(nn.Module):
     """Finite in eager mode; under ``torch.compile`` (``torch.compiler.is_compiling()``) its
-    forward takes ``log(h - 100)``, NaN: a stand-in for a NaN that only compiled code produces."""
+    forward takes ``sqrt(h - 100)``, NaN (output and gradients): a stand-in for a NaN that only
+    compiled code produces."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -279,10 +280,11 @@ class CompiledOnlyNaN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         if torch.compiler.is_compiling():
-            h = torch.log(h - 100.0)
+            h = torch.sqrt(h - 100.0)
         return h
 
 
 def make_compiled_only_nan() -> nn.Module:
     torch.manual_seed(0)
     return CompiledOnlyNaN()
+

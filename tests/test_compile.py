@@ -209,3 +209,73 @@ def test_inductor_backend_adds_no_graph_break(out_dir):
             _train(run, opt, _clean_batches(2))
             assert [len(r.forwards) for r in rec.ring] == [1, 1]
     assert gb.in_nanreplay() == [] and sum(counters["graph_break"].values()) == 0
+
+
+# -- replay --compile ------------------------------------------------------------------------------
+
+def _bundle(model, run, out_dir, batches, **opts) -> NonFiniteGradientError:
+    """Train ``run`` (``model`` or a compiled wrapper of it) on ``batches`` under a Recorder with
+    the ``root_mean_loss`` loss until the step that fails; its error."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(run, opt, loss_fn=models.root_mean_loss, out_dir=out_dir, **opts) as rec:
+        for x in batches:
+            rec.record((x,))
+            loss = models.root_mean_loss(run, (x,))
+            rec.log_loss(loss)
+            loss.backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                return e
+            opt.zero_grad()
+    raise AssertionError("no step failed")
+
+
+def test_replay_compile_when_both_replays_are_nonfinite(out_dir):
+    from nanreplay import replay
+
+    model = models.make_root_mlp()
+    err = _bundle(model, model, out_dir, _clean_batches(1) + [_bad_batch()], model_factory=models.make_root_mlp, diagnose=False)
+    plain = replay(err.bundle_path, samples=False)
+    assert plain["compile"] is None and "torch.compile" not in plain["summary"]
+    diag = replay(err.bundle_path, samples=False, compile="aot_eager")
+    c = diag["compile"]
+    assert (c["backend"], c["eager"], c["compiled"], c["only_under_compile"]) == ("aot_eager", True, True, False)
+    assert c["target"] == "loss function"  # the embedded program runs its forward inside the loss: that is compiled
+    assert c["eager_nonfinite"] == c["compiled_nonfinite"] == ["loss", "gradients"]
+    assert c["compiled_kinds"] == "NaN" and c["compiled_reproduction"].startswith("reproduced") and c["error"] is None
+    # the eager diagnosis is unchanged; the sentence adds what compile did
+    assert diag["origin"]["module"] == "head" and diag["classification"] == plain["classification"]
+    assert "; also non-finite under torch.compile (backend aot_eager);" in diag["summary"]
+
+
+def test_replay_compile_names_a_nan_only_under_compile(out_dir):
+    """Training ran compiled; the model's forward takes a NaN branch only while compiling. The
+    eager replay is finite; --compile says the NaN is compiled-only, in the sentence, the cause
+    and the text report, and exits 0 (the compiled replay reproduced the recording)."""
+    from click.testing import CliRunner
+
+    from nanreplay import replay
+    from nanreplay.cli import main
+
+    model = models.make_compiled_only_nan()
+    run = torch.compile(model, backend="eager")
+    err = _bundle(model, run, out_dir, _clean_batches(1), model_factory=models.make_compiled_only_nan, diagnose=False, embed_program=False)
+    diag = replay(err.bundle_path, samples=False, compile="eager")
+    c = diag["compile"]
+    assert (c["eager"], c["compiled"], c["only_under_compile"]) == (False, True, True)
+    assert c["compiled_reproduction"] == "reproduced exactly"
+    assert diag["phase"] == "none" and diag["classification"]["cause"] == "compiler"
+    assert diag["summary"].startswith(
+        "step 0: NaN only under torch.compile (backend eager): the step replayed eagerly is finite, replayed compiled its "
+        "loss and gradients are not (the compiled replay against the recording: reproduced exactly); cause: compiler ("
+    ), diag["summary"]
+    assert diag["summary"].endswith("; not reproduced eagerly.")
+    assert c["target"] == "model"
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--compile", "--compile-backend", "eager", "--no-samples"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert ("  torch.compile: eager finite; compiled (backend eager) NaN in loss and gradients: only under compile; "
+            "compiled replay vs recording: reproduced exactly") in res.output
+    # without --compile the same bundle does not reproduce (exit 3)
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--no-samples"], catch_exceptions=False)
+    assert res.exit_code == 3, res.output
