@@ -288,3 +288,22 @@ def make_compiled_only_nan() -> nn.Module:
     torch.manual_seed(0)
     return CompiledOnlyNaN()
 
+
+class BatchStdNet(nn.Module):
+    """Normalises by the batch's standard deviation (``std`` over dim 0), then takes ``sqrt`` of
+    a batch mean: NaN born in an op whose output has no batch dimension, so the samples are found
+    by per-sample replay, where ``std`` of one sample warns "degrees of freedom is <= 0"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = h / (h.std(dim=0, keepdim=True) + 1.0)
+        return torch.sqrt(h.mean(dim=0) - 5.0)
+
+
+def make_batch_std() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchStdNet()

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from ..core.callables import callable_path, import_callable
 from ..core.jsonable import fnum, jsonable
 from ..core.numerics import fused_norm, is_float
+from ..core.quiet import replay_quiet
 from ..core.rng import RNGState
 from ..core.state import load_buffers
 from ..core.tree import flatten_typed
@@ -752,8 +753,9 @@ class Recorder:
         t0 = time.perf_counter()
         self._replaying = True  # export runs the module hooks with fake tensors: keep this recorder quiet
         try:
-            meta, tensors = program_content(self.model, rec, self.loss_fn)
-            unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
+            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
+                meta, tensors = program_content(self.model, rec, self.loss_fn)
+                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
             if unfaithful:
                 meta, tensors = {"kind": None, "error": unfaithful}, {}
         except Exception as e:  # export must never cost training

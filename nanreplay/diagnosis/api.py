@@ -26,6 +26,7 @@ import torch
 from ..core.allowlist import Allowlist
 from ..core.callables import script_imports
 from ..core.numerics import is_float
+from ..core.quiet import quietly
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import DEFAULT_BACKEND, compile_check
@@ -301,6 +302,7 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
     return diagnose(result, inp, model, device=device, samples=samples, counterfactuals=ops, progress=say, compiled=compiled)
 
 
+@quietly
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
                   progress: Optional[Progress] = None, timeout: Optional[float] = None) -> dict:
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
@@ -335,6 +337,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         return replay_step(model, inp, progress=progress, quick=True)
 
 
+@quietly
 def replay(
     bundle: Union[str, Path, Bundle],
     *,
