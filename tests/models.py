@@ -307,3 +307,23 @@ class BatchStdNet(nn.Module):
 def make_batch_std() -> nn.Module:
     torch.manual_seed(0)
     return BatchStdNet()
+
+
+class Cache:
+    """A non-tensor, non-JSON object in a model's output, like transformers' ``DynamicCache``."""
+
+
+class WithCache(nn.Module):
+    """Returns ``{"y": sqrt(fc(x)), "cache": Cache()}``: NaN where ``fc(x) < 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"y": torch.sqrt(self.fc(x)), "cache": Cache()}
+
+
+def make_with_cache() -> nn.Module:
+    torch.manual_seed(0)
+    return WithCache()

@@ -138,3 +138,28 @@ def test_replay_leaks_no_third_party_warnings(tmp_path):
     assert warnings.filters == filters
     r = _cli("replay", err.bundle_path)
     assert r.exit_code == 0 and "Warning" not in r.stderr, r.stderr
+
+
+def test_a_non_tensor_output_is_not_kept_in_the_cotangent(tmp_path, caplog):
+    """An output's non-tensor leaf (a transformers DynamicCache) has no gradient: the recorded
+    cotangent holds None there, so replay has nothing to warn about ("not storable")."""
+    import logging
+
+    from nanreplay import Recorder, open_bundle
+
+    model = models.make_with_cache()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=tmp_path / "b", model_factory=models.make_with_cache, diagnose=False, embed_program=False) as rec:
+        out = model(torch.randn(4, 4))
+        out["y"].sum().backward()
+        with pytest.raises(Exception) as info:
+            opt.step()
+        assert isinstance(out["cache"], models.Cache)
+    path = info.value.bundle_path
+    with open_bundle(path) as b:
+        cot = b.step(b.failing_step).forwards[0].cotangent
+    assert cot["cache"] is None and isinstance(cot["y"], torch.Tensor)
+    with caplog.at_level(logging.WARNING, logger="nanreplay"):
+        diag = replay(path, samples=False)
+    assert diag["mode"] == "cotangent" and diag["origin"]["op"] == "sqrt"
+    assert [r.getMessage() for r in caplog.records if "not storable" in r.getMessage()] == []

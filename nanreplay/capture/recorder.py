@@ -301,7 +301,8 @@ class Recorder:
             return
         fw = rec.forwards[-1]
         leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
-        cot: list[Any] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+        # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
+        cot: list[Any] = [None] * len(leaves)
         fw.cotangent = pytree.tree_unflatten(cot, spec)
 
         for i, t in enumerate(leaves):

@@ -68,7 +68,7 @@ def compile_check(model: torch.nn.Module, inp: StepInputs, *, backend: str = DEF
         The diagnosis' ``compile`` entry (``docs/report.md``)::
 
             {"backend": "inductor", "target": "model", "eager": False, "compiled": True, "only_under_compile": True,
-             "eager_nonfinite": [], "compiled_nonfinite": ["loss", "gradients"], "compiled_kinds": "NaN",
+             "eager_nonfinite": [], "compiled_nonfinite": ["loss", "gradients"], "eager_kinds": None, "compiled_kinds": "NaN",
              "compiled_reproduction": "reproduced exactly", "max_abs_diff": 0.0, "error": None}
 
         ``eager`` / ``compiled``: whether that replay's loss, outputs or gradients hold a
@@ -83,10 +83,10 @@ def compile_check(model: torch.nn.Module, inp: StepInputs, *, backend: str = DEF
     """
     eager = run_step(model, inp, ops=False, device=device, monitors=False)
     load_buffers(model, inp.state.buffers)
-    e_parts, _ = _nonfinite_parts(eager)
+    e_parts, e_kinds = _nonfinite_parts(eager)
     program = isinstance(model, ProgramModel) and inp.loss_fn is program_loss
     out: dict[str, Any] = {"backend": backend, "target": "loss function" if program else "model", "eager": bool(e_parts), "compiled": None, "only_under_compile": False,
-                           "eager_nonfinite": e_parts, "compiled_nonfinite": None, "compiled_kinds": None,
+                           "eager_nonfinite": e_parts, "compiled_nonfinite": None, "eager_kinds": e_kinds or None, "compiled_kinds": None,
                            "compiled_reproduction": None, "max_abs_diff": None, "error": None}
     try:
         if program:

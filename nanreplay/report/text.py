@@ -76,7 +76,7 @@ def _compile_line(c: dict, st: Callable[..., str]) -> str:
             return st("failed: " + str(c.get("error")), fg="yellow")
         return st(f"{kinds or 'non-finite'} in {' and '.join(parts or [])}", fg="red") if bad else "finite"
 
-    out = (f"eager {said(c.get('eager'), c.get('eager_nonfinite'), None)}; compiled (backend {c.get('backend')}) "
+    out = (f"eager {said(c.get('eager'), c.get('eager_nonfinite'), c.get('eager_kinds'))}; compiled (backend {c.get('backend')}) "
            f"{said(c.get('compiled'), c.get('compiled_nonfinite'), c.get('compiled_kinds'))}")
     if c.get("only_under_compile"):
         out += st(": only under compile", fg="red", bold=True)
