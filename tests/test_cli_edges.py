@@ -163,3 +163,29 @@ def test_a_non_tensor_output_is_not_kept_in_the_cotangent(tmp_path, caplog):
         diag = replay(path, samples=False)
     assert diag["mode"] == "cotangent" and diag["origin"]["op"] == "sqrt"
     assert [r.getMessage() for r in caplog.records if "not storable" in r.getMessage()] == []
+
+
+def test_replay_quiet_is_scoped_and_steps_aside_at_debug():
+    import logging
+
+    from nanreplay.core.quiet import replay_quiet
+
+    dynamo_log = logging.getLogger("torch._dynamo")
+    level, filters = dynamo_log.level, list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with replay_quiet():
+            assert dynamo_log.getEffectiveLevel() == logging.ERROR
+            torch.ones(1, 3).std(dim=0)                    # silenced: the one-sample std of per-sample replay
+            warnings.warn("the user's own warning")        # passes
+        assert [str(w.message) for w in seen] == ["the user's own warning"]
+        nr = logging.getLogger("nanreplay")
+        old = nr.level
+        nr.setLevel(logging.DEBUG)                          # nanreplay -vv: nothing is silenced
+        try:
+            with replay_quiet():
+                torch.ones(1, 3).std(dim=0)
+        finally:
+            nr.setLevel(old)
+        assert any("degrees of freedom" in str(w.message) for w in seen)
+    assert dynamo_log.level == level and warnings.filters == filters

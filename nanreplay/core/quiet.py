@@ -28,6 +28,7 @@ NOISY_MESSAGES: tuple[str, ...] = (
     r".*DynamicCache",                                   # transformers' cache classes re-run under replay
     r".*past_key_values",
     r".*torch\.jit\.script_method. is deprecated",       # imported while torch.export / torch.compile load
+    r"You are trying to `self\.log\(\)` but the `self\.trainer` reference is not registered",  # a LightningModule's step replayed without its Trainer
 )
 
 #: modules whose warnings a replay silences (regular expressions matched against the warning's module)
