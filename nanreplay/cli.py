@@ -6,8 +6,12 @@ Exit codes (stable, for scripts):
 0     success; for ``replay`` and ``report``: the failure was reproduced
 1     an unexpected error (a bug: please report it)
 2     usage error (bad option, missing argument) -- click's own code; for ``report`` and
-      ``bisect --html`` also: the ``report`` extra (matplotlib) is not installed
-3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page)
+      ``bisect --html`` also: the ``report`` extra (matplotlib) is not installed; a directory
+      where a bundle file is expected, or several bundles given to ``replay``, ``report`` or
+      ``bisect`` (a shell glob that matched more than one): the message lists the bundles,
+      newest first with their failing step
+3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page);
+      with ``replay --compile``: neither the eager nor the compiled replay reproduced it
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
       (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
@@ -29,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import shlex
 import sys
 import threading
 import time
@@ -61,11 +67,11 @@ def _guard(fn: Callable[[], Any]) -> Any:
     except IsADirectoryError as e:
         raise CLIError(f"{e}: expected a bundle file (.h5 or .safetensors), found a directory.", EXIT_BAD_BUNDLE) from e
     except BundleFormatError as e:
-        raise CLIError(str(e), EXIT_BAD_BUNDLE) from e
+        raise CLIError(e.describe(cli=True), EXIT_BAD_BUNDLE) from e
     except UntrustedBundleError as e:
         raise CLIError(e.describe(cli=True), EXIT_UNTRUSTED) from e
     except (ModelMismatchError, ReplayError) as e:
-        raise CLIError(str(e), EXIT_REPLAY) from e
+        raise CLIError(e.describe(cli=True), EXIT_REPLAY) from e
     except PermissionError as e:
         raise CLIError(f"{e}; check the file's permissions", EXIT_BAD_BUNDLE) from e
     except SystemExit as e:  # user code (a model factory, a loss function) tried to end the process
@@ -98,7 +104,120 @@ _trust_opt = click.option("--trust", is_flag=True, help="Trust this bundle for t
 _batch_type_opt = click.option("--batch-type", "batch_types", multiple=True, metavar="MODULE:CLASS", help="A dataclass or namedtuple class to rebuild the recorded batch nodes of that type as (repeatable); without it, an untrusted bundle's typed batches are refused.")
 
 
-_bundle_arg = click.argument("bundle", type=click.Path(dir_okay=True, path_type=Path))
+#: the names a bundle file may have; a directory's listing also takes files whose first bytes are a bundle's
+BUNDLE_SUFFIXES = (".h5", ".hdf5", ".safetensors")
+_LISTED = 20        # bundles a listing shows
+_SCANNED = 2000     # directory entries a listing looks at
+
+
+def _bundles_in(directory: Path) -> tuple[list[Path], bool]:
+    """The bundle files directly inside ``directory``: a bundle suffix, or a container's magic
+    bytes (a renamed bundle); the first ``_SCANNED`` entries only (second item: more were
+    skipped). Reads at most 16 bytes of a file; runs nothing."""
+    from .format.container import sniff_format
+
+    found, more = [], False
+    try:
+        entries = iter(os.scandir(directory))
+        for i, entry in enumerate(entries):
+            if i >= _SCANNED:
+                more = True
+                break
+            if not entry.is_file():
+                continue
+            p = Path(entry.path)
+            if p.suffix.lower() in BUNDLE_SUFFIXES:
+                found.append(p)
+                continue
+            try:
+                with open(p, "rb") as fh:
+                    head = fh.read(16)
+                if sniff_format(head, entry.stat().st_size):
+                    found.append(p)
+            except OSError:
+                continue
+    except OSError as e:
+        raise CLIError(f"{directory}: cannot list the directory ({e.strerror or e}); pass a bundle file", EXIT_USAGE) from e
+    return found, more
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _newest_first(paths: list[Path]) -> list[Path]:
+    return sorted(paths, key=lambda p: (_mtime(p), str(p)), reverse=True)
+
+
+def _listing(ordered: list[Path]) -> list[str]:
+    """One line per bundle of ``ordered``: path, failing step, time written (or why it is unreadable)."""
+    from .format.bundle import open_bundle
+
+    rows = []
+    for p in ordered[:_LISTED]:
+        try:
+            with open_bundle(p) as b:
+                what = f"failing step {b.failing_step}"
+        except Exception as e:  # noqa: BLE001 - a listing shows a bad file instead of stopping at it
+            what = f"not readable ({type(e).__name__})"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_mtime(p)))
+        rows.append(f"  {shlex.quote(str(p))}  {what}  written {when}")
+    if len(ordered) > _LISTED:
+        rows.append(f"  ... and {len(ordered) - _LISTED} more")
+    return rows
+
+
+def _pick_one_error(command: str, head: str, paths: list[Path], more: bool = False) -> CLIError:
+    """The usage error (exit 2) of a directory or several bundles where one is needed: the
+    bundles, newest first with their failing step, and the command to run on the newest."""
+    if not paths:
+        return CLIError(f"{head}; it holds no bundle (.h5, .hdf5 or .safetensors file). Pass a bundle file: the Recorder "
+                        "writes them into its out_dir (default nanreplay_bundles/)", EXIT_USAGE)
+    ordered = _newest_first(paths)
+    rows = _listing(ordered)
+    newest = shlex.quote(str(ordered[0]))
+    return CLIError("\n".join([f"{head}. {command} takes one bundle; the bundles, newest first:", *rows]
+                              + (["  (only the first entries of the directory were looked at)"] if more else [])
+                              + [f"Pick one, e.g. the newest: nanreplay {command} {newest}"]), EXIT_USAGE)
+
+
+def _one_bundle(ctx: click.Context, param: click.Parameter, value: tuple[Path, ...]) -> Path:
+    """The BUNDLE argument of replay, report and bisect: exactly one bundle file. A directory, or
+    several files (a shell glob that matched more than one), is a usage error (exit 2) that lists
+    the bundles, newest first with their failing step."""
+    command = ctx.info_name or "replay"
+    if len(value) == 1 and not value[0].is_dir():
+        return value[0]
+    if len(value) == 1:
+        found, more = _bundles_in(value[0])
+        raise _pick_one_error(command, f"{value[0]} is a directory", found, more)
+    dirs = [v for v in value if v.is_dir()]
+    if dirs:
+        raise _pick_one_error(command, f"{dirs[0]} is a directory", _bundles_in(dirs[0])[0])
+    raise _pick_one_error(command, f"{len(value)} bundles were given (a shell glob such as nanreplay-step*.h5 matched several)",
+                          [v for v in value if v.exists()] or list(value))
+
+
+def _bundle_files(ctx: click.Context, param: click.Parameter, value: tuple[Path, ...]) -> tuple[Path, ...]:
+    """The BUNDLES of inspect and trust: files; a directory among them is a usage error (exit 2)
+    that lists the bundles inside it."""
+    for v in value:
+        if v.is_dir():
+            found, more = _bundles_in(v)
+            command = ctx.info_name or "inspect"
+            if not found:
+                raise _pick_one_error(command, f"{v} is a directory", found, more)
+            ordered = _newest_first(found)
+            raise CLIError("\n".join([f"{v} is a directory; {command} takes bundle files. The bundles in it, newest first:", *_listing(ordered)]
+                                      + [f"Name them, e.g.: nanreplay {command} {shlex.quote(str(ordered[0]))}"]), EXIT_USAGE)
+    return value
+
+
+_bundle_arg = click.argument("bundle", nargs=-1, required=True, metavar="BUNDLE", callback=_one_bundle,
+                             type=click.Path(dir_okay=True, path_type=Path))
 
 
 def _dump_json(obj: Any) -> str:
@@ -197,12 +316,14 @@ def main(verbose: int) -> None:
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import (a training script without an `if __name__ == \"__main__\":` guard trains again).")
+@click.option("--compile", "compile_", is_flag=True, help="Also replay the step with the model under torch.compile (same weights, batch and RNG states) and say whether the NaN appears only under compile.")
+@click.option("--compile-backend", default="inductor", show_default=True, metavar="BACKEND", help="The torch.compile backend of --compile (inductor, aot_eager, eager, ...).")
 @_trust_opt
 @_batch_type_opt
 @_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
-           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, trust: bool, batch_types: tuple,
-           color: Optional[bool]) -> None:
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, compile_: bool, compile_backend: str,
+           trust: bool, batch_types: tuple, color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     The code BUNDLE names (model factory, loss function, classes) runs only when the bundle is
@@ -213,17 +334,23 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
                                allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script,
-                               trust=trust, batch_types=_import_types(batch_types))
+                               trust=trust, batch_types=_import_types(batch_types), compile=compile_backend if compile_ else False)
     if as_json:
         click.echo(_dump_json(diag), color=False)
     else:
         click.echo(render_report(diag, rows=rows, color=color is not False), color=color)
-    if diag["reproduction"]["verdict"] == "not reproduced":
+    if not _reproduced(diag):
         sys.exit(EXIT_NOT_REPRODUCED)
 
 
+def _reproduced(diag: dict) -> bool:
+    """The eager replay reproduced the failure, or (``--compile``) the compiled one did."""
+    compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
+    return (diag.get("reproduction") or {}).get("verdict") != "not reproduced" or compiled.startswith("reproduced")
+
+
 @main.command()
-@click.argument("bundles", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=Path))
+@click.argument("bundles", nargs=-1, required=True, callback=_bundle_files, type=click.Path(dir_okay=True, path_type=Path))
 @click.option("--keys/--no-keys", default=True, show_default=True, help="List tensor keys with shape and dtype.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Read every tensor and check its CRC-32, so a corrupted bundle is reported (exit 4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -475,7 +602,7 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
         diag = meta.get("diagnosis")
         if not diag:
             raise CLIError(
-                f"{bundle}: the bundle stores no diagnosis (it was written with diagnose=False, or the in-process replay failed); "
+                f"{bundle}: the bundle stores no diagnosis (it was written by Recorder(..., diagnose=False), or the in-process replay failed); "
                 "run `nanreplay report` without --no-replay to replay the step.", EXIT_REPLAY)
     else:
         diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
@@ -495,7 +622,7 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
 
 
 @main.command()
-@click.argument("bundles", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=Path))
+@click.argument("bundles", nargs=-1, required=True, callback=_bundle_files, type=click.Path(dir_okay=True, path_type=Path))
 @click.option("--revoke", is_flag=True, help="Remove the bundles from the trust store instead.")
 def trust(bundles: tuple[Path, ...], revoke: bool) -> None:
     """Trust BUNDLES: let replay, report and bisect run the code they name (model factory, model

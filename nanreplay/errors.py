@@ -22,7 +22,28 @@ __all__ = [
 
 
 class NanReplayError(RuntimeError):
-    """Root of every error nanreplay raises on purpose."""
+    """Root of every error nanreplay raises on purpose.
+
+    ``str(e)`` says the fix in Python terms (``verify=False``); an error whose fix reads
+    differently on the command line carries the CLI wording too (:meth:`with_cli_fix`), and
+    :meth:`describe` picks one. The CLI always prints ``describe(cli=True)``.
+    """
+
+    _cli_fix: Optional[tuple[str, str]] = None
+
+    def with_cli_fix(self, python: str, cli: str) -> "NanReplayError":
+        """Say ``cli`` instead of ``python`` (a part of the message) to command-line users; returns
+        ``self``, for ``raise BundleFormatError(...).with_cli_fix(...)``."""
+        self._cli_fix = (python, cli)
+        return self
+
+    def describe(self, *, cli: bool) -> str:
+        """The message in the caller's terms: CLI commands and flags (``cli=True``) or Python
+        keywords."""
+        msg = str(self)
+        if cli and self._cli_fix is not None:
+            return msg.replace(*self._cli_fix)
+        return msg
 
 
 class BundleFormatError(NanReplayError):

@@ -231,3 +231,99 @@ class Branchy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         return self.aux(h) if self.use_aux else h
+
+
+class RootHead(nn.Module):
+    """``sqrt(x)``: NaN where ``x < 0``, in the output and in the gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class RootMLP(nn.Module):
+    """A tiny MLP ending in ``sqrt``: finite for inputs of magnitude about 1 (the last layer's
+    bias 2.0 outweighs ``-0.05 * sum(relu(h))``), NaN born in ``head`` (op ``sqrt``) for inputs
+    scaled by 100. Inputs ``[B, 4]``, output ``[B, 1]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.fc2.weight.fill_(-0.05)
+            self.fc2.bias.fill_(2.0)
+        self.head = RootHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(torch.relu(self.fc1(x))))
+
+
+def make_root_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return RootMLP()
+
+
+def root_mean_loss(model: nn.Module, batch) -> torch.Tensor:
+    (x,) = batch
+    return model(x).mean()
+
+
+class CompiledOnlyNaN(nn.Module):
+    """Finite in eager mode; under ``torch.compile`` (``torch.compiler.is_compiling()``) its
+    forward takes ``sqrt(h - 100)``, NaN (output and gradients): a stand-in for a NaN that only
+    compiled code produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if torch.compiler.is_compiling():
+            h = torch.sqrt(h - 100.0)
+        return h
+
+
+def make_compiled_only_nan() -> nn.Module:
+    torch.manual_seed(0)
+    return CompiledOnlyNaN()
+
+
+class BatchStdNet(nn.Module):
+    """Normalises by the batch's standard deviation (``std`` over dim 0), then takes ``sqrt`` of
+    a batch mean: NaN born in an op whose output has no batch dimension, so the samples are found
+    by per-sample replay, where ``std`` of one sample warns "degrees of freedom is <= 0"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = h / (h.std(dim=0, keepdim=True) + 1.0)
+        return torch.sqrt(h.mean(dim=0) - 5.0)
+
+
+def make_batch_std() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchStdNet()
+
+
+class Cache:
+    """A non-tensor, non-JSON object in a model's output, like transformers' ``DynamicCache``."""
+
+
+class WithCache(nn.Module):
+    """Returns ``{"y": sqrt(fc(x)), "cache": Cache()}``: NaN where ``fc(x) < 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"y": torch.sqrt(self.fc(x)), "cache": Cache()}
+
+
+def make_with_cache() -> nn.Module:
+    torch.manual_seed(0)
+    return WithCache()

@@ -12,7 +12,8 @@ so the tap attaches where the call is still eager:
 * ``Recorder(model)`` then ``torch.compile(model)``: the hooks are wrapped in
   ``torch.compiler.disable`` so they still run eagerly; on the first compiled call the tap finds
   the ``OptimizedModule`` calling the model (a short walk up the Python stack), moves its hooks
-  there and takes its own off the model, so Dynamo recompiles once without them.
+  there and takes its own off the model (the post hook after the call in progress returns, so
+  that call keeps its cotangent), so Dynamo recompiles once without them.
 
 Names always come from the unwrapped module (:func:`unwrap_model`): no ``_orig_mod.`` or
 ``module.`` prefix, so a bundle replays on a plain model.
@@ -93,11 +94,14 @@ class ForwardTap:
         self._wrapped: Optional[torch.nn.Module] = None   # a module whose _compiled_call_impl we wrap
         self._orig_impl: Any = None
         self._on_wrapper = False
+        self._on_wrapper_only = False   # the model's own post hook, kept for the call in progress when the hooks moved, is gone
+        self._inner_pre: Any = None
+        self._inner_post: Any = None
         target = _eager_target(model)
         if target is self.inner and getattr(self.inner, "_compiled_call_impl", None) is not None:
             self._wrap_compiled_call(self.inner)
         else:
-            self._on_wrapper = target is not self.inner
+            self._on_wrapper = self._on_wrapper_only = target is not self.inner
             self._hook(target)
 
     # -- the three ways to attach ----------------------------------------------------------
@@ -109,9 +113,15 @@ class ForwardTap:
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             self._post_cb(args, kwargs, out)
+            if self._on_wrapper and not self._on_wrapper_only:
+                # the call in progress when the hooks moved has ended: the model's own post hook goes
+                self._drop_inner_post()
 
-        self._handles.append(module.register_forward_pre_hook(_eager(pre), with_kwargs=True))
-        self._handles.append(module.register_forward_hook(_eager(post), with_kwargs=True))
+        pre_h = module.register_forward_pre_hook(_eager(pre), with_kwargs=True)
+        post_h = module.register_forward_hook(_eager(post), with_kwargs=True)
+        self._handles += [pre_h, post_h]
+        if not self._on_wrapper:
+            self._inner_pre, self._inner_post = pre_h, post_h
 
     def _wrap_compiled_call(self, module: torch.nn.Module) -> None:
         impl = module._compiled_call_impl
@@ -142,28 +152,38 @@ class ForwardTap:
                 return
             owner = f.f_locals.get("self") if f.f_code.co_name == "_call_impl" else None
             if isinstance(owner, opt) and unwrap_model(owner) is self.inner:
-                self._unhook()
+                # the pre hook of the model goes now; its post hook stays for the call in progress
+                # (the wrapper's post hooks may already have been passed over for it) and goes
+                # when that call ends (or at the wrapper's next call, if it raised)
+                self._inner_pre.remove()
                 self._on_wrapper = True
-                self._hook_wrapper_post_only_now(owner)
+                self._hook_wrapper(owner)
                 logger.info("nanreplay: the model was compiled after the Recorder attached; its forward hooks moved to the "
                             "compiled wrapper so they run outside the compiled region")
                 return
             f = f.f_back
 
-    def _hook_wrapper_post_only_now(self, wrapper: torch.nn.Module) -> None:
-        """Hooks on ``wrapper``; its pre hook is skipped for the call in progress (whose inputs the
-        model's own pre hook is capturing right now), its post hook runs when that call returns."""
-        skip = [True]
+    def _drop_inner_post(self) -> None:
+        if self._inner_post is not None:
+            self._inner_post.remove()
+        self._on_wrapper_only = True
+
+    def _hook_wrapper(self, wrapper: torch.nn.Module) -> None:
+        """Hooks on ``wrapper`` from its next call on. Its post hook acts only after its own pre
+        hook ran: the call in progress (entered before the hooks existed) is the model's own post
+        hook's, which is removed at the first of: that call's end, the wrapper's next call."""
+        armed = [False]
 
         def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if skip[0]:
-                skip[0] = False
-                return
+            if not self._on_wrapper_only:
+                self._drop_inner_post()
+            armed[0] = True
             self._pre_cb(args, kwargs)
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            skip[0] = False
-            self._post_cb(args, kwargs, out)
+            if armed[0]:
+                armed[0] = False
+                self._post_cb(args, kwargs, out)
 
         self._handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(wrapper.register_forward_hook(post, with_kwargs=True))

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from ..core.callables import callable_path, import_callable
 from ..core.jsonable import fnum, jsonable
 from ..core.numerics import fused_norm, is_float
+from ..core.quiet import replay_quiet
 from ..core.rng import RNGState
 from ..core.state import load_buffers
 from ..core.tree import flatten_typed
@@ -308,7 +309,8 @@ class Recorder:
             return
         fw = rec.forwards[-1]
         leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
-        cot: list[Any] = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+        # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
+        cot: list[Any] = [None] * len(leaves)
         fw.cotangent = pytree.tree_unflatten(cot, spec)
 
         for i, t in enumerate(leaves):
@@ -760,8 +762,9 @@ class Recorder:
         t0 = time.perf_counter()
         self._replaying = True  # export runs the module hooks with fake tensors: keep this recorder quiet
         try:
-            meta, tensors = program_content(self.model, rec, self.loss_fn)
-            unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
+            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
+                meta, tensors = program_content(self.model, rec, self.loss_fn)
+                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
             if unfaithful:
                 meta, tensors = {"kind": None, "error": unfaithful}, {}
         except Exception as e:  # export must never cost training

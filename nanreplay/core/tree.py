@@ -426,6 +426,10 @@ def encode_value(v: Any) -> dict:
         return {"repr": repr(v)[:1000], "type": _type_path(v)}
 
 
+#: the unstorable types :func:`decode_value` has warned about in this process
+_UNSTORABLE_SEEN: set[str] = set()
+
+
 def decode_value(rec: Any) -> Any:
     """Inverse of :func:`encode_value`; an unrestorable object comes back as its repr string.
 
@@ -437,7 +441,10 @@ def decode_value(rec: Any) -> Any:
     if isinstance(rec, dict) and len(rec) == 1 and rec.get("float") in ("nan", "inf", "-inf"):
         return float(rec["float"])
     if isinstance(rec, dict) and set(rec) == {"repr", "type"} and isinstance(rec["repr"], str) and isinstance(rec["type"], str):
-        logger.warning("batch leaf of type %s was not storable; replay gets its repr string", rec["type"][:200])
+        kind = rec["type"][:200]
+        if kind not in _UNSTORABLE_SEEN:  # once per type and process: a replay decodes every step held
+            _UNSTORABLE_SEEN.add(kind)
+            logger.warning("a recorded value of type %s (in a batch or a forward's inputs) was not storable; replay gets its repr string", kind)
         return rec["repr"]
     raise ValueError(f"a leaf value record must be {{'json': v}}, {{'float': 'nan'|'inf'|'-inf'}} or {{'repr', 'type'}}; found {str(rec)[:120]}")
 

@@ -26,8 +26,10 @@ import torch
 from ..core.allowlist import Allowlist
 from ..core.callables import script_imports
 from ..core.numerics import is_float
+from ..core.quiet import quietly
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
+from ..engine.compiled import DEFAULT_BACKEND, compile_check
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
@@ -124,6 +126,7 @@ def diagnose(
     counterfactuals: bool = True,
     replayed: bool = True,
     progress: Optional[Progress] = None,
+    compiled: Optional[dict] = None,
 ) -> dict:
     """Turn one replay into the diagnosis dict (fields in ``docs/report.md``).
 
@@ -135,6 +138,9 @@ def diagnose(
             from the model's own, the float64 replay that tells an underflow from a domain error,
             and the repeated replays that tell a transient fault.
         replayed: ``False`` when ``result`` comes from the bundle alone (the cheap cases).
+        compiled: the step replayed under ``torch.compile`` beside eagerly
+            (:func:`nanreplay.engine.compiled.compile_check`); becomes the ``compile`` entry and
+            decides the ``compiler`` cause when only the compiled replay is non-finite.
     """
     say = progress or _silent
     if replayed:
@@ -157,12 +163,13 @@ def diagnose(
     birth = found.birth if found is not None else None
     f = Features(phase=phase, origin=origin or {}, birth=birth, history=history,
                  optimizer=found.extra.get("optimizer") if found is not None else None,
-                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")))
+                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")), compiled=compiled)
     if phase == "weights" and origin is not None:
         f.weights = weights_evidence(inp, origin["tensor"], is_param=origin.get("kind") == "parameter")
     if counterfactuals and replayed:
         _counterfactuals(f, model, inp, device, say)
-        if phase == "none" and repro["verdict"] == "not reproduced" and _grads_nonfinite(inp.recorded_grads):
+        if (phase == "none" and repro["verdict"] == "not reproduced" and _grads_nonfinite(inp.recorded_grads)
+                and not (compiled or {}).get("only_under_compile")):
             say("replaying the step again (determinism check)")
             f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
             f.transient = f.repeats == 3
@@ -212,6 +219,7 @@ def diagnose(
         "loss": [health_json(h) for h in result.losses],
         "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed},
         "warnings": list(result.warnings) + list((smp or {}).get("warnings", [])),
+        "compile": compiled,
     }
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
     diag["summary"] = summary_sentence(diag)
@@ -270,7 +278,7 @@ def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[tor
 
 
 def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
-                progress: Optional[Progress] = None, quick: bool = False) -> dict:
+                progress: Optional[Progress] = None, quick: bool = False, compiled: Optional[dict] = None) -> dict:
     """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict.
 
     Args:
@@ -278,20 +286,23 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
         quick: when the bundle alone shows the origin (non-finite weights or batch), answer
             without replaying (the in-process diagnosis); else such steps get one plain replay
             that verifies the reproduction.
+        compiled: the compile check of the step, passed on to :func:`diagnose`.
     """
     say = progress or _silent
     if cheap_origin(inp):
         if quick:
-            return diagnose(_unreplayed(inp), inp, model, device=device, samples=False, counterfactuals=False, replayed=False, progress=say)
+            return diagnose(_unreplayed(inp), inp, model, device=device, samples=False, counterfactuals=False, replayed=False, progress=say,
+                            compiled=compiled)
         say(f"replaying step {inp.record.step} (the recorded data already shows the cause)")
         result = run_step(model, inp, ops=False, device=device)
-        return diagnose(result, inp, model, device=device, samples=False, counterfactuals=False, progress=say)
+        return diagnose(result, inp, model, device=device, samples=False, counterfactuals=False, progress=say, compiled=compiled)
     say(f"replaying step {inp.record.step}" + (" under the op monitor" if ops else ""))
     result = run_step(model, inp, ops=ops, device=device)
     _fresh(model, inp)
-    return diagnose(result, inp, model, device=device, samples=samples, counterfactuals=ops, progress=say)
+    return diagnose(result, inp, model, device=device, samples=samples, counterfactuals=ops, progress=say, compiled=compiled)
 
 
+@quietly
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
                   progress: Optional[Progress] = None, timeout: Optional[float] = None) -> dict:
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
@@ -326,6 +337,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         return replay_step(model, inp, progress=progress, quick=True)
 
 
+@quietly
 def replay(
     bundle: Union[str, Path, Bundle],
     *,
@@ -342,6 +354,7 @@ def replay(
     import_script: bool = False,
     trust: bool = False,
     batch_types: Types = None,
+    compile: Union[bool, str] = False,
 ) -> dict:
     """Replay a bundle's failing step and diagnose it.
 
@@ -377,6 +390,11 @@ def replay(
             ``nanreplay inspect`` first.
         batch_types: dataclass types / namedtuple classes (or ``{"module:QualName": cls}``) to
             rebuild the recorded typed batch nodes as; a trusted bundle's own are imported.
+        compile: also replay the step with the model under ``torch.compile`` (``True``: the
+            default backend, inductor; a string names the backend, e.g. ``"aot_eager"``), with
+            the same weights, batch and RNG states, and report whether the non-finite value
+            appears only under compile (the ``compile`` entry; the ``compiler`` cause). Two more
+            bare replays of the step plus the compile time.
 
     Returns:
         the diagnosis dict (``docs/report.md``), with ``bundle`` and ``device`` added.
@@ -411,7 +429,13 @@ def replay(
             optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
-        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say)
+        compiled = None
+        if compile:
+            backend = compile if isinstance(compile, str) else DEFAULT_BACKEND
+            say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {backend})")
+            compiled = compile_check(model, inp, backend=backend, device=dev)
+            load_state(model, state)
+        diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say, compiled=compiled)
         diag["bundle"] = str(b.path)
         diag["device"] = str(dev)
         diag["model_source"] = subject.source

@@ -16,6 +16,8 @@ condition holds decides. Causes:
 * ``underflow``: a value that rounded to 0 (or onto a domain boundary) in its dtype, where the
   step replayed in float64 is finite;
 * ``numerics``: the op outside its mathematical domain on values from the weights or the code;
+* ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (only
+  with ``replay(..., compile=True)`` / ``nanreplay replay --compile``);
 * ``transient``: the recorded gradients are non-finite and every replay is finite (suspect the
   hardware or nondeterminism, as Megatron-LM's rerun state machine classifies);
 * ``unknown``: nothing above can be shown.
@@ -33,7 +35,7 @@ from .evidence import describe_sources, domain_of, explanation, offending_operan
 
 __all__ = ["CAUSES", "Features", "RULES", "classify"]
 
-CAUSES = ("bad input data", "optimizer update", "explosion", "overflow", "underflow", "numerics", "transient", "unknown")
+CAUSES = ("bad input data", "optimizer update", "explosion", "overflow", "underflow", "numerics", "compiler", "transient", "unknown")
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Features:
     wide_finite: Optional[bool] = None        # the step in float64 is finite (None: not tried)
     persists_perturbed: Optional[bool] = None  # the birth persists with perturbed weights (None: not tried)
     transient: bool = False                   # recorded non-finite, every replay finite
+    compiled: Optional[dict] = None           # the compile check (nanreplay.engine.compiled), when asked for
     repeats: int = 0
     batch_size: Optional[int] = None
     evidence: list[str] = field(default_factory=list)
@@ -142,6 +145,17 @@ def _transient(f: Features) -> tuple[str, list[str]]:
             "(same device: a transient fault; another device: compare there)",
             [f"{f.repeats} replay(s) of the step, with the recorded batch, weights and RNG states, are all finite",
              "the recorded gradients hold non-finite values the replay does not produce"])
+
+
+def _compiler(f: Features) -> tuple[str, list[str]]:
+    c = f.compiled or {}
+    ev = [f"the step replayed eagerly is finite; under torch.compile (backend {c.get('backend')}) its "
+          f"{' and '.join(c.get('compiled_nonfinite') or [])} hold {c.get('compiled_kinds') or 'non-finite values'}"]
+    if c.get("compiled_reproduction"):
+        ev.append(f"the compiled replay against the recorded gradients: {c['compiled_reproduction']}")
+    return ("the non-finite value appears only in compiled code: a compiler bug or a numerics difference of the compiled "
+            "kernels (fusion, reordered reductions, lower-precision intermediates); replay with --compile-backend aot_eager "
+            "or eager to tell the graph capture from the code generation"), ev
 
 
 def _unknown(f: Features) -> tuple[str, list[str]]:
@@ -291,6 +305,7 @@ RULES: tuple[Rule, ...] = (
     ("optimizer update", lambda f: f.phase == "weights" and f.origin.get("kind") == "parameter", _weights),
     ("numerics", lambda f: f.phase == "weights", _weights),
     ("explosion", lambda f: f.origin.get("kind") == "explosion", _explosion_grad_norm),
+    ("compiler", lambda f: f.phase == "none" and bool((f.compiled or {}).get("only_under_compile")), _compiler),
     ("transient", lambda f: f.phase == "none" and f.transient, _transient),
     ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
     ("explosion", lambda f: f.overflow and f.exploding, _explosion),

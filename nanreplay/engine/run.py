@@ -172,13 +172,27 @@ def _rng_restorer(rec: StepRecord, rng: ReplayRNG) -> Callable:
     return hook
 
 
-class _Run:
-    """One replay in progress: the monitors, the phase bookkeeping and what was collected."""
+class _NoModuleMonitor:
+    """The module monitor of a replay run without one (``run_step(..., monitors=False)``)."""
 
-    def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device], lean: bool = False) -> None:
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.phase = "forward"
+
+    def close(self) -> None:
+        return None
+
+
+class _Run:
+    """One replay in progress: the monitors, the phase bookkeeping and what was collected.
+    ``runner`` is what the step calls (the model, or a compiled wrapper of it)."""
+
+    def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device], *, monitors: bool = True,
+                 runner: Optional[torch.nn.Module] = None, lean: bool = False) -> None:
         self.model, self.inp, self.device = model, inp, device
-        self.mon = ModuleMonitor(model, backward=not lean, counts=not lean)
-        self.tracker = ModuleTracker()
+        self.runner = runner if runner is not None else model
+        self.mon: Any = ModuleMonitor(model, backward=not lean, counts=not lean) if monitors else _NoModuleMonitor()
+        self.tracker: Any = ModuleTracker() if monitors else contextlib.nullcontext()
         self.opmon = OpMonitor(self.tracker, model, allow=inp.allow) if ops else None
         self.losses: list[Optional[Health]] = []
         self.loss_values: list[float] = []
@@ -210,7 +224,7 @@ class _Run:
             self.phase("loss_fn", i)
             n0 = len(self.mon.events)
             with autocast:
-                loss = self.inp.loss_fn(self.model, self.seed(b, _batch_root(rec, True, i)))
+                loss = self.inp.loss_fn(self.runner, self.seed(b, _batch_root(rec, True, i)))
             top = [e for e in self.mon.events[n0:] if e["module"] == ""]
             self.outs.append(_as_health(top[-1]["output"]) if top else None)
             if not isinstance(loss, torch.Tensor):
@@ -229,7 +243,7 @@ class _Run:
             self.phase("forward", i)
             args, kwargs = self.seed(fw.inputs, _batch_root(rec, False, i))
             with autocast:
-                out = self.model(*args, **kwargs)
+                out = self.runner(*args, **kwargs)
             self.outs.append(tensor_health(tensor_leaves(out)))
             self.products.extend(tensor_leaves(out))
             if mode == "cotangent":
@@ -263,8 +277,8 @@ def _as_health(summary: Optional[dict]) -> Optional[Health]:
                   mean=None, absmax=summary.get("absmax"), dtype=summary["dtype"], shape=summary["shape"])
 
 
-def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None,
-             lean: bool = False) -> ReplayResult:
+def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
+             runner: Optional[torch.nn.Module] = None, lean: bool = False) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -274,6 +288,12 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
 
     Args:
         ops: run the op monitor (births, provenance, taint; anomaly mode for backward source lines).
+        monitors: run the module monitor (per-module health events); ``False`` with
+            ``ops=False`` runs the step bare, e.g. under ``torch.compile``, where module hooks
+            would break the graph.
+        runner: what the step calls instead of ``model`` (the loss function gets it as its
+            model): a ``torch.compile`` wrapper of ``model`` sharing its parameters. Modes,
+            weights and gradients are still read from ``model``, under its own names.
         lean: only whether outputs, losses and gradients are finite matters (per-sample replays,
             searches): module events carry 0/1 flags instead of counts and no backward events.
 
@@ -303,19 +323,18 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
-    run = _Run(model, inp, ops, device, lean=lean and not ops)
+    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops)
     if rec.stale_inputs:
         run.warnings.append(
             f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "
-            "the replay feeds values the step did not see; record with copy_batch=True"
+            "the replay feeds values the step did not see; record with Recorder(..., copy_batch=True)"
         )
     if run.opmon is not None:
         for n, p in model.named_parameters():
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    rng = ReplayRNG()
-    rng_hook = model.register_forward_pre_hook(_rng_restorer(rec, rng))
+    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec))  # on a compiled wrapper: runs eagerly
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns

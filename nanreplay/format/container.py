@@ -58,6 +58,7 @@ import os
 import pathlib
 import re
 import secrets
+import shlex
 import stat
 import sys
 import time
@@ -1196,12 +1197,16 @@ class FlatBundle:
         return self._reader
 
     def _checksum_error(self, key: str, entry: _Entry, crc: int) -> BundleFormatError:
-        return _error(
+        python = "pass verify=False to read the damaged data anyway"
+        err = _error(
             self.path, f"checksum mismatch for tensor {key!r}",
             f"crc32 {entry.crc32:#010x} (from the manifest)", f"{crc:#010x} in the data",
             "the tensor's bytes changed after they were written (disk, copy or hand edit); "
-            f"{_REINSTATE}, or pass verify=False to read the damaged data anyway",
+            f"{_REINSTATE}, or {python}",
         )
+        cli = f"run `nanreplay inspect --no-verify {shlex.quote(str(self.path))}` to see what it still holds"
+        err.with_cli_fix(python, cli)
+        return err
 
     def get(self, key: str, *, verify: bool = True) -> torch.Tensor:
         """Read tensor ``key``: a new CPU tensor the caller owns, with the recorded dtype and shape,

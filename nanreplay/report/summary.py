@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-__all__ = ["summary_sentence", "verdict_phrase", "kinds_of", "HEADS", "TAILS"]
+__all__ = ["summary_sentence", "verdict_phrase", "kinds_of", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def kinds_of(h: Any) -> str:
@@ -52,8 +52,30 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
     ("loss", "outside the model"): "{kinds} born in the loss, outside the model, which was not replayed (no loss function)",
     ("loss", None): "{kinds} born in the loss{outside}{op}{at}{in_module}",
     ("forward", None): "{kinds} born in the forward pass{op}{at}{in_module}",
+    ("none", "compiled only"): ("step {step}: {compiled_kinds} only under torch.compile (backend {backend}): the step replayed eagerly "
+                                "is finite, replayed compiled its {compiled_parts} are not{compiled_vs_recording}"),
     ("none", "transient"): "step {step}: the recorded gradients are non-finite, but {repeats} replays of the step are finite",
     ("none", None): "step {step}: the replay produced no non-finite value",
+}
+
+#: the HEADS row a diagnosis takes when a condition of the dict holds, before its origin's kind
+#: (each a field of :func:`_fields` and the kind it selects; the first that holds wins)
+HEAD_KINDS: tuple[tuple[str, str], ...] = (
+    ("compiled_only", "compiled only"),
+    ("transient", "transient"),
+)
+
+#: what the reproduction verdict adds, by head kind (the verdict is the eager replay's)
+VERDICT_NOTES: dict[Optional[str], str] = {"compiled only": " eagerly"}
+
+#: what the replay under torch.compile showed (``compile`` entry, ``--compile``), by (eager
+#: non-finite, compiled non-finite); the compiled-only case is said by the head (HEAD_KINDS)
+COMPILE_PHRASES: dict[tuple[bool, Optional[bool]], str] = {
+    (True, True): "also non-finite under torch.compile (backend {backend})",
+    (True, False): "finite under torch.compile (backend {backend}): only the eager code produces it",
+    (True, None): "the replay under torch.compile (backend {backend}) failed: {compile_error}",
+    (False, None): "the replay under torch.compile (backend {backend}) failed: {compile_error}",
+    (False, False): "finite under torch.compile (backend {backend}) too",
 }
 
 #: what the rest of the step did, by phase (each a condition on the dict and its phrase)
@@ -84,6 +106,7 @@ def _fields(diag: dict) -> dict:
     o = diag.get("origin") or {}
     chain = diag.get("chain") or []
     fwd = next((c for c in chain if c.get("phase") in ("forward", "loss")), None)
+    comp = diag.get("compile") or {}
     return {
         "step": diag.get("step"),
         "leaf": o.get("leaf"),
@@ -103,6 +126,13 @@ def _fields(diag: dict) -> dict:
         "masked": (f"{fwd['kinds']} born in {fwd['op']}" + _where_src(fwd.get("source"))) if fwd else "",
         "masked_forward": fwd is not None and diag.get("phase") == "backward",
         "forward_finite": bool(diag.get("forward_finite")),
+        "transient": (diag.get("classification") or {}).get("cause") == "transient",
+        "compiled_only": bool(comp.get("only_under_compile")) and diag.get("phase") in (None, "none"),
+        "backend": comp.get("backend"),
+        "compiled_kinds": comp.get("compiled_kinds") or "non-finite values",
+        "compiled_parts": " and ".join(comp.get("compiled_nonfinite") or []) or "results",
+        "compile_error": comp.get("error"),
+        "compiled_vs_recording": f" (the compiled replay against the recording: {comp['compiled_reproduction']})" if comp.get("compiled_reproduction") else "",
     }
 
 
@@ -114,7 +144,7 @@ def summary_sentence(diag: dict) -> str:
     o = diag.get("origin") or {}
     cls = diag.get("classification") or {}
     f = _fields(diag)
-    kind = "transient" if cls.get("cause") == "transient" else o.get("kind")
+    kind = next((k for cond, k in HEAD_KINDS if f.get(cond)), o.get("kind"))
     head = HEADS.get((phase, kind)) or HEADS.get((phase, None)) or HEADS[("none", None)]
     parts = [head.format(**f)]
     if phase != "none":
@@ -125,6 +155,9 @@ def summary_sentence(diag: dict) -> str:
         if f.get(cond) and o.get("kind") != "explosion":
             parts.append(phrase.format(**f))
             break
+    comp = diag.get("compile")
+    if comp and not f["compiled_only"]:
+        parts.append(COMPILE_PHRASES[(bool(comp.get("eager")), comp.get("compiled"))].format(**f))
     if cls:
         parts.append(f"cause: {cls['cause']} ({cls['detail']})")
-    return "; ".join(parts) + f"; {verdict_phrase(diag.get('reproduction') or {})}."
+    return "; ".join(parts) + f"; {verdict_phrase(diag.get('reproduction') or {})}{VERDICT_NOTES.get(kind, '')}."

@@ -69,6 +69,24 @@ def _origin_details(o: dict, st: Callable[..., str]) -> list[str]:
     return out
 
 
+def _compile_line(c: dict, st: Callable[..., str]) -> str:
+    """``eager finite; compiled (backend inductor) NaN in loss and gradients: only under compile``."""
+    def said(bad: Optional[bool], parts: Optional[list], kinds: Optional[str]) -> str:
+        if bad is None:
+            return st("failed: " + str(c.get("error")), fg="yellow")
+        return st(f"{kinds or 'non-finite'} in {' and '.join(parts or [])}", fg="red") if bad else "finite"
+
+    out = (f"eager {said(c.get('eager'), c.get('eager_nonfinite'), c.get('eager_kinds'))}; compiled (backend {c.get('backend')}) "
+           f"{said(c.get('compiled'), c.get('compiled_nonfinite'), c.get('compiled_kinds'))}")
+    if c.get("only_under_compile"):
+        out += st(": only under compile", fg="red", bold=True)
+    if c.get("compiled_reproduction"):
+        out += f"; compiled replay vs recording: {c['compiled_reproduction']}"
+    if c.get("max_abs_diff") is not None:
+        out += f"; max |eager - compiled| gradient {_num(c['max_abs_diff'])}"
+    return out
+
+
 def render_report(diag: dict, *, rows: int = 8, color: bool = False) -> str:
     """The human-readable replay report: one actionable sentence first, then the origin, the
     reproduction verdict, and the health table of the modules around the origin.
@@ -119,6 +137,8 @@ def render_report(diag: dict, *, rows: int = 8, color: bool = False) -> str:
     if r.get("detail"):
         lines.append(f"                 {r['detail']}")
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))
+    if diag.get("compile"):
+        lines.append(f"  torch.compile: {_compile_line(diag['compile'], st)}")
     for w in diag.get("warnings", []):
         lines.append(f"  {st('warning:', fg='yellow')}       {w}")
     births = diag.get("births") or []

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..core.quiet import quietly
 from ..engine.state import recorded_device, replay_subject
 from ..engine.gate import bundle_types
 from ..format.bundle import Bundle, Types, open_bundle
@@ -49,6 +50,7 @@ _SEARCH: dict[str, Callable[[Search], dict]] = {
 SEARCHES = tuple(_SEARCH)
 
 
+@quietly
 def bisect(
     bundle: Union[str, Path, Bundle],
     *,

@@ -1,0 +1,281 @@
+"""torch.compile: the Recorder adds no graph break in any of the four orders a user may write
+(``Recorder(torch.compile(m))``, ``torch.compile`` after the Recorder, ``m.compile()`` before or
+after it), records the original module's names, and the ``nanreplay replay`` command printed by
+the exception replays a compiled model's failure."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from nanreplay import NonFiniteGradientError, Recorder, open_bundle
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters  # noqa: E402
+
+NANREPLAY_DIR = str(Path(__file__).resolve().parents[1] / "nanreplay")
+ORDERS = ("compile-then-record", "record-then-compile", "method-compile-then-record", "record-then-method-compile")
+
+
+class _GraphBreaks(logging.Handler):
+    """Collects Dynamo's graph-break log records (``TORCH_LOGS=graph_breaks``): each names the
+    user-code line where the graph broke and the traceback that led there."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "Graph break" in msg:
+            self.messages.append(msg)
+
+    def files(self, msg: str) -> list[str]:
+        """The source files a graph-break message names (its location and its traceback)."""
+        return re.findall(r'File "([^"]+)"', msg) + re.findall(r"Graph break in user code at (\S+?):\d+", msg)
+
+    def in_nanreplay(self) -> list[str]:
+        return [m for m in self.messages if any(f.startswith(NANREPLAY_DIR) for f in self.files(m))]
+
+
+@contextlib.contextmanager
+def graph_breaks():
+    """Count the graph breaks of the block: yields the handler; ``counters['graph_break']`` holds
+    the totals. Dynamo's caches are reset first, so every case compiles from scratch."""
+    dynamo.reset()
+    counters.clear()
+    handler = _GraphBreaks()
+    torch._logging.set_logs(graph_breaks=True)
+    # Dynamo's artifact loggers (``torch._dynamo.symbolic_convert.__graph_breaks``, ...) stop
+    # propagating at ``torch._dynamo``'s own handler: listen on each one
+    from torch._logging._internal import log_registry
+
+    logs = [logging.getLogger(q) for q in sorted(log_registry.artifact_log_qnames) if q.endswith("__graph_breaks")]
+    assert logs, "no graph_breaks artifact logger registered"
+    for lg in logs:
+        lg.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for lg in logs:
+            lg.removeHandler(handler)
+        torch._logging.set_logs()
+        dynamo.reset()
+
+
+def _attach(order: str, model: torch.nn.Module, opt, out_dir, backend: str = "eager", **opts):
+    """(the callable the loop runs, the Recorder), attached in ``order``."""
+    if order == "compile-then-record":
+        run = torch.compile(model, backend=backend)
+        return run, Recorder(run, opt, out_dir=out_dir, **opts)
+    if order == "record-then-compile":
+        rec = Recorder(model, opt, out_dir=out_dir, **opts)
+        return torch.compile(model, backend=backend), rec
+    if order == "method-compile-then-record":
+        model.compile(backend=backend)
+        return model, Recorder(model, opt, out_dir=out_dir, **opts)
+    rec = Recorder(model, opt, out_dir=out_dir, **opts)
+    model.compile(backend=backend)
+    return model, rec
+
+
+def _train(run, opt, batches) -> None:
+    for x in batches:
+        loss = run(x).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _clean_batches(n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.rand(5, 4, generator=g) for _ in range(n)]
+
+
+def _bad_batch() -> torch.Tensor:
+    return 100.0 * torch.ones(5, 4)
+
+
+def test_graph_break_detector_sees_a_hook_that_breaks():
+    """The detector works: a forward pre-hook reading Python's RNG state (what a naive recorder
+    does) breaks the graph, and the break is located in the hook's file."""
+    model = models.make_root_mlp()
+    model.register_forward_pre_hook(lambda m, args: random.getstate() and None)
+    with graph_breaks() as gb:
+        _train(torch.compile(model, backend="eager"), torch.optim.SGD(model.parameters(), lr=0.0), _clean_batches(2))
+    assert sum(counters["graph_break"].values()) >= 1
+    assert any(__file__ in gb.files(m) for m in gb.messages)
+
+
+def test_the_model_alone_compiles_without_graph_breaks():
+    """The baseline the order tests compare against: no graph break without nanreplay."""
+    model = models.make_root_mlp()
+    with graph_breaks() as gb:
+        _train(torch.compile(model, backend="eager"), torch.optim.SGD(model.parameters(), lr=0.0), _clean_batches(2))
+    assert sum(counters["graph_break"].values()) == 0 and gb.messages == []
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_recorder_adds_no_graph_break_and_records_plain_names(order, out_dir):
+    model = models.make_root_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with graph_breaks() as gb:
+        run, rec = _attach(order, model, opt, out_dir, diagnose=False, embed_program=False)
+        with rec:
+            _train(run, opt, _clean_batches(3))
+            # every step's forward was captured, with its cotangent (the tap moved without losing a call)
+            assert [len(r.forwards) for r in rec.ring] == [1, 1, 1]
+            assert all(r.forwards[0].cotangent is not None for r in rec.ring)
+            with pytest.raises(NonFiniteGradientError) as info:
+                _train(run, opt, [_bad_batch()])
+    assert gb.in_nanreplay() == [], "graph breaks in nanreplay's code:\n" + "\n\n".join(gb.in_nanreplay())
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    with open_bundle(info.value.bundle_path) as b:
+        names = list(b.state().params)
+        assert names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+        assert not any("_orig_mod" in k for k in b.keys())
+        assert b.failing_step == 3
+
+
+def _printed_command(err: NonFiniteGradientError) -> list[str]:
+    m = re.search(r"replay it with: (nanreplay replay .+?)(?:;|$)", str(err))
+    assert m, str(err)
+    return shlex.split(m.group(1))
+
+
+def _replay_printed(err: NonFiniteGradientError, *extra: str):
+    from click.testing import CliRunner
+
+    from nanreplay.cli import main
+
+    argv = _printed_command(err)
+    assert argv[:2] == ["nanreplay", "replay"]
+    return CliRunner().invoke(main, argv[1:] + list(extra), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("order", ["compile-then-record", "record-then-method-compile"])
+def test_printed_replay_command_works_for_a_compiled_model(order, out_dir):
+    import json
+
+    model = models.make_root_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run, rec = _attach(order, model, opt, out_dir, loss_fn=models.root_mean_loss, model_factory=models.make_root_mlp)
+    with rec:
+        for x in _clean_batches(2) + [_bad_batch()]:
+            rec.record((x,))
+            loss = models.root_mean_loss(run, (x,))
+            loss.backward()
+            if not torch.isfinite(loss):
+                with pytest.raises(NonFiniteGradientError) as info:
+                    opt.step()
+                break
+            opt.step()
+            opt.zero_grad()
+    res = _replay_printed(info.value)
+    assert res.exit_code == 0, res.output
+    assert "origin:        head (RootHead), op sqrt" in res.output
+    res = _replay_printed(info.value, "--json")
+    diag = json.loads(res.output)
+    assert diag["origin"]["module"] == "head" and diag["origin"]["op"] == "sqrt" and diag["phase"] == "forward"
+    assert diag["reproduction"]["verdict"].startswith("reproduced")
+
+
+def _inductor_works() -> bool:
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception:  # noqa: BLE001 - a torch build without inductor
+        return False
+    return shutil.which("g++") is not None or shutil.which("cc") is not None or shutil.which("clang") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _inductor_works(), reason="torch inductor or a C++ compiler is not available")
+def test_inductor_backend_adds_no_graph_break(out_dir):
+    """The default backend (inductor, C++ codegen on the CPU): one case, the usual order."""
+    model = models.make_root_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with graph_breaks() as gb:
+        run, rec = _attach("compile-then-record", model, opt, out_dir, backend="inductor", diagnose=False, embed_program=False)
+        with rec:
+            _train(run, opt, _clean_batches(2))
+            assert [len(r.forwards) for r in rec.ring] == [1, 1]
+    assert gb.in_nanreplay() == [] and sum(counters["graph_break"].values()) == 0
+
+
+# -- replay --compile ------------------------------------------------------------------------------
+
+def _bundle(model, run, out_dir, batches, **opts) -> NonFiniteGradientError:
+    """Train ``run`` (``model`` or a compiled wrapper of it) on ``batches`` under a Recorder with
+    the ``root_mean_loss`` loss until the step that fails; its error."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(run, opt, loss_fn=models.root_mean_loss, out_dir=out_dir, **opts) as rec:
+        for x in batches:
+            rec.record((x,))
+            loss = models.root_mean_loss(run, (x,))
+            rec.log_loss(loss)
+            loss.backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                return e
+            opt.zero_grad()
+    raise AssertionError("no step failed")
+
+
+def test_replay_compile_when_both_replays_are_nonfinite(out_dir):
+    from nanreplay import replay
+
+    model = models.make_root_mlp()
+    err = _bundle(model, model, out_dir, _clean_batches(1) + [_bad_batch()], model_factory=models.make_root_mlp, diagnose=False)
+    plain = replay(err.bundle_path, samples=False)
+    assert plain["compile"] is None and "torch.compile" not in plain["summary"]
+    diag = replay(err.bundle_path, samples=False, compile="aot_eager")
+    c = diag["compile"]
+    assert (c["backend"], c["eager"], c["compiled"], c["only_under_compile"]) == ("aot_eager", True, True, False)
+    assert c["target"] == "loss function"  # the embedded program runs its forward inside the loss: that is compiled
+    assert c["eager_nonfinite"] == c["compiled_nonfinite"] == ["loss", "gradients"]
+    assert c["compiled_kinds"] == "NaN" and c["compiled_reproduction"].startswith("reproduced") and c["error"] is None
+    # the eager diagnosis is unchanged; the sentence adds what compile did
+    assert diag["origin"]["module"] == "head" and diag["classification"] == plain["classification"]
+    assert "; also non-finite under torch.compile (backend aot_eager);" in diag["summary"]
+
+
+def test_replay_compile_names_a_nan_only_under_compile(out_dir):
+    """Training ran compiled; the model's forward takes a NaN branch only while compiling. The
+    eager replay is finite; --compile says the NaN is compiled-only, in the sentence, the cause
+    and the text report, and exits 0 (the compiled replay reproduced the recording)."""
+    from click.testing import CliRunner
+
+    from nanreplay import replay
+    from nanreplay.cli import main
+
+    model = models.make_compiled_only_nan()
+    run = torch.compile(model, backend="eager")
+    err = _bundle(model, run, out_dir, _clean_batches(1), model_factory=models.make_compiled_only_nan, diagnose=False, embed_program=False)
+    diag = replay(err.bundle_path, samples=False, compile="eager")
+    c = diag["compile"]
+    assert (c["eager"], c["compiled"], c["only_under_compile"]) == (False, True, True)
+    assert c["compiled_reproduction"] == "reproduced exactly"
+    assert diag["phase"] == "none" and diag["classification"]["cause"] == "compiler"
+    assert diag["summary"].startswith(
+        "step 0: NaN only under torch.compile (backend eager): the step replayed eagerly is finite, replayed compiled its "
+        "loss and gradients are not (the compiled replay against the recording: reproduced exactly); cause: compiler ("
+    ), diag["summary"]
+    assert diag["summary"].endswith("; not reproduced eagerly.")
+    assert c["target"] == "model"
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--compile", "--compile-backend", "eager", "--no-samples"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert ("  torch.compile: eager finite; compiled (backend eager) NaN in loss and gradients: only under compile; "
+            "compiled replay vs recording: reproduced exactly") in res.output
+    # without --compile the same bundle does not reproduce (exit 3)
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--no-samples"], catch_exceptions=False)
+    assert res.exit_code == 3, res.output
