@@ -334,7 +334,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec))  # on a compiled wrapper: runs eagerly
+    rng = ReplayRNG()
+    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng))  # on a compiled wrapper: runs eagerly
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
