@@ -185,14 +185,18 @@ class ReplayRNG:
     attention kernels' dropout is not routed at all and draws from the device's shared generator).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, private: bool | None = None) -> None:
+        # private=None: private generators exactly when other threads are alive; False: always the
+        # process-wide ones, set and put back (a torch.compile'd replay: Dynamo does not trace
+        # under a Python dispatch mode, so the private routing would make it run eagerly)
+        self.private = private
         self.shared = False                 # other threads alive: private generators
         self._saved: RNGState | None = None
         self._mode: _PrivateGenerators | None = None
         self.untouched: tuple[str, ...] = ()
 
     def __enter__(self) -> "ReplayRNG":
-        self.shared = not sole_thread()
+        self.shared = (not sole_thread()) if self.private is None else self.private
         if self.shared:
             self._mode = _PrivateGenerators()
             self._mode.__enter__()

@@ -293,7 +293,9 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             would break the graph.
         runner: what the step calls instead of ``model`` (the loss function gets it as its
             model): a ``torch.compile`` wrapper of ``model`` sharing its parameters. Modes,
-            weights and gradients are still read from ``model``, under its own names.
+            weights and gradients are still read from ``model``, under its own names. The step
+            then draws from the process-wide generators (set, then put back): another thread
+            drawing meanwhile would see them moved (the CLI's ``--compile`` runs alone).
         lean: only whether outputs, losses and gradients are finite matters (per-sample replays,
             searches): module events carry 0/1 flags instead of counts and no backward events.
 
@@ -334,7 +336,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    rng = ReplayRNG()
+    rng = ReplayRNG(private=False if runner is not None else None)  # compiled: Dynamo does not trace under a dispatch mode
     rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng))  # on a compiled wrapper: runs eagerly
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
