@@ -135,9 +135,7 @@ def _whole_batch(c: _Case) -> Optional[dict]:
 def _per_sample(c: _Case) -> Optional[dict]:
     if not c.search or c.found.phase not in ("forward", "loss", "backward"):
         return None
-    rows = (c.found.birth or {}).get("rows") or {}
-    every_row = bool(rows.get("indices")) and rows.get("count", len(rows["indices"])) == rows.get("size", -1) > 1
-    return per_sample_replay(c.model, c.inp, phase=c.found.phase, device=c.device, progress=c.progress, every_row_bad=every_row)
+    return per_sample_replay(c.model, c.inp, phase=c.found.phase, device=c.device, progress=c.progress)
 
 
 #: the samples rule, in order: the first method that answers decides
@@ -177,7 +175,7 @@ def _slice_record(rec: StepRecord, idx: list[int], size: int) -> StepRecord:
 
 
 def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, device: Optional[torch.device] = None, max_runs: int = 32,
-                      progress: Optional[Callable[[str], None]] = None, every_row_bad: bool = False) -> Optional[dict]:
+                      progress: Optional[Callable[[str], None]] = None) -> Optional[dict]:
     """The samples of the failing step's batch that alone make the step non-finite, by replaying
     subsets (bisection along the batch dimension).
 
@@ -191,11 +189,12 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         phase: ``"forward"``/``"loss"`` (a non-finite model output or loss counts) or
             ``"backward"`` (a non-finite gradient counts).
         max_runs: cap on the extra replays.
-        every_row_bad: every row of the birth op's output is non-finite (along a dimension that is
-            not the batch's, e.g. the flattened batch x sequence rows of a linear layer). Then
-            the first and the last sample are replayed alone first; when both are non-finite the
-            failure does not depend on particular samples (2 replays instead of a bisection's
-            2B - 2).
+
+    Probes first: the first, middle and last samples are replayed alone (three cheap one-sample
+    replays). When all three are non-finite, the failure does not depend on particular samples
+    (a divisor of the whole batch, the weights) and the answer is batch-level after 3 replays
+    instead of the 2B - 2 of a bisection that finds every sample bad. Otherwise the bisection
+    runs (reusing the probes' answers).
 
     Returns:
         ``{"indices", "batch_size", "method": "per-sample replay", "batch_level", "runs",
@@ -210,8 +209,15 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         return {"indices": [], "batch_size": size, "method": "per-sample replay", "batch_level": False, "runs": 0, "complete": False,
                 "warnings": [f"cannot tell per sample: {why}"], "cannot_tell": why}
     state = {"runs": 0, "complete": True, "error": None}
+    seen: dict[tuple[int, ...], bool] = {}
 
     def bad(idx: list[int]) -> bool:
+        if tuple(idx) in seen:
+            return seen[tuple(idx)]
+        seen[tuple(idx)] = verdict = _bad(idx)
+        return verdict
+
+    def _bad(idx: list[int]) -> bool:
         if state["runs"] >= max_runs:
             state["complete"] = False
             return False
@@ -241,10 +247,11 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         mid = len(idx) // 2
         return search(idx[:mid], False) + search(idx[mid:], False)
 
-    if every_row_bad and size > 1 and bad([0]) and bad([size - 1]):
+    probes = sorted({0, size // 2, size - 1})
+    if size > 3 and all(bad([i]) for i in probes) and state["error"] is None:
         return {"indices": [], "batch_size": size, "method": "per-sample replay", "batch_level": True, "runs": state["runs"],
-                "complete": True, "warnings": [f"every row of the birth op's output is non-finite and samples 0 and {size - 1} alone are "
-                                               "non-finite too: the failure does not depend on particular samples (or comes from the weights)"]}
+                "complete": True, "warnings": [f"samples {probes[0]}, {probes[1]} and {probes[2]} of {size} are each non-finite alone: the "
+                                               "failure does not depend on particular samples (the batch as a whole, or the weights)"]}
     found = search(list(range(size)), size > 1) if size > 1 else ([0] if bad([0]) else [])
     out = {"indices": found, "batch_size": size, "method": "per-sample replay", "batch_level": False, "runs": state["runs"],
            "complete": state["complete"], "warnings": []}

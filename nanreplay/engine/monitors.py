@@ -67,7 +67,13 @@ def flags_of(t: torch.Tensor) -> tuple[bool, bool, float]:
     only known when there is no NaN). Non-float tensors are finite; ``absmax`` is 0 for them."""
     if not is_float(t) or t.numel() == 0:
         return False, False, 0.0
-    m = float(t.detach().abs().amax())
+    x = t.detach()
+    if x.is_complex():  # the largest modulus
+        m = float(x.abs().amax())
+        return math.isnan(m), math.isinf(m), m
+    # one pass and no |x| temporary (about twice as fast as abs().amax()); min and max carry NaN
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()
+    m = max(abs(lo), abs(hi)) if not (math.isnan(lo) or math.isnan(hi)) else math.nan
     return math.isnan(m), math.isinf(m), m
 
 
@@ -136,7 +142,9 @@ class ModuleMonitor:
     """Forward outputs of every module, in completion order, and backward events: the cotangent
     at each module's output and each parameter's gradient. Each event holds ``summary`` (a small
     dict: ``nan``, ``posinf``, ``neginf``, ``numel``, ``absmax`` of the finite values, ``dtype``,
-    ``shape``); counts are computed only for non-finite tensors.
+    ``shape``); counts are computed only for non-finite forward outputs (backward events carry
+    0/1 flags: past a birth, nearly every cotangent and gradient is non-finite, and counting each
+    would cost more than the replay).
 
     Args:
         backward: also record the backward events (output cotangents, parameter gradients).
@@ -179,15 +187,16 @@ class ModuleMonitor:
                     t.register_hook(self._cot_hook(name, type(mod).__name__))
 
     def _cot_hook(self, name: str, cls: str) -> Callable:
-        def hook(g: torch.Tensor) -> None:
-            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls, "output": _summary([g])})
+        def hook(g: torch.Tensor) -> None:  # flags, not counts: past the birth every cotangent is often non-finite
+            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls, "output": _summary([g], counts=False)})
 
         return hook
 
     def _param_hook(self, pname: str, owner: str) -> Callable:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname, "output": _summary([p.grad])})
+                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname,
+                                    "output": _summary([p.grad], counts=False)})
 
         return hook
 
@@ -207,8 +216,8 @@ def _nonfinite(t: torch.Tensor) -> bool:
 
 def _summary(ts: list[torch.Tensor], *, counts: bool = True) -> Optional[dict]:
     """The small health summary of module events: counts only when something is non-finite, and
-    only with ``counts`` (else ``nan``/``posinf`` are 0/1 flags: ``posinf`` stands for any Inf,
-    and is only known when there is no NaN)."""
+    only with ``counts`` (else ``nan``/``posinf``/``neginf`` are 0/1 flags; a tensor holding NaN
+    may hold an Inf its flags do not show)."""
     ts = [t for t in ts if isinstance(t, torch.Tensor) and is_float(t)]
     if not ts:
         return None
@@ -220,9 +229,15 @@ def _summary(ts: list[torch.Tensor], *, counts: bool = True) -> Optional[dict]:
         else:
             absmax = max(absmax, m)
     if not bad or not counts:
-        flags = [flags_of(t)[:2] for t in ts] if bad else []
-        return {"nan": int(any(n for n, _ in flags)), "posinf": int(any(i for _, i in flags)), "neginf": 0,
-                "numel": sum(t.numel() for t in ts), "absmax": absmax, "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
+        nan = posinf = neginf = 0
+        for t in ts if bad else []:
+            x = t.detach()
+            lo, hi = torch.stack(torch.aminmax(torch.view_as_real(x.resolve_conj()) if x.is_complex() else x)).tolist()
+            nan |= math.isnan(lo) or math.isnan(hi)
+            posinf |= hi == math.inf
+            neginf |= lo == -math.inf
+        return {"nan": int(nan), "posinf": int(posinf), "neginf": int(neginf), "numel": sum(t.numel() for t in ts), "absmax": absmax,
+                "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
     h = tensor_health(ts)
     assert h is not None
     return {"nan": h.nan, "posinf": h.posinf, "neginf": h.neginf, "numel": h.numel, "absmax": h.absmax, "dtype": h.dtype, "shape": h.shape}

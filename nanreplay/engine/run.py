@@ -147,6 +147,19 @@ def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
     return out
 
 
+def _nonfinite_state(state: Any) -> list:
+    """``nonfinite_leaves`` of a step-start state, computed once per state object (a diagnosis
+    replays the same state many times: per-sample replays, counterfactuals)."""
+    cached = getattr(state, "_nanreplay_nonfinite", None)
+    if cached is None:
+        cached = nonfinite_leaves({"params": state.params, "buffers": state.buffers}, "")
+        try:
+            state._nanreplay_nonfinite = cached
+        except AttributeError:  # a state type without a __dict__: no cache
+            pass
+    return cached
+
+
 def _batch_root(rec: StepRecord, uses_loss: bool, i: int) -> str:
     if uses_loss:
         return f"batch[{i}]" if len(rec.batches) > 1 else "batch"
@@ -314,7 +327,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     training = set(rec.training)
     for name, m in model.named_modules():  # each module's recorded mode, exactly (train() would recurse)
         m.training = name in training
-    weights = nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
+    weights = _nonfinite_state(inp.state)
     if inp.uses_loss:
         mode = "loss_fn"
         inputs = [x for i, b in enumerate(rec.batches) for x in nonfinite_leaves(b, _batch_root(rec, True, i))]

@@ -262,7 +262,8 @@ def _samples_html(diag: dict) -> str:
     parts = []
     if smp:
         if smp.get("batch_level"):
-            verdict = "every sample alone is non-finite: the failure belongs to the batch as a whole (or to the loss, or the weights), not to particular samples"
+            why = smp.get("reason") or next(iter(smp.get("warnings") or []), None)
+            verdict = "the failure belongs to the batch as a whole (or to the loss, or the weights), not to particular samples" + (f": {why}" if why else "")
         elif smp.get("indices"):
             verdict = f"samples {smp['indices']} carry the non-finite values"
         else:
