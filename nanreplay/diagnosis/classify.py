@@ -76,6 +76,17 @@ class Features:
         return bool(w and w.get("finite"))
 
     @property
+    def fits_in_range(self) -> bool:
+        """The wider-dtype result is within the op's own dtype's range: the non-finite value came
+        from an intermediate of the op, not from a result too large for the dtype."""
+        w = (self.birth or {}).get("wider") or {}
+        dtype = _field((self.birth or {}).get("output"), "dtype")
+        t = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not w.get("finite") or w.get("absmax") is None or not isinstance(t, torch.dtype) or not (t.is_floating_point or t.is_complex):
+            return False
+        return w["absmax"] <= torch.finfo(t).max
+
+    @property
     def exploding(self) -> bool:
         h = self.history or {}
         return bool(h.get("exploding") or h.get("lr_spike"))
@@ -309,6 +320,9 @@ RULES: tuple[Rule, ...] = (
     ("transient", lambda f: f.phase == "none" and f.transient, _transient),
     ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
     ("explosion", lambda f: f.overflow and f.exploding, _explosion),
+    # a division whose true result fits the dtype, yet gives Inf: its divisor (or an intermediate
+    # of it, e.g. |z|^2 inside a complex division) rounded to 0: underflow, not overflow
+    ("underflow", lambda f: f.domain_kind == "zero" and f.overflow and f.fits_in_range, _underflow),
     ("overflow", lambda f: f.overflow, _overflow),
     ("underflow", lambda f: f.domain_kind == "zero" and f.wide_finite is True, _underflow),
     ("bad input data", lambda f: f.domain_kind is not None and f.from_batch, _bad_input),

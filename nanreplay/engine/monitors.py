@@ -142,9 +142,9 @@ class ModuleMonitor:
     """Forward outputs of every module, in completion order, and backward events: the cotangent
     at each module's output and each parameter's gradient. Each event holds ``summary`` (a small
     dict: ``nan``, ``posinf``, ``neginf``, ``numel``, ``absmax`` of the finite values, ``dtype``,
-    ``shape``); counts are computed only for non-finite forward outputs (backward events carry
-    0/1 flags: past a birth, nearly every cotangent and gradient is non-finite, and counting each
-    would cost more than the replay).
+    ``shape``); counts are computed only for non-finite forward outputs and output cotangents
+    (parameter gradients carry 0/1 flags: past a birth nearly every gradient is non-finite, and
+    nothing reads their counts).
 
     Args:
         backward: also record the backward events (output cotangents, parameter gradients).
@@ -187,8 +187,9 @@ class ModuleMonitor:
                     t.register_hook(self._cot_hook(name, type(mod).__name__))
 
     def _cot_hook(self, name: str, cls: str) -> Callable:
-        def hook(g: torch.Tensor) -> None:  # flags, not counts: past the birth every cotangent is often non-finite
-            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls, "output": _summary([g], counts=False)})
+        def hook(g: torch.Tensor) -> None:  # counted: the report's module strip shows them
+            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls,
+                                "output": _summary([g], counts=self.counts)})
 
         return hook
 
