@@ -198,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.readme:
         readme = Path(__file__).resolve().parent / "README.md"
         text = readme.read_text()
-        block = "<!-- diagnosis -->\n" + _table(res, "python bench/diagnosis.py --readme") + "\n<!-- /diagnosis -->"
+        block = "<!-- diagnosis -->\n" + _table(res, "python bench/diagnosis.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json"))) + "\n<!-- /diagnosis -->"
         if "<!-- diagnosis -->" in text:
             text = re.sub(r"<!-- diagnosis -->.*?<!-- /diagnosis -->", lambda _: block, text, flags=re.S)
         else:
