@@ -257,7 +257,9 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
     if f.wide_finite is not True and needs_perturbed_replay(f):
         say("replaying the step with perturbed weights (do the weights decide the zero?)")
         try:
-            f.persists_perturbed = birth_signature(f.birth or {}) in replay_perturbed(model, inp, device=device)
+            sig = birth_signature(f.birth or {})
+            watch = frozenset({sig[1]}) if sig[1] else None  # only the origin's op is checked: one plain replay's cost
+            f.persists_perturbed = sig in replay_perturbed(model, inp, device=device, watch=watch)
         except Exception as e:  # a replay that cannot run: the counterfactual is simply absent
             if type(e).__name__ == "DiagnosisTimeout":
                 raise

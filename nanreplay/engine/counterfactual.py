@@ -96,10 +96,14 @@ def replay_wide(model: torch.nn.Module, inp: StepInputs, *, device: Optional[tor
 
 
 def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None, scale: float = 1e-2,
-                     seed: int = 0) -> list[tuple]:
+                     seed: int = 0, watch: Optional[frozenset] = None) -> list[tuple]:
     """Replay the step under the op monitor with every floating weight ``w`` replaced by
     ``w + scale * std(w) * noise`` (noise from a private generator seeded with ``seed``), and
-    return the signatures (:func:`birth_signature`) of the births that reach what it produces."""
+    return the signatures (:func:`birth_signature`) of the births that reach what it produces.
+
+    With ``watch`` (aten op names, e.g. the origin's op) only those ops are checked, which costs a
+    plain replay plus one health read per watched op instead of the full op monitor; every birth
+    of a watched op is returned then (whether it reaches the products is not tracked)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def nudge(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +116,9 @@ def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optiona
 
     sub = dataclasses.replace(inp, recorded_grads={})
     with _params_as(model, nudge, buffers=False):
-        res = run_step(model, sub, ops=True, device=device)
+        res = run_step(model, sub, ops=True, device=device, sources=False, watch=watch)  # signatures only: no anomaly-mode stacks
+    if watch is not None:
+        return [birth_signature(b) for b in res.births]
     reaching = res.reaching or frozenset()
     return [birth_signature(b) for b in res.births if b.get("birth") in reaching]
 

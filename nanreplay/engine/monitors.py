@@ -257,6 +257,11 @@ class OpMonitor(TorchDispatchMode):
             from the loss computed around it).
         allow: legitimate non-finite values (default: -Inf written by attention masking).
         max_births: births recorded in full (the rest are counted).
+        watch: only these aten ops (overload packet names, e.g. ``{"div"}``) are checked; every
+            other op runs untouched (no health read, no provenance). Births of a watched op are
+            still exact (its inputs' health is read at the op), but taint does not flow through
+            unwatched ops, so :meth:`taint_of` knows nothing: for a counterfactual replay that
+            only asks whether one birth happens again.
 
     Attributes:
         births: one dict per birth, in execution order (see ``docs/report.md``, "A birth").
@@ -271,8 +276,10 @@ class OpMonitor(TorchDispatchMode):
     hooks miss; ``ModuleTracker`` supplies the module context in both passes.
     """
 
-    def __init__(self, tracker: ModuleTracker, model: Optional[torch.nn.Module], *, allow: Optional[Allowlist] = None, max_births: int = 32) -> None:
+    def __init__(self, tracker: ModuleTracker, model: Optional[torch.nn.Module], *, allow: Optional[Allowlist] = None, max_births: int = 32,
+                 watch: Optional[frozenset] = None) -> None:
         super().__init__()
+        self.watch = watch
         self.tracker = tracker
         self.allow = allow if allow is not None else Allowlist()
         self.max_births = max_births
@@ -333,7 +340,7 @@ class OpMonitor(TorchDispatchMode):
         check_deadline()
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        if name in _UNINITIALISED:
+        if name in _UNINITIALISED or (self.watch is not None and name not in self.watch):
             return func(*args, **kwargs)
         facts = self.facts
         ins = [t for t in _tensors((args, kwargs))]

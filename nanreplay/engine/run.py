@@ -201,12 +201,12 @@ class _Run:
     ``runner`` is what the step calls (the model, or a compiled wrapper of it)."""
 
     def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device], *, monitors: bool = True,
-                 runner: Optional[torch.nn.Module] = None, lean: bool = False) -> None:
+                 runner: Optional[torch.nn.Module] = None, lean: bool = False, watch: Optional[frozenset] = None) -> None:
         self.model, self.inp, self.device = model, inp, device
         self.runner = runner if runner is not None else model
         self.mon: Any = ModuleMonitor(model, backward=not lean, counts=not lean) if monitors else _NoModuleMonitor()
         self.tracker: Any = ModuleTracker() if monitors else contextlib.nullcontext()
-        self.opmon = OpMonitor(self.tracker, model, allow=inp.allow) if ops else None
+        self.opmon = OpMonitor(self.tracker, model, allow=inp.allow, watch=watch) if ops else None
         self.losses: list[Optional[Health]] = []
         self.loss_values: list[float] = []
         self.cots: list[Optional[Health]] = []
@@ -291,7 +291,8 @@ def _as_health(summary: Optional[dict]) -> Optional[Health]:
 
 
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
-             runner: Optional[torch.nn.Module] = None, lean: bool = False) -> ReplayResult:
+             runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
+             watch: Optional[frozenset] = None) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -311,6 +312,11 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             drawing meanwhile would see them moved (the CLI's ``--compile`` runs alone).
         lean: only whether outputs, losses and gradients are finite matters (per-sample replays,
             searches): module events carry 0/1 flags instead of counts and no backward events.
+        sources: with ``ops``, run under anomaly mode so backward births get their forward source
+            line; ``False`` when only the births' signatures matter (a counterfactual replay),
+            which skips anomaly mode's per-op stack capture.
+        watch: with ``ops``, check only these aten ops (see
+            :class:`~nanreplay.engine.monitors.OpMonitor`); ``result.reaching`` is then unknown.
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -338,7 +344,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
-    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops)
+    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops, watch=watch)
     if rec.stale_inputs:
         run.warnings.append(
             f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "
@@ -354,7 +360,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
-        with rng, _deterministic(), _anomaly(ops), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
+        with rng, _deterministic(), _anomaly(ops and sources), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
             rng.load(rec.rng)
             if rng.shared:
                 run.warnings.append(
@@ -372,7 +378,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
         run.mon.close()
         rng_hook.remove()
     live_grads = [p.grad for p in model.parameters() if p.grad is not None]
-    reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None else None
+    reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None and watch is None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return ReplayResult(mode, run.mon, run.opmon, run.losses, run.cots, inputs, weights, grads, run.outs, run.warnings,
                         loss_values=run.loss_values, reaching=reaching)
