@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - the older package name
 
 from ..errors import NonFiniteGradientError
 from ..capture.recorder import Recorder, RecorderConfig
+from .common import RecorderCallbackState
 from ..core.callables import callable_path
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def _hparams_json(module: torch.nn.Module) -> Optional[dict]:
         return None
 
 
-class NanReplayCallback(Callback):
+class NanReplayCallback(Callback, RecorderCallbackState):
     """Records a Lightning training run and stops every rank on the first non-finite step.
 
     Args:
@@ -114,15 +115,7 @@ class NanReplayCallback(Callback):
     """
 
     def __init__(self, *, on_nonfinite: str = "stop", config: Optional[RecorderConfig] = None, **options: Any) -> None:
-        if on_nonfinite not in ("stop", "raise"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'raise', got {on_nonfinite!r}")
-        if "action" in options:
-            raise ValueError("action is set by NanReplayCallback (the step is skipped, then training stops); use on_nonfinite='stop' or 'raise'")
-        self.on_nonfinite = on_nonfinite
-        self._config = config
-        self._options = options
-        self.recorder: Optional[Recorder] = None
-        self.bundle_path: Optional[str] = None
+        RecorderCallbackState.__init__(self, on_nonfinite=on_nonfinite, config=config, **options)
         self._failures_before = 0
 
     # -- lifecycle -------------------------------------------------------------------------

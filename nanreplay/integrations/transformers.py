@@ -55,6 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     ) from e
 
 from ..capture.recorder import Recorder, RecorderConfig
+from .common import RecorderCallbackState
 from ..core.callables import callable_path, import_callable
 from ..errors import NonFiniteGradientError, ReplayError
 
@@ -158,7 +159,7 @@ def _default_loss(trainer: Any, args: Any) -> Optional[str]:
     return None
 
 
-class NanReplayCallback(TrainerCallback):
+class NanReplayCallback(TrainerCallback, RecorderCallbackState):
     """Records a Hugging Face ``Trainer`` run and stops training on the first non-finite step.
 
     Args:
@@ -184,15 +185,7 @@ class NanReplayCallback(TrainerCallback):
     """
 
     def __init__(self, *, on_nonfinite: str = "stop", config: Optional[RecorderConfig] = None, **options: Any) -> None:
-        if on_nonfinite not in ("stop", "raise"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'raise', got {on_nonfinite!r}")
-        if "action" in options:
-            raise ValueError("action is set by NanReplayCallback (the step is skipped, then training stops); use on_nonfinite='stop' or 'raise'")
-        self.on_nonfinite = on_nonfinite
-        self._config = config
-        self._options = options
-        self.recorder: Optional[Recorder] = None
-        self.bundle_path: Optional[str] = None
+        RecorderCallbackState.__init__(self, on_nonfinite=on_nonfinite, config=config, **options)
         self.loss_fn_reason: Optional[str] = None
         self._trainer: Any = None
         self._model: Optional[torch.nn.Module] = None

@@ -1,0 +1,40 @@
+"""What the framework callbacks share: their options and the state every one of them keeps.
+
+A framework callback (Lightning, the Hugging Face Trainer) drives one
+:class:`~nanreplay.Recorder` whose ``action`` it manages itself: on the first non-finite step the
+update is skipped, the bundle written, and training stopped (``on_nonfinite="stop"``) or the
+error raised from the framework's loop (``"raise"``). Imports no framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..capture.recorder import Recorder, RecorderConfig
+
+__all__ = ["RecorderCallbackState"]
+
+
+class RecorderCallbackState:
+    """Options and state of a framework callback that drives a Recorder.
+
+    Args:
+        on_nonfinite: ``"stop"`` (stop training cleanly) or ``"raise"`` (raise
+            :class:`~nanreplay.errors.NonFiniteGradientError` from the framework's loop).
+        config: a :class:`~nanreplay.RecorderConfig` for the Recorder (``options`` go on top).
+        **options: :class:`~nanreplay.RecorderConfig` fields; not ``action``, which the callback sets.
+
+    Raises:
+        ValueError: an unknown ``on_nonfinite``, or ``action`` among ``options``.
+    """
+
+    def __init__(self, *, on_nonfinite: str = "stop", config: Optional[RecorderConfig] = None, **options: Any) -> None:
+        if on_nonfinite not in ("stop", "raise"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'raise', got {on_nonfinite!r}")
+        if "action" in options:
+            raise ValueError("action is set by NanReplayCallback (the step is skipped, then training stops); use on_nonfinite='stop' or 'raise'")
+        self.on_nonfinite = on_nonfinite
+        self._config = config
+        self._options = options
+        self.recorder: Optional[Recorder] = None
+        self.bundle_path: Optional[str] = None
