@@ -216,6 +216,24 @@ def _bundle_files(ctx: click.Context, param: click.Parameter, value: tuple[Path,
     return value
 
 
+def _replay_options(fn: Callable) -> Callable:
+    """The options of one replay, shared by ``replay`` and ``report`` (which replays first)."""
+    for opt in reversed([
+        click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the program "
+                     "embedded in the bundle, else the recorded factory). 'pkg.mod:fn' or 'path/file.py:fn'."),
+        click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one)."),
+        click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent."),
+        click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present)."),
+        click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only)."),
+        click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values "
+                     "(fnmatch patterns; repeatable), on top of the defaults for -Inf attention masks and the rules recorded in the bundle."),
+        click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...)."),
+        click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
 _bundle_arg = click.argument("bundle", nargs=-1, required=True, metavar="BUNDLE", callback=_one_bundle,
                              type=click.Path(dir_okay=True, path_type=Path))
 
@@ -305,14 +323,7 @@ def main(verbose: int) -> None:
 
 @main.command()
 @_bundle_arg
-@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle). 'pkg.mod:fn' or 'path/file.py:fn'.")
-@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
-@click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
-@click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present).")
-@click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only).")
-@click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values (fnmatch patterns; repeatable), on top of the defaults for -Inf attention masks and the rules recorded in the bundle.")
-@click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...).")
-@click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
+@_replay_options
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import (a training script without an `if __name__ == \"__main__\":` guard trains again).")
@@ -326,8 +337,9 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
            trust: bool, batch_types: tuple, color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
-    The code BUNDLE names (model factory, loss function, classes) runs only when the bundle is
-    trusted: written by your Recorder on this machine, `nanreplay trust BUNDLE`, or --trust.
+    The program embedded in BUNDLE is data and replays without trust; the code BUNDLE names
+    (model factory, loss function, classes) runs only when the bundle is trusted: written by
+    your Recorder on this machine, `nanreplay trust BUNDLE`, or --trust.
     Exit code 0 when the failure reproduced, 3 when it did not, 7 when refused as untrusted.
     """
     from .report.text import render_report
@@ -570,14 +582,7 @@ def _write_page(out: Path, page: str) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="The HTML file to write (default: BUNDLE with the suffix .html).")
 @click.option("--open", "open_browser", is_flag=True, help="Open the report in the default browser once written.")
 @click.option("--no-replay", is_flag=True, help="Use the diagnosis stored in the bundle instead of replaying the step (fast; imports no code named by the bundle).")
-@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
-@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
-@click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
-@click.option("--device", help="Device to replay on, e.g. cpu or cuda:0 (default: the recorded one when present).")
-@click.option("--no-ops", is_flag=True, help="Skip the op-level monitor (faster; names modules only).")
-@click.option("--allow", "allow", multiple=True, metavar="MODULE:OP[:-inf]", help="Allowlist rule for legitimate non-finite values (as for replay).")
-@click.option("--no-default-allow", is_flag=True, help="Drop the default allowlist (-Inf written by masked_fill/where/full...).")
-@click.option("--no-samples", is_flag=True, help="Skip the per-sample replays that find which samples to blame.")
+@_replay_options
 @_trust_opt
 @_batch_type_opt
 @_color_option

@@ -401,28 +401,32 @@ def _builtin_targets() -> dict[str, Any]:
     return {f"{f.__module__}.{f.__name__}": f for f in funcs}
 
 
+def _json_objects(tree: Any) -> Iterator[dict]:
+    """Every JSON object (dict) in a parsed JSON tree, depth first, without recursion (a deep
+    tree from a hostile file cannot exhaust the stack)."""
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            yield x
+            stack.extend(reversed(list(x.values())))
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+
+
 def _check_targets(program: Any) -> None:
     """Refuse a serialized program naming anything but torch operators (checked on the JSON,
     before the deserializer resolves a single name)."""
     allowed = _builtin_targets()
     bad: list[str] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            tgt = x.get("target")
-            if isinstance(tgt, str) and "inputs" in x and "outputs" in x:
-                ok = tgt in allowed or _is_torch_op(tgt)
-                if not ok and tgt.startswith("torch.ops.higher_order."):
-                    ok = tgt[len("torch.ops.higher_order."):] in _HOPS
-                if not ok:
-                    bad.append(tgt)
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(program)
+    for x in _json_objects(program):
+        tgt = x.get("target")
+        if isinstance(tgt, str) and "inputs" in x and "outputs" in x:
+            ok = tgt in allowed or _is_torch_op(tgt)
+            if not ok and tgt.startswith("torch.ops.higher_order."):
+                ok = tgt[len("torch.ops.higher_order."):] in _HOPS
+            if not ok:
+                bad.append(tgt)
     if bad:
         raise ReplayError(
             f"the embedded program calls {sorted(set(bad))[:5]}: expected only torch operators (torch.ops.aten/prims, "
@@ -465,18 +469,10 @@ def _check_sym_exprs(program: Any) -> None:
             pos = m.end()
         return True
 
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            e = x.get("expr_str")
-            if isinstance(e, str) and not ok(e):
-                raise ReplayError(f"the embedded program holds the symbolic expression {e[:80]!r}: expected arithmetic on shape symbols; it is not loaded")
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(program)
+    for x in _json_objects(program):
+        e = x.get("expr_str")
+        if isinstance(e, str) and not ok(e):
+            raise ReplayError(f"the embedded program holds the symbolic expression {e[:80]!r}: expected arithmetic on shape symbols; it is not loaded")
 
 
 def _check_graph(gm: torch.fx.GraphModule) -> None:
