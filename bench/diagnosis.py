@@ -177,6 +177,19 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def _shown_args(args: list[str]) -> str:
+    """The command line as shown in the README: without ``--json FILE`` (a local path)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = True
+        elif not a.startswith("--json="):
+            out.append(a)
+    return " ".join(out)
+
+
 def _table(res: dict, command: str) -> str:
     m = res["machine"]
     lines = [
@@ -209,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.readme:
         readme = Path(__file__).resolve().parent / "README.md"
         text = readme.read_text()
-        block = "<!-- diagnosis -->\n" + _table(res, "python bench/diagnosis.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json"))) + "\n<!-- /diagnosis -->"
+        block = "<!-- diagnosis -->\n" + _table(res, "python bench/diagnosis.py " + _shown_args(argv if argv is not None else sys.argv[1:])) + "\n<!-- /diagnosis -->"
         if "<!-- diagnosis -->" in text:
             text = re.sub(r"<!-- diagnosis -->.*?<!-- /diagnosis -->", lambda _: block, text, flags=re.S)
         else:
