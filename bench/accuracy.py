@@ -53,8 +53,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
 from corpus import runner  # noqa: E402  (tests/corpus/runner.py)
+from machine import cpu_name  # noqa: E402  (bench/machine.py)
 
 METHODS = ("nanreplay", "anomaly", "hooks")
 TITLES = {"nanreplay": "nanreplay", "anomaly": "anomaly mode", "hooks": "forward hooks"}
@@ -147,14 +149,11 @@ def work_nanreplay(case: Any, timeout: float) -> dict:
             "record_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 
-def _baseline_loop(case: Any, rec: Any, model_setup=None) -> dict:
-    """Run the case's loop without a Recorder until a detector raises Detected; return its fields
-    with the step added."""
-    model, opt, _scaler = runner.build(case)
-    if model_setup is not None:
-        model_setup(model)
+def _check_before_step(model: Any, opt: Any, rec: Any) -> None:
+    """What a user's loop checks before ``optimizer.step()``: a non-finite loss, then a
+    non-finite grad norm, each raised as :class:`Detected` (an optimizer step pre-hook)."""
 
-    def pre_step(optimizer, args, kwargs):  # what the user checks before stepping
+    def pre_step(optimizer, args, kwargs):
         if _loss_bad(rec):
             raise Detected(phase="loss")
         if not _finite_number(_grad_norm(model)):
@@ -162,6 +161,15 @@ def _baseline_loop(case: Any, rec: Any, model_setup=None) -> dict:
         return None
 
     opt.register_step_pre_hook(pre_step)
+
+
+def _baseline_loop(case: Any, rec: Any, model_setup=None) -> dict:
+    """Run the case's loop without a Recorder until a detector raises Detected; return its fields
+    with the step added."""
+    model, opt, _scaler = runner.build(case)
+    if model_setup is not None:
+        model_setup(model)
+    _check_before_step(model, opt, rec)
     step_fn = runner.train_step_of(case)
     for i, batch in enumerate(case.batches()):
         rec.last_loss = None
@@ -192,15 +200,7 @@ def work_anomaly(case: Any, timeout: float) -> dict:
 
 def _anomaly_run(case: Any, rec: Any, ctx, step_end) -> dict:
     model, opt, _scaler = runner.build(case)
-
-    def pre_step(optimizer, args, kwargs):
-        if _loss_bad(rec):
-            raise Detected(phase="loss")
-        if not _finite_number(_grad_norm(model)):
-            raise Detected(phase="backward")
-        return None
-
-    opt.register_step_pre_hook(pre_step)
+    _check_before_step(model, opt, rec)
     step_fn = runner.train_step_of(case)
     for i, batch in enumerate(case.batches()):
         rec.last_loss = None
@@ -399,15 +399,7 @@ def machine() -> dict:
 
     import nanreplay
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {"torch": torch.__version__, "nanreplay": nanreplay.__version__, "python": platform.python_version(),
             "cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 import nanreplay  # noqa: E402
 from nanreplay import NonFiniteGradientError, Recorder  # noqa: E402
@@ -129,7 +130,7 @@ def _plain_step(factory: Callable, loss_fn: Callable, g: torch.Generator) -> flo
 
 def bench(rounds: int) -> dict:
     logging.getLogger("nanreplay").setLevel(logging.ERROR)
-    out: dict[str, Any] = {"machine": {"torch": torch.__version__, "python": platform.python_version(), "cpu": _cpu(),
+    out: dict[str, Any] = {"machine": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_name(),
                                        "threads": torch.get_num_threads(), "params": models.param_count(models.spec("gpt")[0]())},
                            "scenarios": {}}
     g = torch.Generator().manual_seed(7)
@@ -165,16 +166,6 @@ def bench(rounds: int) -> dict:
                   f"[{min(ratios):.1f}-{max(ratios):.1f}]; with the factory {statistics.median(f_ratios):5.1f} steps; "
                   f"in process {in_process:6.2f} s = {in_process / step:5.1f} steps; {diag.get('summary', '')[:90]}")
     return out
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _shown_args(args: list[str]) -> str:

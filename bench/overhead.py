@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import models  # noqa: E402  (bench/models.py)
+from machine import cpu_name  # noqa: E402  (bench/machine.py)
 
 import nanreplay  # noqa: E402
 from nanreplay import NonFiniteGradientError, Recorder  # noqa: E402
@@ -401,15 +402,7 @@ def bench_replay(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "torch": torch.__version__,
         "nanreplay": nanreplay.__version__,

@@ -7,15 +7,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import models
+from helpers import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")]
 
@@ -104,17 +103,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("ddp_close")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {JOIN_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_worker, (str(tmp / "store"), str(tmp)), WORLD, JOIN_TIMEOUT_S)
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [r.get("error") for r in results] == [None] * WORLD
     return results

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from click.testing import CliRunner
 
 import models
+from helpers import run_ranks
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle, replay
 from nanreplay.cli import main
 
@@ -70,17 +68,7 @@ def _scenario(rank: int, out: str, action: str) -> None:
 
 def _run(tmp: Path, actions: list[str]) -> dict[str, list[dict]]:
     out = tmp / "bundles"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.start_processes(_worker, args=(WORLD, str(tmp / "store"), str(out), actions), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {JOIN_TIMEOUT_S} s: a rank hangs in a collective")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(_worker, (WORLD, str(tmp / "store"), str(out), actions), WORLD, JOIN_TIMEOUT_S, ": a rank hangs in a collective")
     return {a: [json.loads((out / a / f"result{r}.json").read_text()) for r in range(WORLD)] for a in actions}
 
 
