@@ -304,7 +304,7 @@ def test_a_program_naming_anything_but_torch_ops_is_refused():
     assert "torch.ops.aten.linear.default" in text
     for evil in ["builtins.eval", "torch.os.system", "torch.ops.aten.__class__.__subclasses__"]:
         meta = json.loads(text.replace("torch.ops.aten.linear.default", evil, 1))
-        with pytest.raises(ReplayError, match="torch operators"):
+        with pytest.raises(ReplayError, match="allowlist"):
             load_program(meta, cap.tensors.__getitem__)
 
 
@@ -499,7 +499,7 @@ def test_a_symbolic_shape_that_is_python_code_is_refused():
     sym = sorted(exprs, key=len)[0]
     evil = "__import__('os').system('touch /tmp/nanreplay-pwned')"
     meta = json.loads(text.replace(json.dumps(sym), json.dumps(evil), 1))
-    with pytest.raises(ReplayError, match="symbolic expression"):
+    with pytest.raises(ReplayError, match="symbolic size expression"):
         load_program(meta, cap.tensors.__getitem__)
 
 

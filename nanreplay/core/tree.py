@@ -325,10 +325,10 @@ def spec_types(node: SpecNode) -> list[str]:
     return out
 
 
-def _build(node: SpecNode, leaves: Iterator[Any], types: Mapping[str, type]) -> Any:
+def _build(node: SpecNode, leaves: Iterator[Any], types: Mapping[str, type], keep_typed: bool = False) -> Any:
     if node.kind == "leaf":
         return next(leaves)
-    children = [_build(c, leaves, types) for c in node.children]
+    children = [_build(c, leaves, types, keep_typed) for c in node.children]
     kind, ctx = node.kind, node.context
     if kind == "tuple":
         return tuple(children)
@@ -347,6 +347,8 @@ def _build(node: SpecNode, leaves: Iterator[Any], types: Mapping[str, type]) -> 
     if kind == "deque":
         return collections.deque(children, maxlen=ctx)
     path, tkind, names = ctx
+    if keep_typed:
+        return TypedNode(path, tkind, dict(zip(names, children)))
     return _rebuild(path, tkind, dict(zip(names, children)), types)
 
 
@@ -397,10 +399,12 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [t for t in flatten_typed(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def unflatten_batch(leaves: list[Any], spec_json: str, *, types: Union[Iterable[type], Mapping[str, type], None] = None) -> Any:
+def unflatten_batch(leaves: list[Any], spec_json: str, *, types: Union[Iterable[type], Mapping[str, type], None] = None,
+                    keep_typed: bool = False) -> Any:
     """Inverse of :func:`flatten_batch`, safe on untrusted specs: nothing named in the spec is
     imported or called. Namedtuples and dataclasses come back as dicts of their fields unless
-    their type is in ``types`` (see :func:`accepted_types`), which rebuilds them as that type.
+    their type is in ``types`` (see :func:`accepted_types`), which rebuilds them as that type, or
+    as :class:`TypedNode` with ``keep_typed=True`` (``types`` is then ignored).
 
     Raises:
         ValueError: the spec is malformed (see :func:`decode_spec`) or the leaf count differs.
@@ -409,7 +413,7 @@ def unflatten_batch(leaves: list[Any], spec_json: str, *, types: Union[Iterable[
     node = decode_spec(spec_json)
     if node.leaves != len(leaves):
         raise ValueError(f"the batch tree spec expects {node.leaves} leaves, the bundle holds {len(leaves)}")
-    return _build(node, iter(leaves), accepted_types(types))
+    return _build(node, iter(leaves), accepted_types(types), keep_typed)
 
 
 def encode_value(v: Any) -> dict:

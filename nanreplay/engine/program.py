@@ -58,8 +58,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.batch import batch_dim, batch_size
-from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode
+from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode, unflatten_batch
 from ..errors import ReplayError
+from ..format.meta import MetaError
+from ..format.program import validate_program_record
+from .program_check import check_program, element_limits
 
 logger = logging.getLogger(__name__)
 
@@ -370,109 +373,18 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
     return ProgramCapture(meta=meta, tensors=tensors), every
 
 
-# -- safety: only torch operators ---------------------------------------------------------------
-
-_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast", "cond", "while_loop", "map_impl", "scan", "associative_scan"}
-_OP_RE = re.compile(r"^torch\.ops\.(aten|prims)\.(\w+)(?:\.(\w+))?$")
-
-
-def _is_torch_op(target: str) -> bool:
-    """Whether ``target`` names an aten/prims operator overload (or packet) of this torch,
-    resolved through the op namespaces, never through arbitrary attributes."""
-    from torch._ops import OpOverload, OpOverloadPacket
-
-    m = _OP_RE.match(target)
-    if not m:
-        return False
-    ns, op, overload = m.groups()
-    try:
-        packet = getattr(getattr(torch.ops, ns), op)
-        if not isinstance(packet, OpOverloadPacket):
-            return False
-        return overload is None or isinstance(getattr(packet, overload), OpOverload)
-    except (AttributeError, RuntimeError):
-        return False
-
+# -- safety: only allowlisted operators ----------------------------------------------------------
+#
+# The record was schema-checked when the bundle was opened (nanreplay.format.program: structure,
+# tree specs, symbolic expressions); engine.program_check checks every node's operator and
+# arguments against the allowlist (engine.opset) and bounds its sizes, before torch's
+# deserializer reads a single name. _check_graph checks the deserialized graph once more.
 
 def _builtin_targets() -> dict[str, Any]:
     from torch._export.serde import serialize as ser
 
     funcs = set(getattr(ser, "_SYM_OPS", set())) | {operator.getitem}
     return {f"{f.__module__}.{f.__name__}": f for f in funcs}
-
-
-def _json_objects(tree: Any) -> Iterator[dict]:
-    """Every JSON object (dict) in a parsed JSON tree, depth first, without recursion (a deep
-    tree from a hostile file cannot exhaust the stack)."""
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            yield x
-            stack.extend(reversed(list(x.values())))
-        elif isinstance(x, list):
-            stack.extend(reversed(x))
-
-
-def _check_targets(program: Any) -> None:
-    """Refuse a serialized program naming anything but torch operators (checked on the JSON,
-    before the deserializer resolves a single name)."""
-    allowed = _builtin_targets()
-    bad: list[str] = []
-    for x in _json_objects(program):
-        tgt = x.get("target")
-        if isinstance(tgt, str) and "inputs" in x and "outputs" in x:
-            ok = tgt in allowed or _is_torch_op(tgt)
-            if not ok and tgt.startswith("torch.ops.higher_order."):
-                ok = tgt[len("torch.ops.higher_order."):] in _HOPS
-            if not ok:
-                bad.append(tgt)
-    if bad:
-        raise ReplayError(
-            f"the embedded program calls {sorted(set(bad))[:5]}: expected only torch operators (torch.ops.aten/prims, "
-            "control-flow higher-order ops); it is not run. Replay with --model-factory instead"
-        )
-
-
-# Symbolic shape expressions are parsed by torch's deserializer with sympy.sympify, which evaluates
-# Python: only arithmetic over shape symbols (s0, u1...) and these function names may pass.
-_SYM_FUNCS = {
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
-    "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "IsNonOverlappingAndDenseIndicator",
-    "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "Max", "Min", "Eq", "Ne", "Lt",
-    "Le", "Gt", "Ge", "And", "Or", "Not", "Abs", "floor", "ceiling", "sqrt", "Piecewise", "ITE", "true", "false", "True",
-    "False", "oo", "zoo", "nan", "Integer", "Rational", "Float",
-    # sympy.srepr forms (how export writes expressions) and the assumptions of a Symbol
-    "Symbol", "Add", "Mul", "Pow", "BooleanTrue", "BooleanFalse", "StrictLessThan", "LessThan", "StrictGreaterThan",
-    "GreaterThan", "Equality", "Unequality", "Infinity", "NegativeInfinity", "NaN", "precision",
-    "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "nonzero", "zero", "even", "odd",
-}
-_SYM_TOKEN = re.compile(
-    r"\s+|\d+\.?\d*(?:[eE][+-]?\d+)?|[A-Za-z_]\w*|\*\*|//|[-+*/%()<>=!&|~^,]"
-    r"|'(?:[a-z]{1,4}\d+|[-+]?\d+\.?\d*(?:[eE][+-]?\d+)?)'"  # a symbol's name or a number, quoted (srepr)
-)
-
-
-def _check_sym_exprs(program: Any) -> None:
-    """Refuse symbolic expressions that are anything but arithmetic on shape symbols (checked
-    before torch's deserializer hands them to ``sympy.sympify``, which runs ``eval``)."""
-
-    def ok(expr: str) -> bool:
-        pos = 0
-        while pos < len(expr):
-            m = _SYM_TOKEN.match(expr, pos)
-            if m is None:
-                return False
-            tok = m.group(0)
-            if (tok[0].isalpha() or tok[0] == "_") and tok not in _SYM_FUNCS and not re.fullmatch(r"[a-z]{1,4}\d+", tok):
-                return False
-            pos = m.end()
-        return True
-
-    for x in _json_objects(program):
-        e = x.get("expr_str")
-        if isinstance(e, str) and not ok(e):
-            raise ReplayError(f"the embedded program holds the symbolic expression {e[:80]!r}: expected arithmetic on shape symbols; it is not loaded")
 
 
 def _check_graph(gm: torch.fx.GraphModule) -> None:
@@ -703,7 +615,7 @@ def _rebuild_outputs(info: dict, tensors: list) -> Any:
         leaves[int(i)] = decode_value(rec)
     for i, t in zip(info["tensors"], tensors):
         leaves[i] = t
-    return _materialise(pytree.tree_unflatten(leaves, pytree.treespec_loads(info["spec"])))
+    return _materialise(unflatten_batch(leaves, info["spec"], keep_typed=True))
 
 
 _RELABELLED: dict[tuple, type] = {}
@@ -730,6 +642,10 @@ def _check_meta(meta: Any) -> None:
         raise ReplayError(f"the embedded program has format version {meta.get('version')}, this nanreplay reads {_VERSION}: upgrade nanreplay")
     if meta.get("kind") not in ("forward", "loss"):
         raise ReplayError(f"the embedded program's kind is {meta.get('kind')!r}, expected 'forward' or 'loss'")
+    try:  # a bundle's record was checked at open; a record handed in directly is checked here
+        validate_program_record(meta, lambda key: (None, ()), where="program")
+    except MetaError as e:
+        raise ReplayError(f"invalid embedded program record: expected {e.expected} at {e.where}, found {e.found}") from None
     from torch._export.serde.schema import SCHEMA_VERSION
 
     schema = meta.get("schema") or [None]
@@ -771,8 +687,6 @@ def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, devic
 def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(unflattened export root, its ``model`` child) of a program record."""
     _check_meta(meta)
-    _check_targets(meta["program"])
-    _check_sym_exprs(meta["program"])
     from torch._export.serde import schema
     from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
 
@@ -788,6 +702,9 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
                 t = t.to(dev)
             objs[key] = torch.nn.Parameter(t, requires_grad=bool(ent.get("requires_grad"))) if ent["kind"] == "parameter" else t
         (constants if ent["store"] == "constants" else state_dict)[name] = objs[key]
+    inputs = [math.prod(d for d in m["shape"] if d is not None) for m in meta["inputs"].get("tensor_meta", [])]
+    per_tensor, total = element_limits(iter([t.numel() for t in objs.values()] + inputs))
+    check_program(meta["program"], per_tensor=per_tensor, total=total)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

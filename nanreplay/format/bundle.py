@@ -30,6 +30,7 @@ from ..core.trust import is_trusted, mark_trusted, revoke_trust
 from ..errors import BundleFormatError
 from .container import FlatBundle, read_flat, write_flat
 from .meta import MetaError, validate_step_meta
+from .program import validate_program_record
 from .records import BundleContent, ForwardRecord, Snapshot, StepRecord
 
 __all__ = ["Bundle", "write_bundle", "open_bundle", "trust_bundle", "untrust_bundle", "environment", "Types"]
@@ -226,6 +227,8 @@ class Bundle:
 
         try:
             self._facts = validate_step_meta(self.meta, info)
+            if self.meta.get("program") is not None:
+                validate_program_record(self.meta["program"], info)
         except MetaError as e:
             raise BundleFormatError(
                 f"{self.path}: invalid metadata: expected {e.expected} at {e.where}, found {e.found}; the bundle was "
