@@ -17,14 +17,23 @@ mutation, drawn reproducibly from ``(--seed, mutant index)``:
   manifest), virtual datasets, external raw storage, chunked + gzip datasets and manifests,
   changed dtypes and shapes, variable-length attributes, extra groups and datasets, deleted datasets;
 * ``stheader`` (safetensors seeds): edited dtype strings, shapes and data offsets, removed or added
-  tensors, non-string metadata, a wrong header length.
+  tensors, non-string metadata, a wrong header length;
+* ``program`` (seeds with an embedded program): one structure-aware edit of ``meta.program``: a
+  node deleted, duplicated or moved; a target replaced by another allowlisted op, an unlisted one
+  or a hostile name (``aten.from_file``, ``torch.os.system``, a higher-order op); an argument's kind
+  or value changed (``as_operator``, strings, huge sizes, other tensors' names); a tensor's
+  declared sizes, a symbolic expression (power towers, Python), a tree spec of the signature
+  (a defaultdict naming a module), a state entry or a whole sub-record replaced.
 
 Each mutant is checked in a child process forked from a worker that imported torch and
 nanreplay but computed nothing (so the fork is safe), under a memory limit (``RLIMIT_AS``) and a
 wall-clock limit, in four stages: ``open_bundle`` + reading every step, the state and the
-gradients; ``nanreplay inspect --json``; ``nanreplay inspect`` (text); and ``replay`` with the
+gradients; ``nanreplay inspect --json``; ``nanreplay inspect`` (text); ``replay`` with the
 seed's model factory and loss function passed explicitly (so only the bundle's data is under
-test). A stage's outcome is ``ok``, ``BundleFormatError`` (exit 4 for the CLI), or anything else,
+test); and, for seeds with a program, ``replay program``: a replay with no code of the user's,
+which loads and runs the embedded program. A stage's outcome is ``ok``, ``BundleFormatError``
+(exit 4 for the CLI), ``ReplayError`` (exit 5: a program refused or one that cannot run: only
+accepted from the program stage), or anything else,
 by signature (exception type, stage, first words of the message). A child killed by a signal is a
 ``crash``; one over the time limit a ``timeout``. The peak RSS of every child is measured
 (``wait4``) and reported above the worker's own RSS at fork time.
@@ -266,6 +275,74 @@ def _edit_json(manifest: dict, rng: random.Random) -> tuple[dict, str]:
     return manifest, "hostile code names"
 
 
+_PROGRAM_TARGETS = ["torch.ops.aten.from_file.default", "torch.ops.aten.save.default", "torch.ops.aten._load_from_state_dict",
+                    "torch.os.system", "builtins.eval", "torch.ops.higher_order.while_loop", "torch.ops.higher_order.map_impl",
+                    "torch.ops.aten.linear.out", "torch.ops.aten.empty.memory_format", "torch.ops.aten.full.default",
+                    "torch.ops.aten.add_.Tensor", "torch.ops.aten.copy_.default", "torch.ops.aten.mul.Tensor",
+                    "torch.ops.aten.relu.default", "_operator.mul", "torch.ops.aten.sym_size.int", "math.trunc", "#custom"]
+_PROGRAM_ARGS = [{"as_operator": "torch.os.system"}, {"as_string": "$(touch PWNED)"}, {"as_ints": [1 << 30, 1 << 30]},
+                 {"as_int": 2**62}, {"as_float": 1e300}, {"as_tensor": {"name": "nope"}}, {"as_none": True},
+                 {"as_custom_obj": {"name": "obj", "class_fqn": "os.system"}}, {"as_strings": ["a"]}, {"as_sym_int": {"as_name": "s0"}},
+                 {"as_graph": {"name": "g", "graph": {}}}, {"as_scalar_type": 999}, {"as_device": {"type": "disk", "index": None}}, {}]
+_PROGRAM_EXPRS = ["9**9**9**9", "2**2**40", "Pow(Integer(2), Pow(Integer(2), Integer(40)))", "__import__('os').getcwd()",
+                  "Symbol('s0').__class__", "Integer(" + "9" * 5000 + ")", "Max(" * 500 + "Integer(1)" + ")" * 500]
+_PROGRAM_SPECS = [json.dumps([1, {"type": "collections.defaultdict", "context": {"default_factory_module": "os", "default_factory_name": "system",
+                                                                                 "dict_context": []}, "children_spec": []}]),
+                  json.dumps([1, {"type": "builtins.dict", "context": json.dumps([{"__enum__": True, "fqn": "os.Enum", "name": "X"}]),
+                                  "children_spec": [{"type": None, "context": None, "children_spec": []}]}]), "[1, 5]", "{}"]
+
+
+def _edit_program(prog: dict, rng: random.Random) -> str:
+    """One structure-aware edit of an embedded program record (see the module doc)."""
+    if not prog.get("kind"):
+        return "no program to edit"
+    graph = prog["program"]["graph_module"]["graph"]
+    nodes = graph["nodes"]
+    op = rng.randrange(10)
+    i = rng.randrange(len(nodes)) if nodes else 0
+    if op == 0 and nodes:
+        del nodes[i]
+        return f"node {i} deleted"
+    if op == 1 and nodes:
+        j = rng.randrange(len(nodes))
+        nodes.insert(j, json.loads(json.dumps(nodes[i])))
+        return f"node {i} copied to {j}"
+    if op == 2 and nodes:
+        t = rng.choice(_PROGRAM_TARGETS)
+        nodes[i]["target"] = t
+        return f"node {i} target -> {t}"
+    if op in (3, 4) and nodes and nodes[i]["inputs"]:
+        k = rng.randrange(len(nodes[i]["inputs"]))
+        a = json.loads(json.dumps(rng.choice(_PROGRAM_ARGS)))
+        nodes[i]["inputs"][k]["arg"] = a
+        return f"node {i} input {k} -> {str(a)[:40]}"
+    if op == 5 and graph["tensor_values"]:
+        name = rng.choice(sorted(graph["tensor_values"]))
+        sizes = rng.choice([[{"as_int": 1 << 40}], [{"as_int": -5}], [{"as_expr": {"expr_str": rng.choice(_PROGRAM_EXPRS), "hint": None}}], "x"])
+        graph["tensor_values"][name]["sizes"] = sizes
+        return f"tensor_values[{name}].sizes edited"
+    if op == 6:
+        graph.setdefault("sym_int_values", {})["s_fuzz"] = {"as_expr": {"expr_str": rng.choice(_PROGRAM_EXPRS), "hint": {"as_int": 3}}}
+        return "symbolic expression added"
+    if op == 7:
+        mcg = prog["program"]["graph_module"]["module_call_graph"]
+        if mcg and mcg[0].get("signature"):
+            key = rng.choice(["in_spec", "out_spec"])
+            mcg[0]["signature"][key] = rng.choice(_PROGRAM_SPECS)
+            return f"signature {key} edited"
+        return "no signature to edit"
+    if op == 8 and prog.get("state"):
+        name = rng.choice(sorted(prog["state"]))
+        field = rng.choice(["key", "kind", "store", "requires_grad"])
+        prog["state"][name][field] = rng.choice(["state/params/nope", "weird", None, 5, {"a": 1}])
+        return f"state[{name}].{field} edited"
+    paths = [p for p in _paths(prog) if p]
+    p = rng.choice(paths)
+    v = _random_value(rng)
+    _set(prog, p, v)
+    return f"set program/{'/'.join(map(str, p))[:60]} = {str(v)[:30]!r}"
+
+
 def _write_manifest(data: bytes, fmt: str, manifest: dict, tmp: Path, rng: random.Random, raw_text: Optional[str] = None) -> bytes:
     text = raw_text if raw_text is not None else json.dumps(manifest, separators=(",", ":"))
     text = re.sub(r'"__DEEP__(\d+)"', lambda m: "[" * int(m.group(1)) + "0" + "]" * int(m.group(1)), text)
@@ -395,6 +472,8 @@ def mutate(seed: Path, index: int, base_seed: int, tmp: Path) -> tuple[bytes, st
     data = seed.read_bytes()
     fmt = "hdf5" if data[:8] == b"\x89HDF\r\n\x1a\n" else "safetensors"
     ops = ["bitflip", "bytes", "int64", "truncate", "json", "json", "h5struct" if fmt == "hdf5" else "stheader"]
+    if seed.parent.name.startswith("a"):  # seeds with an embedded program: half the mutants edit it
+        ops += ["program"] * len(ops)
     op = rng.choice(ops)
     if op == "bitflip":
         buf = bytearray(data)
@@ -424,6 +503,13 @@ def mutate(seed: Path, index: int, base_seed: int, tmp: Path) -> tuple[bytes, st
             return _write_manifest(data, fmt2, manifest, tmp, rng), f"json: {what}"
         except (ValueError, OverflowError) as e:  # an edit json cannot write (a huge deep nest)
             return data, f"json edit not writable ({e})"
+    if op == "program":
+        manifest, fmt2 = _manifest(seed)
+        what = _edit_program(manifest["meta"]["program"], rng)
+        try:
+            return _write_manifest(data, fmt2, manifest, tmp, rng), f"program: {what}"
+        except (ValueError, OverflowError) as e:
+            return data, f"program edit not writable ({e})"
     if op == "h5struct":
         what = _h5struct(seed, tmp, rng)
         return tmp.read_bytes(), f"h5: {what}"
@@ -480,6 +566,18 @@ def check(path: Path, seed_name: str) -> dict:
         out["replay"] = "BundleFormatError"
     except Exception as e:  # noqa: BLE001
         out["replay"] = _signature("replay", e)
+    if seed_name.startswith("a"):  # the embedded program, with no code of the user's
+        from nanreplay import ReplayError
+
+        try:
+            replay(path, samples=False)
+            out["replay program"] = "ok"
+        except BundleFormatError:
+            out["replay program"] = "BundleFormatError"
+        except ReplayError:
+            out["replay program"] = "ReplayError"
+        except Exception as e:  # noqa: BLE001
+            out["replay program"] = _signature("replay program", e)
     return out
 
 
@@ -546,16 +644,19 @@ def run_one(seed: Path, index: int, base_seed: int, work: Path, timeout: float, 
             stages = json.loads(raw or b"{}") or {"all": "child: no result"}
         except ValueError:
             stages = {"all": "child: unreadable result"}
-    bad = [v for v in stages.values() if v not in ("ok", "BundleFormatError")]
+    bad = [v for v in stages.values() if v not in _EXPECTED]
     if bad and keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
         (keep / path.name).write_bytes(data)
         (keep / (path.name + ".txt")).write_text(json.dumps({"seed": str(seed), "index": index, "mutation": what, "stages": stages}, indent=1))
     path.unlink()
     tmp.with_suffix(".raw").unlink(missing_ok=True)
-    return {"index": index, "seed": seed.parent.name, "mutation": what.split(" ")[0] + (" " + what.split(" ")[1] if what.startswith(("h5:", "st:", "json:")) else ""),
+    return {"index": index, "seed": seed.parent.name, "mutation": what.split(" ")[0] + (" " + what.split(" ")[1] if what.startswith(("h5:", "st:", "json:", "program:")) else ""),
             "stages": stages, "peak_rss_kb": usage.ru_maxrss if usage else 0, "seconds": elapsed,
             "file_bytes": len(data), "marker": MARKER.exists()}
+
+
+_EXPECTED = ("ok", "BundleFormatError", "ReplayError")
 
 
 def _baseline_kb() -> int:
@@ -745,16 +846,18 @@ def report(results: list[dict], seconds: float, args: argparse.Namespace) -> int
     others = collections.Counter()
     for r in results:
         outcomes = list(r["stages"].values())
-        if any(o not in ("ok", "BundleFormatError") for o in outcomes):
+        if any(o not in _EXPECTED for o in outcomes):
             per_mutant["other"] += 1
         elif "BundleFormatError" in outcomes:
             per_mutant["BundleFormatError"] += 1
+        elif "ReplayError" in outcomes:
+            per_mutant["ReplayError (program refused or cannot run)"] += 1
         else:
             per_mutant["ok (mutation without effect on what is read)"] += 1
         for stage, o in r["stages"].items():
-            kind = o if o in ("ok", "BundleFormatError") else ("crash" if o.startswith("crash") else "timeout" if o == "timeout" else "other")
+            kind = o if o in _EXPECTED else ("crash" if o.startswith("crash") else "timeout" if o == "timeout" else "other")
             per_stage[(stage, kind)] += 1
-            if kind not in ("ok", "BundleFormatError"):
+            if kind not in _EXPECTED:
                 others[o] += 1
     extra = [(r["peak_rss_kb"] - r["base_rss_kb"]) / 1024 for r in results]
     worst = max(results, key=lambda r: r["peak_rss_kb"] - r["base_rss_kb"])
@@ -763,11 +866,11 @@ def report(results: list[dict], seconds: float, args: argparse.Namespace) -> int
     print("mutations: " + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items())))
     print("per mutant: " + ", ".join(f"{k}: {v}" for k, v in sorted(per_mutant.items())))
     print("per stage:")
-    for stage in ("read", "inspect --json", "inspect", "replay", "all"):
+    for stage in ("read", "inspect --json", "inspect", "replay", "replay program", "all"):
         row = {k: v for (s, k), v in per_stage.items() if s == stage}
         if row:
             print(f"  {stage:<15} " + ", ".join(f"{k} {v}" for k, v in sorted(row.items())))
-    print(f"other outcomes (exceptions other than BundleFormatError, crashes, timeouts): {sum(others.values())}")
+    print(f"other outcomes (exceptions other than BundleFormatError and the program stage's ReplayError, crashes, timeouts): {sum(others.values())}")
     for sig, n in others.most_common(40):
         print(f"  {n:5d}  {sig}")
     print(f"peak RSS of a check above an idle forked child's: max {max(extra):.1f} MiB (mutant {worst['index']}, {worst['file_bytes']} B file, "
