@@ -103,3 +103,23 @@ def test_a_gelu_with_an_unlisted_approximation_is_refused(mlp_capture):
 def test_element_limits_grow_with_the_bundle():
     assert element_limits(iter([])) == (1 << 24, 1 << 28)
     assert element_limits(iter([10**8])) == (64 * 10**8, 4096 * 10**8)
+
+
+def test_the_size_guard_stops_an_outer_product_the_metadata_hid():
+    from nanreplay.engine.program_check import SizeGuard
+
+    a, b = torch.ones(3000, 1), torch.ones(1, 3000)
+    with SizeGuard(1 << 20):
+        assert (torch.ones(100, 1) * torch.ones(1, 100)).numel() == 10_000  # small ones pass
+        with pytest.raises(ProgramRefused, match="broadcast its inputs to 9,000,000 elements"):
+            a * b
+        with pytest.raises(ProgramRefused, match="asks for"):
+            torch.full([1 << 11, 1 << 11], 1.0)
+
+
+def test_a_program_runs_under_the_size_guard(mlp_capture):
+    from nanreplay.engine.program import load_program
+
+    pm = load_program(mlp_capture.meta, mlp_capture.tensors.__getitem__)
+    assert pm._root._nanreplay_per_tensor == 1 << 24
+    assert pm(torch.randn(5, 8)).shape == (5, 2)

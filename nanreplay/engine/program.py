@@ -62,7 +62,7 @@ from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode, un
 from ..errors import ReplayError
 from ..format.meta import MetaError
 from ..format.program import validate_program_record
-from .program_check import check_program, element_limits
+from .program_check import SizeGuard, check_program, element_limits
 
 logger = logging.getLogger(__name__)
 
@@ -513,8 +513,11 @@ class _Runner(torch.fx.Interpreter):
 
 def _run_root(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
     # preserve_node_meta: each node's recorded stack_trace is the current meta while it runs, so the
-    # op monitor can name the user's source line of a birth in the program
-    with torch.fx.traceback.preserve_node_meta():
+    # op monitor can name the user's source line of a birth in the program; the size guard bounds
+    # every op's allocation by the bundle's own tensors (not under torch.compile)
+    limit = getattr(pm._root, "_nanreplay_per_tensor", None)
+    guard = SizeGuard(limit) if limit is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
+    with torch.fx.traceback.preserve_node_meta(), guard:
         out = _Runner(pm, direct).run(*leaves, enable_io_processing=False)
     spec = pm._root.module_call_graph[0].signature.out_spec
     return pytree.tree_unflatten(list(out), spec)
@@ -722,6 +725,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
             f"the embedded program (torch {meta.get('torch')}) could not be loaded by torch {torch.__version__}: "
             f"{_first_line(e)}; replay with --model-factory"
         ) from e
+    object.__setattr__(root, "_nanreplay_per_tensor", per_tensor)  # the run-time size guard's limit (_run_root)
     calls = [n.target for n in root.graph.nodes if n.op == "call_module"]
     if calls.count(_CHILD) != 1 or any(c != _CHILD and not c.startswith(_CHILD + ".") for c in calls):
         raise ReplayError(f"the embedded program calls the model {calls.count(_CHILD)} times ({calls[:6]}); one call is supported: replay with --model-factory")

@@ -235,3 +235,66 @@ def check_program(program: dict, *, per_tensor: int, total: int) -> int:
             checked += 1
         pending.extend(subgraphs)
     return checked
+
+
+class SizeGuard:
+    """While an embedded program runs: every aten op's requested sizes (integer lists, such as
+    ``full``'s or ``expand``'s, now with their real values), the size its tensor inputs broadcast
+    to (an outer product ``[N, 1] * [1, N]`` or ``[N, 1] @ [1, N]``), and the size of each output
+    stay within ``per_tensor`` elements (:func:`element_limits`). It catches what the static
+    check cannot see: sizes computed from symbolic values at run time, and tensor metadata that
+    lies about an op's output. A ``TorchDispatchMode`` (``torch.utils._python_dispatch``): one
+    Python call per op, not used under ``torch.compile`` (Dynamo does not trace such a mode).
+
+    Raises (while the program runs):
+        ProgramRefused: an op over the limit, before it runs when its inputs say so.
+    """
+
+    def __init__(self, per_tensor: int) -> None:
+        self.per_tensor = per_tensor
+
+    def __enter__(self) -> "SizeGuard":
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        guard = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                kwargs = kwargs or {}
+                guard._before(func, args, kwargs, torch)
+                out = func(*args, **kwargs)
+                guard._after(func, out, torch)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def _over(self, func: Any, n: int, what: str) -> ProgramRefused:
+        return _refuse("at run time", str(func), f"{what} {n:,} elements, more than the bundle's tensors justify ({self.per_tensor:,})")
+
+    def _before(self, func: Any, args: tuple, kwargs: dict, torch: Any) -> None:
+        shapes = []
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                shapes.append(a.shape)
+            elif isinstance(a, (list, tuple)) and a and all(isinstance(x, int) and not isinstance(x, bool) for x in a):
+                n = math.prod(abs(x) for x in a)
+                if n > self.per_tensor:
+                    raise self._over(func, n, "asks for")
+        if len(shapes) > 1:
+            try:
+                n = math.prod(torch.broadcast_shapes(*shapes))
+            except RuntimeError:
+                return
+            if n > self.per_tensor:
+                raise self._over(func, n, "would broadcast its inputs to")
+
+    def _after(self, func: Any, out: Any, torch: Any) -> None:
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.per_tensor:
+                raise self._over(func, t.numel(), "made a tensor of")
