@@ -59,7 +59,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.batch import batch_dim, batch_size
 from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode, unflatten_batch
-from ..errors import ReplayError
+from ..errors import NanReplayError, ReplayError
 from ..format.meta import MetaError
 from ..format.program import validate_program_record
 from .program_check import SizeGuard, check_program, element_limits
@@ -512,6 +512,21 @@ class _Runner(torch.fx.Interpreter):
 
 
 def _run_root(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
+    """Run the program; a failure inside it (a damaged program that passed the checks, an operator
+    that behaves differently in this torch) is a :class:`ReplayError` (CLI exit 5), not a bug."""
+    try:
+        return _run_root_unchecked(pm, leaves, direct=direct)
+    except NanReplayError:
+        raise
+    except Exception as e:
+        raise ReplayError(
+            f"the embedded program failed while running ({_first_line(e)}): it is damaged or does not run under torch "
+            f"{torch.__version__} (exported under torch {pm.program_meta.get('torch')}); replay with your own model code: "
+            "model_factory='module:function'"
+        ).with_cli_fix("model_factory='module:function'", "--model-factory module:function") from e
+
+
+def _run_root_unchecked(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
     # preserve_node_meta: each node's recorded stack_trace is the current meta while it runs, so the
     # op monitor can name the user's source line of a birth in the program; the size guard bounds
     # every op's allocation by the bundle's own tensors (not under torch.compile)

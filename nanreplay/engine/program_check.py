@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 from ..errors import ReplayError
 from . import opset
+from .deadline import check_deadline
 
 __all__ = ["check_program", "element_limits", "ProgramRefused"]
 
@@ -278,6 +279,7 @@ class SizeGuard:
         return _refuse("at run time", str(func), f"{what} {n:,} elements, more than the bundle's tensors justify ({self.per_tensor:,})")
 
     def _before(self, func: Any, args: tuple, kwargs: dict, torch: Any) -> None:
+        check_deadline()  # a diagnosis's time limit (engine.deadline) holds inside the program too
         shapes = []
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor):

@@ -35,8 +35,9 @@ __all__ = ["validate_program_record", "parse_sym_expr", "SymExprError", "PROGRAM
 PROGRAM_FORMAT = "nanreplay.program"
 #: longest symbolic expression accepted (characters)
 MAX_EXPR = 2048
-#: most nodes in one program (all graphs together)
-MAX_NODES = 200_000
+#: most nodes in one program (all graphs together): loading time grows with them (torch's
+#: deserializer and unflatten: about 1 s for the bench GPT's program, 75 nodes; a 124M GPT-2 has a few thousand)
+MAX_NODES = 100_000
 _MAX_INT = 2**63 - 1
 _MAX_EXPONENT = 8
 

@@ -225,6 +225,12 @@ def output_spec_import(prog: dict, out: Path) -> None:
         "n": 0, "values": {}, "tensors": []}
 
 
+def swapped_operand(prog: dict, out: Path) -> None:
+    """Well formed, every operator allowed, but linear's weight is the bias: fails when run."""
+    lin = _node(prog, "aten.linear")
+    lin["inputs"][1]["arg"]["as_tensor"]["name"] = lin["inputs"][2]["arg"]["as_tensor"]["name"]
+
+
 def damaged_node_inputs(prog: dict, out: Path) -> None:
     _graph(prog)["nodes"][1]["inputs"] = {"not": "a list"}
 
@@ -265,6 +271,7 @@ ATTACKS: list[ProgramAttack] = [
     ProgramAttack("sympify_eval", "an expression that sympify would evaluate as Python", sympify_eval, 4, "symbolic size expression", 4),
     ProgramAttack("signature_spec_import", "the module call graph's out_spec: a defaultdict naming a module", signature_spec_import, 4, "tree of tuples, lists and dicts", 4),
     ProgramAttack("output_spec_import", "outputs.spec: a defaultdict naming a module (decoded by nanreplay: never imported)", output_spec_import, 0, "reproduced exactly"),
+    ProgramAttack("swapped_operand", "a valid, allowed program that cannot run (a weight swapped for a bias)", swapped_operand, 5, "failed while running"),
     ProgramAttack("damaged_node_inputs", "a node's inputs replaced by an object", damaged_node_inputs, 4, ".inputs", 4),
     ProgramAttack("damaged_argument_union", "an argument with two kinds", damaged_argument_union, 4, "Argument union", 4),
     ProgramAttack("damaged_state_entry", "a state entry without its kind", damaged_state_entry, 4, "meta.program.state", 4),
