@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,16 +34,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
-from ..core.jsonable import fnum, jsonable
 from ..core.numerics import fused_norm, is_float
-from ..core.quiet import replay_quiet
 from ..core.rng import RNGState
 from ..core.state import load_buffers
 from ..core.tree import flatten_typed
 from ..errors import NonFiniteGradientError
-from ..format.bundle import write_bundle
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
 from .config import RecorderConfig
+from .dump import Dump, check_out_dir, model_info, shell_path
 from .forward import ForwardTap, unwrap_model
 from .inputs import InputCapture
 from .lagged import Latch, nonfinite_flag
@@ -133,7 +129,7 @@ class Recorder:
             optimizer = inner
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
-        _check_out_dir(self.config.out_dir)
+        check_out_dir(self.config.out_dir)
         self.wrapper = model
         self.model = unwrap_model(model)
         self.optimizer = optimizer
@@ -167,13 +163,9 @@ class Recorder:
         self._current: Optional[StepRecord] = None
         self._provisional = False                   # the step in progress was begun in eval mode
         self._pending_loss: Optional[torch.Tensor] = None
-        self.bundles: list[Path] = []
-        self._dump_attempts = 0                     # dumps tried, failed ones included (max_dumps bounds them)
-        self.last_diagnosis: Optional[dict] = None
         self.skipped = 0                            # consecutive skipped steps
         self.nonfinite_steps: list[int] = []
         self._skip_versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
-        self._replaying = False                     # set while the in-process diagnosis replays on the live model
         self.extra_meta: dict[str, Any] = {}
         self._closed = False
 
@@ -183,6 +175,9 @@ class Recorder:
 
         self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
                                        optimizer=optimizer, step=lambda: self.step)
+        self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
+                          loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
+                          extra_meta=self.extra_meta)
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
@@ -198,6 +193,16 @@ class Recorder:
         ddp = unwrap_ddp_only(model)
         if self.dist is not None and self.config.origin_hook and ddp is not None:
             self.dist.attach_origin_hook(ddp)
+
+    @property
+    def bundles(self) -> list[Path]:
+        """Paths of the bundles written so far."""
+        return self._dump.bundles
+
+    @property
+    def last_diagnosis(self) -> Optional[dict]:
+        """The diagnosis dict of the last in-process diagnosis, else ``None``."""
+        return self._dump.last_diagnosis
 
     @property
     def scaler_skips(self) -> int:
@@ -232,7 +237,7 @@ class Recorder:
         """Capture an explicit batch (any nesting of tuples, lists, dicts, dataclasses; tensors
         and plain values as leaves) for the step in progress. Call it once per micro-batch,
         before its forward, in loops whose loss needs more than the model inputs."""
-        if self._replaying or self._closed:
+        if self._dump.replaying or self._closed:
             return
         rec = self._begin_step()
         rec.batches.append(self._inputs.capture(batch, rec.step))
@@ -292,7 +297,7 @@ class Recorder:
 
     def _on_forward_pre(self, args: tuple, kwargs: dict) -> None:
         # forwards without autograd (evaluation under no_grad) are not part of a training step
-        if self._replaying or self._closed or not torch.is_grad_enabled():
+        if self._dump.replaying or self._closed or not torch.is_grad_enabled():
             return
         rec = self._begin_step()
         if rec.autocast is None:
@@ -302,7 +307,7 @@ class Recorder:
         rec.forwards.append(ForwardRecord(inputs=self._inputs.capture((args, kwargs), rec.step), rng=rng))
 
     def _on_forward(self, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._replaying or self._closed or not torch.is_grad_enabled():
+        if self._dump.replaying or self._closed or not torch.is_grad_enabled():
             return
         rec = self._current
         if rec is None or not rec.forwards or not self.config.capture_cotangent:
@@ -388,8 +393,8 @@ class Recorder:
             "steps held: %s. Training goes on; the bundle is written at the first non-finite gradient%s",
             rec.step, rec.grad_norm, float(largest[1].detach().abs().max()), largest[0],
             ", ".join(f"{k}: {v:.3g}" for k, v in history), "" if not self.config.dump_on_explosion else " (and now: dump_on_explosion)")
-        if self.config.dump_on_explosion and self._dump_attempts < self.config.max_dumps:
-            self._dump(rec, grads, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
+        if self.config.dump_on_explosion and self._dump.allowed:
+            self._dump(rec, grads, self._live, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
 
     def _read_check(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[Optional[float], Optional[float], Optional[bool]]:
         """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
@@ -493,11 +498,11 @@ class Recorder:
         grads = self._grads()
         self.nonfinite_steps.append(rec.step)
         path = None
-        if self._dump_attempts < self.config.max_dumps:
-            path = self._dump(rec, grads, state=pre, update=True)
+        if self._dump.allowed:
+            path = self._dump(rec, grads, pre, update=True)
         msg = (
             f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
-            + self._outcome(path)
+            + self._dump.outcome(path)
         )
         if self.config.action == "raise":
             raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
@@ -571,8 +576,8 @@ class Recorder:
         try:
             if final:
                 self.nonfinite_steps.append(first.step)
-                if self._dump_attempts < self.config.max_dumps:
-                    self._dump(first, latch.grad_list(), bad_grad, bad_loss, state=state)
+                if self._dump.allowed:
+                    self._dump(first, latch.grad_list(), state, bad_grad=bad_grad, bad_loss=bad_loss)
                 return
             self._handle_nonfinite(first, latch.grad_list(), bad_grad, bad_loss, state=state)
         finally:
@@ -617,15 +622,6 @@ class Recorder:
             extra["scaler"] = self.scaler.state_dict()
         return live_state(self.model, self.optimizer, clone=clone, extra=extra)
 
-    def _outcome(self, path: Optional[Path]) -> str:
-        """The part of a message that says where the bundle is and what the diagnosis found."""
-        summary = (self.last_diagnosis or {}).get("summary") if path else None
-        return (
-            (f"; bundle: {path}" if path else "; no bundle written")
-            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
-            + (f"; replay it with: nanreplay replay {_shell_path(path)}" if path else "")
-        )
-
     def _handle_nonfinite(
         self,
         rec: StepRecord,
@@ -641,7 +637,7 @@ class Recorder:
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
         action = self.config.action
-        first = self._dump_attempts < self.config.max_dumps and (action == "raise" or self.skipped == 0)
+        first = self._dump.allowed and (action == "raise" or self.skipped == 0)
         cause = dict(cause or {})
         if self.dist is not None:
             info = self.dist.reason()
@@ -651,10 +647,10 @@ class Recorder:
             cause = {**self._amp.reason(bad_grad), **cause}
         path: Optional[Path] = None
         if first:
-            path = self._dump(rec, grads, bad_grad, bad_loss, cause, state=state)
+            path = self._dump(rec, grads, self._live if state is None else state, bad_grad=bad_grad, bad_loss=bad_loss, cause=cause)
         what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
         head = cause.get("message") or f"non-finite {what}"
-        msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._outcome(path) if first else "")
+        msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
         if action == "warn":
             logger.warning("nanreplay: %s; the step proceeds (action='warn')", msg)
             return
@@ -682,153 +678,10 @@ class Recorder:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
         ``state``: the pre-step state when it is no longer the live one (``check_update``,
         ``check_every > 1``); it is copied shallowly, never modified."""
-        state = replace_snapshot(self.snapshot_state(clone=False) if state is None else state)
-        if rec.buffers is not None:
-            state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
-        grad_tensors = {n: g.detach() for n, g in grads}
-        if self.dist is not None:
-            grad_tensors = self.dist.local_grads(grads, grad_tensors)
-        steps = self.ring.upto(rec.step)
-        for r in steps:
-            r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step
-            # a reference whose version counter moved no longer holds what the step saw
-            r.stale_inputs = self._inputs.stale(r.step)
-            if r.stale_inputs:
-                logger.warning("nanreplay: step %d's inputs were modified in place after capture; the bundle marks them stale", r.step)
-        group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
-        return BundleContent(
-            failing_step=rec.step,
-            steps=steps,
-            state=state,
-            grads=grad_tensors,
-            model_info=model_info(self.model),
-            optimizer_info={
-                "class": callable_path(type(self.optimizer)),
-                "param_groups_fqns": group_fqns,
-                "defaults": {k: jsonable(v) for k, v in self.optimizer.defaults.items()},
-            },
-            reason=reason,
-            model_factory=self.model_factory_path,
-            loss_fn=self.loss_fn_path,
-            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta},
-        )
+        return self._dump.content(rec, grads, reason, self.snapshot_state(clone=False) if state is None else state)
 
-    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool = False, bad_loss: bool = False, cause: Optional[dict] = None, *,
-              state: Optional[Snapshot] = None, update: bool = False) -> Optional[Path]:
-        """Write the bundle of step ``rec``, then diagnose it in process and write it again with
-        the diagnosis. Never raises: a failure is logged and training goes on."""
-        self._dump_attempts += 1
-        t0 = time.perf_counter()
-        reason = {
-            "nonfinite_grad": bad_grad,
-            "nonfinite_loss": bad_loss,
-            "nonfinite_update": update,
-            "grad_norm": fnum(rec.grad_norm),
-            "loss": fnum(rec.loss),
-            "action": self.config.action,
-            **(cause or {}),
-        }
-        try:
-            content = self.bundle_content(rec, grads, reason, state)
-        except Exception:  # never let the recorder kill training by itself
-            logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
-            return None
-        path: Any = self.config.out_dir
-        try:
-            path = self._bundle_path(rec.step)
-            written = write_bundle(path, content)
-        except Exception:
-            logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
-                             "dumps tried)", rec.step, path, self._dump_attempts, self.config.max_dumps)
-            return None
-        self.bundles.append(written)
-        logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
-        amended = self.config.embed_program and self._embed_program(content, rec)
-        if self.config.diagnose:
-            amended = self._diagnose_into(content, written) or amended
-        if amended:
-            try:
-                write_bundle(written, content)
-            except Exception:
-                logger.exception("nanreplay: could not add the program and diagnosis to %s; the bundle stays as first written", written)
-        return written
-
-    def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
-        """Export the failing step as a program into ``content`` (see ``embed_program``). Never
-        raises; returns whether ``content`` changed."""
-        from ..engine.program import PROGRAM_META_KEY, program_content
-        from ..engine.verify import verify_program
-
-        t0 = time.perf_counter()
-        self._replaying = True  # export runs the module hooks with fake tensors: keep this recorder quiet
-        try:
-            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
-                meta, tensors = program_content(self.model, rec, self.loss_fn)
-                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
-            if unfaithful:
-                meta, tensors = {"kind": None, "error": unfaithful}, {}
-        except Exception as e:  # export must never cost training
-            meta, tensors = {"kind": None, "error": f"{type(e).__name__}: {e}"}, {}
-        finally:
-            self._replaying = False
-        content.extra_meta[PROGRAM_META_KEY] = meta
-        content.extra_tensors.update(tensors)
-        if meta and meta.get("kind"):
-            logger.info("nanreplay: exported step %d's %s program in %.2f s", rec.step, meta["kind"], time.perf_counter() - t0)
-        else:
-            logger.warning("nanreplay: could not embed step %d's program (%s); replay will need the model factory",
-                           rec.step, (meta or {}).get("error"))
-        return True
-
-    def _diagnose_into(self, content: BundleContent, path: Path) -> bool:
-        """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds, into
-        ``content.diagnosis`` (or, when it stops early, why into ``meta["diagnosis_error"]``);
-        returns whether ``content`` changed."""
-        from ..diagnosis.api import diagnose_live
-
-        step = content.failing_step
-        timeout = self.config.diagnose_timeout
-        logger.warning("nanreplay: diagnosing step %d in process%s (skip it with Recorder(..., diagnose=False); "
-                       "`nanreplay replay %s` does the same later)", step, f", at most {timeout:g} s" if timeout else "", _shell_path(path))
-        t0 = time.perf_counter()
-        last = [t0]
-
-        def progress(message: str) -> None:
-            now = time.perf_counter()
-            if now - last[0] >= 3.0:  # work over a few seconds is shown, not every stage
-                last[0] = now
-                logger.warning("nanreplay: diagnosis of step %d: %s (%.0f s)", step, message, now - t0)
-
-        self._replaying = True  # keep this recorder's own hooks quiet during the replay
-        try:
-            diag = diagnose_live(self.model, content, loss_fn=self.loss_fn, allow=self.config.allow_nonfinite,
-                                 progress=progress, timeout=timeout)
-        except Exception as e:
-            logger.warning("nanreplay: the in-process diagnosis of step %d stopped (%s: %s); the bundle %s holds everything: "
-                           "run `nanreplay replay %s`", step, type(e).__name__, e, path, _shell_path(path))
-            content.extra_meta["diagnosis_error"] = f"{type(e).__name__}: {e}"[:2000]  # the bundle says why it has none
-            return True
-        finally:
-            self._replaying = False
-        if self.dist is not None:
-            self.dist.annotate(diag)
-        self.last_diagnosis = content.diagnosis = diag
-        logger.warning("nanreplay: diagnosis of step %d (%.1f s): %s", step, time.perf_counter() - t0, diag.get("summary"))
-        return True
-
-    def _bundle_path(self, step: int) -> Path:
-        """A new bundle path in ``out_dir``: ``nanreplay-step{N}[-rank{r}of{w}].{ext}``, with a
-        ``-2``, ``-3``... suffix when a bundle of that name exists (never overwrite an older one)."""
-        ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
-        suffix = self.dist.name_suffix() if self.dist is not None else ""
-        out = Path(self.config.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"nanreplay-step{step}{suffix}{ext}"
-        n = 2
-        while path.exists():
-            path = out / f"nanreplay-step{step}{suffix}-{n}{ext}"
-            n += 1
-        return path
+    def _live(self) -> Snapshot:
+        return self.snapshot_state(clone=False)
 
 
 def unwrap_ddp_only(model: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -841,32 +694,6 @@ def unwrap_ddp_only(model: torch.nn.Module) -> Optional[torch.nn.Module]:
         if not isinstance(m, torch.nn.Module):
             return None
     return None
-
-
-def _check_out_dir(out_dir: Any) -> None:
-    """``out_dir`` must be a directory that exists or can be created, and is writable.
-
-    Raises:
-        ValueError: it (or an ancestor) is a file, or it cannot be created or written; the message
-            says which path is in the way.
-    """
-    p = Path(out_dir)
-    probe = p
-    while not probe.exists() and probe.parent != probe:  # the nearest existing ancestor decides
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        where = "" if probe == p else f" (its ancestor {str(probe)!r} is a file)"
-        raise ValueError(f"out_dir={str(p)!r} cannot be a directory for bundles{where if where else ': it is a file'}; pass another out_dir")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = "it" if probe == p else f"its ancestor {str(probe)!r}"
-        raise ValueError(f"out_dir={str(p)!r} is not writable: {where} does not allow this user to write; pass an out_dir you can write to")
-
-
-def _shell_path(path: Any) -> str:
-    """``path`` as it can be pasted into a shell."""
-    import shlex
-
-    return shlex.quote(str(path))
 
 
 def _overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:
@@ -885,17 +712,6 @@ def _lr_value(lr: Any) -> Any:
     or capturable optimizers, some schedulers) as a detached copy on its device, because
     ``float()`` of a CUDA tensor would be a host sync every step. Converted at dump time."""
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
-
-
-def model_info(model: torch.nn.Module) -> dict:
-    """Architecture facts stored in the bundle and checked by replay: class, parameter and buffer
-    FQNs with shape/dtype/device, and every module's FQN and class."""
-    return {
-        "class": callable_path(type(model)),
-        "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device)} for n, p in model.named_parameters()},
-        "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""), "device": str(b.device)} for n, b in model.named_buffers()},
-        "modules": [[n, type(m).__name__] for n, m in model.named_modules()],
-    }
 
 
 def _autocast_state(*trees: Any) -> Optional[dict]:
