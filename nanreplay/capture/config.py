@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 __all__ = ["RecorderConfig", "ACTIONS"]
 
-#: what the Recorder does on a non-finite step
+#: what the Recorder does on a non-finite step: the names of :data:`nanreplay.capture.actions.ACTIONS`
 ACTIONS = ("raise", "skip", "warn")
 
 
@@ -134,8 +134,10 @@ class RecorderConfig:
         for r in self.allow_nonfinite:
             if not isinstance(r, AllowRule):
                 AllowRule.parse(str(r))  # raises ValueError naming the bad rule
-        if self.action not in ACTIONS:
-            raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
+        from .actions import ACTIONS as table
+
+        if self.action not in table:
+            raise ValueError(f"action must be one of {tuple(table)}, got {self.action!r}")
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1 step, got {self.capacity}")
         if self.snapshot_every < 0:

@@ -38,8 +38,8 @@ from ..core.numerics import fused_norm, is_float
 from ..core.rng import RNGState
 from ..core.state import load_buffers
 from ..core.tree import flatten_typed
-from ..errors import NonFiniteGradientError
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
+from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
 from .forward import ForwardTap, unwrap_model
@@ -163,9 +163,7 @@ class Recorder:
         self._current: Optional[StepRecord] = None
         self._provisional = False                   # the step in progress was begun in eval mode
         self._pending_loss: Optional[torch.Tensor] = None
-        self.skipped = 0                            # consecutive skipped steps
         self.nonfinite_steps: list[int] = []
-        self._skip_versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
         self.extra_meta: dict[str, Any] = {}
         self._closed = False
 
@@ -178,6 +176,8 @@ class Recorder:
         self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
                           loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
                           extra_meta=self.extra_meta)
+        self._actions = Actions(self.config.action, optimizer, dump=self._dump, max_consecutive=self.config.max_consecutive,
+                                param_fqn=self._param_fqn)
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
@@ -203,6 +203,11 @@ class Recorder:
     def last_diagnosis(self) -> Optional[dict]:
         """The diagnosis dict of the last in-process diagnosis, else ``None``."""
         return self._dump.last_diagnosis
+
+    @property
+    def skipped(self) -> int:
+        """Consecutive steps skipped so far (``action="skip"``)."""
+        return self._actions.skipped
 
     @property
     def scaler_skips(self) -> int:
@@ -376,7 +381,7 @@ class Recorder:
         if self._amp is not None:
             self._amp.on_checked(rec.finite)
         if rec.finite:
-            self.skipped = 0
+            self._actions.finite()
             if self.config.check_update:
                 self._pre_update = self._pool.take(self.snapshot_state(clone=False))  # recycled slot
             return True
@@ -427,29 +432,13 @@ class Recorder:
         ``self.step + 1``. The optimizer step post-hook calls it."""
         pre, self._pre_update = self._pre_update, None
         rec = self._current
-        self._verify_skip()
+        self._actions.verify_skip(self.step)
         self.step += 1
         self._current = None
         self._pending_loss = None
         if pre is not None and rec is not None and self._check_update(rec, pre):
             self._pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
         self._evict()  # after the release: the recycled slot counts against the budget too
-
-    def _verify_skip(self) -> None:
-        """After a skipped step: the version counters prove the optimizer left every parameter
-        alone. Torch's optimizers skip parameters whose ``.grad`` is ``None``; one that updates
-        parameters regardless (weight decay on every parameter, a custom rule) is named."""
-        if not self._skip_versions:
-            return
-        changed = [self._param_fqn.get(id(p), "?") for p, v in self._skip_versions if p._version != v]
-        self._skip_versions = []
-        if changed:
-            logger.warning(
-                "nanreplay: action='skip' dropped the gradients of step %d, but %s changed %d parameter(s) anyway "
-                "(e.g. %s): this optimizer updates parameters without gradients, so the skip did not leave the "
-                "weights as they were; use action='raise' with it",
-                self.step, type(self.optimizer).__name__, len(changed), changed[:3],
-            )
 
     # -- the ring buffer's memory --------------------------------------------------------------
     def _held(self, r: StepRecord) -> int:
@@ -493,25 +482,16 @@ class Recorder:
         norm = fused_norm(params + state)
         if norm is None or math.isfinite(norm.item()):
             return True
-        post = self.snapshot_state(clone=True) if self.config.action == "warn" else None
+        post = None if self._actions.restores else self.snapshot_state(clone=True)
         restore_into(self.model, self.optimizer, pre)
         grads = self._grads()
         self.nonfinite_steps.append(rec.step)
-        path = None
-        if self._dump.allowed:
-            path = self._dump(rec, grads, pre, update=True)
-        msg = (
-            f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
-            + self._dump.outcome(path)
-        )
-        if self.config.action == "raise":
-            raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
-                                         bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
-        if self.config.action == "warn":
-            restore_into(self.model, self.optimizer, post)
-            logger.warning("nanreplay: %s; the update is kept (action='warn')", msg)
-            return False
-        logger.warning("nanreplay: %s; the update was undone (action='skip')", msg)
+        path = self._dump(rec, grads, pre, update=True) if self._dump.allowed else None
+        msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
+               f"norm {rec.grad_norm})" + self._dump.outcome(path))
+        if post is not None:
+            restore_into(self.model, self.optimizer, post)  # the action keeps the update
+        self._actions(Incident(rec.step, msg, path, self.last_diagnosis, update=True))
         return False
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
@@ -555,7 +535,7 @@ class Recorder:
                 first = r
         latch = self._latch
         if first is None:
-            self.skipped = 0
+            self._actions.finite()
             if latch is not None:
                 latch.reset()
             return
@@ -566,7 +546,7 @@ class Recorder:
             after = after or r is first
         assert latch is not None, "a non-finite step has gone through the latch"
         state = latch.snapshot(self.optimizer.state_dict(), first)
-        restore = self.config.action in ("raise", "skip")
+        restore = self._actions.restores
         saved = None
         if restore or self.config.diagnose:
             saved = None if restore else self.snapshot_state(clone=True)
@@ -636,8 +616,7 @@ class Recorder:
         opening words of the error message (used for GradScaler and cross-rank decisions).
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
-        action = self.config.action
-        first = self._dump.allowed and (action == "raise" or self.skipped == 0)
+        first = self._dump.allowed and self._actions.dumps()
         cause = dict(cause or {})
         if self.dist is not None:
             info = self.dist.reason()
@@ -651,28 +630,9 @@ class Recorder:
         what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
         head = cause.get("message") or f"non-finite {what}"
         msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
-        if action == "warn":
-            logger.warning("nanreplay: %s; the step proceeds (action='warn')", msg)
-            return
-        if state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
+        if self._actions.restores and state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
             load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
-        if action == "raise":
-            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis if first else None)
-        # skip: drop the gradients so the optimizer leaves weights and state untouched
-        self.skipped += 1
-        if self.skipped > self.config.max_consecutive:
-            raise NonFiniteGradientError(
-                f"{msg}; {self.skipped} consecutive steps skipped, more than max_consecutive="
-                f"{self.config.max_consecutive}: training is not recovering",
-                step=rec.step,
-                bundle_path=str(self.bundles[0]) if self.bundles else None,
-                diagnosis=self.last_diagnosis,
-            )
-        logger.warning("nanreplay: %s; skipping this optimizer step (%d in a row)", msg, self.skipped)
-        self._skip_versions = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        self._actions(Incident(rec.step, msg, path, self.last_diagnosis if first else None))
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
