@@ -44,9 +44,9 @@ from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
 from .forward import ForwardTap, unwrap_model
 from .inputs import InputCapture
-from .lagged import Latch, nonfinite_flag
-from .ring import RingBuffer
-from .snapshots import SnapshotPool, StepStartBuffers, live_state, replace_snapshot, restore_into, storage_bytes
+from .lagged import LaggedCheck
+from .ring import MiB, RingBuffer, check_budget
+from .snapshots import StepStartBuffers, live_state, restore_into
 
 logger = logging.getLogger(__name__)
 
@@ -148,19 +148,18 @@ class Recorder:
                     "use check_every=1 there (one host read per step)"
                 )
 
-        # what the ring buffer keeps, and how
-        self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
-                               held=self._held, on_drop=self._on_drop, on_snapshot_drop=self._drop_snapshot)
+        check_budget(self.config, self.model, optimizer)
+
+        # what the ring buffer keeps (all of the memory budget), and the modes that add to it
         self._inputs = InputCapture(self.config.copy_batch)
+        self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
+                               model=self.model, inputs=self._inputs)
         self._buffers = StepStartBuffers(self.model)
-        self._pool = SnapshotPool()
-        self._latch: Optional[Latch] = None         # the sync-free mode's device-side evidence slot
-        self._pending: list[StepRecord] = []        # steps whose verdict is still on the device
-        self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
+        self._lagged = LaggedCheck(self.config.check_every, self.ring) if self.config.check_every > 1 else None
+        self._update_check = self.config.check_update  # turned off when its copy cannot fit in memory_budget
 
         # the step in progress and the outcomes so far
         self.step = 0
-        self._current: Optional[StepRecord] = None
         self._provisional = False                   # the step in progress was begun in eval mode
         self._pending_loss: Optional[torch.Tensor] = None
         self.nonfinite_steps: list[int] = []
@@ -195,6 +194,11 @@ class Recorder:
             self.dist.attach_origin_hook(ddp)
 
     @property
+    def _current(self) -> Optional[StepRecord]:
+        """The step in progress, else ``None``."""
+        return self.ring.current
+
+    @property
     def bundles(self) -> list[Path]:
         """Paths of the bundles written so far."""
         return self._dump.bundles
@@ -219,7 +223,7 @@ class Recorder:
         """Remove every hook this Recorder registered. Idempotent. With ``check_every > 1``, first
         reads the verdicts still on the device (one host sync) and dumps a bundle for a
         non-finite step among them; it logs instead of raising."""
-        if self._pending and not self._closed:
+        if self._lagged is not None and self._lagged.pending and not self._closed:
             try:
                 self._check_pending(final=True)
             except Exception:  # close() runs from __exit__, often while another error propagates
@@ -259,7 +263,7 @@ class Recorder:
         cotangents, copied step-start buffers and weight snapshots of the steps held, plus the
         recycled snapshot slot, the sync-free latch and the ``check_update`` copy. Host cost: a
         walk over the ring's tensors, no device sync."""
-        return self.ring.held_bytes(current=self._current) + self._extra_bytes()
+        return self.ring.held_bytes()
 
     # -- steps ---------------------------------------------------------------------------------
     def _begin_step(self, *, capture: bool = True) -> StepRecord:
@@ -279,10 +283,9 @@ class Recorder:
         se = self.config.snapshot_every
         if se and self.step % se == 0 and not self.ring.snapshots_refused:
             self.ring.make_room()  # evict first, so its slot can be reused
-            rec.snapshot = self._pool.take(self.snapshot_state(clone=False))
-        self._current = rec
-        self.ring.append(rec)
-        self._evict()
+            rec.snapshot = self.ring.pool.take(self.snapshot_state(clone=False))
+        self.ring.begin(rec)
+        self.ring.evict()
         return rec
 
     def _restart_step(self, rec: StepRecord) -> None:
@@ -361,12 +364,17 @@ class Recorder:
         self._tap.check()
         rec = self._begin_step(capture=False)
         rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
-        if self.config.check_every > 1:
-            return self._check_lagged(rec)
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
         loss = self._pending_loss if self.config.check_loss else None
         self._pending_loss = None
+        if self._lagged is not None:
+            if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
+                self._seal(rec)
+                if self._lagged.due():
+                    self._check_pending(final=False)
+                return None
+            self._lagged_off()
         rec.grad_norm, rec.loss, agreed = self._read_check(norm, loss)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         if bad_grad and math.isinf(rec.grad_norm) and agreed is None:
@@ -382,8 +390,8 @@ class Recorder:
             self._amp.on_checked(rec.finite)
         if rec.finite:
             self._actions.finite()
-            if self.config.check_update:
-                self._pre_update = self._pool.take(self.snapshot_state(clone=False))  # recycled slot
+            if self._update_check:
+                self._keep_pre_update()
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
@@ -430,49 +438,36 @@ class Recorder:
     def end_step(self) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
         ``self.step + 1``. The optimizer step post-hook calls it."""
-        pre, self._pre_update = self._pre_update, None
+        pre = self.ring.release("check_update")
         rec = self._current
         self._actions.verify_skip(self.step)
         self.step += 1
-        self._current = None
+        self.ring.end()
         self._pending_loss = None
         if pre is not None and rec is not None and self._check_update(rec, pre):
-            self._pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
-        self._evict()  # after the release: the recycled slot counts against the budget too
-
-    # -- the ring buffer's memory --------------------------------------------------------------
-    def _held(self, r: StepRecord) -> int:
-        """Bytes step ``r`` keeps alive beyond what training holds anyway, its snapshot excluded:
-        the storages of its batches and forward inputs (a kept reference holds the loader's
-        tensor, and a view its whole storage), its cotangents and its copied buffers."""
-        trees = [fw.inputs for fw in r.forwards] + [r.batches] + [fw.cotangent for fw in r.forwards if fw.cotangent is not None]
-        live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
-        n = storage_bytes((t for tree in trees for t in pytree.tree_leaves(tree)), exclude=live)
-        return n + self._buffers.copied_bytes(r.buffers)
-
-    def _extra_bytes(self) -> int:
-        """Bytes held outside the ring's steps that count against the budget."""
-        n = self._pool.nbytes() + (self._latch.nbytes() if self._latch is not None else 0)
-        return n + (self._pre_update.nbytes() if self._pre_update is not None else 0)
-
-    def _on_drop(self, r: StepRecord, reuse: bool) -> None:
-        self._pool.release(r.snapshot, reuse=reuse)
-        self._inputs.forget(r.step)
-
-    def _drop_snapshot(self, r: StepRecord) -> None:
-        self._pool.release(r.snapshot, reuse=False)
-        r.snapshot = None
-
-    def _evict(self) -> None:
-        """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes (unchecked
-        steps of the sync-free mode are never evicted)."""
-        extra = self._extra_bytes()
-        if extra > self.config.memory_budget and self._pool.nbytes():
-            self._pool = SnapshotPool()  # the spare slot goes first
-            extra = self._extra_bytes()
-        self.ring.evict(extra=extra, protect={id(r) for r in self._pending}, current=self._current)
+            self.ring.pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
+        self.ring.evict()  # after the release: the recycled slot counts against the budget too
+        if self.ring.over_budget and self._lagged is not None and self._lagged.pending:
+            self._check_pending(final=False)  # only unchecked steps are left to evict: read their verdicts now (one sync)
+            self.ring.evict()
 
     # -- check_update ---------------------------------------------------------------------------
+    def _keep_pre_update(self) -> None:
+        """``check_update``: copy the pre-step weights and optimizer state (into the recycled slot)
+        when the copy fits in ``memory_budget`` beside the step in progress; else turn the update
+        check off, once, with a warning that says the budget it needs."""
+        live = self.snapshot_state(clone=False)
+        if self.ring.reserve("check_update", live.nbytes(), from_pool=True):
+            self.ring.keep("check_update", self.ring.pool.take(live))
+            return
+        self._update_check = False
+        need, budget = self.ring.required, self.config.memory_budget
+        logger.warning(
+            "nanreplay: check_update=True keeps a copy of the weights, buffers and optimizer state (%d bytes, %.2f MiB), which "
+            "memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the update check is off from now on "
+            "(the gradients and the loss are still checked). Raise memory_budget to at least %d bytes (%.2f MiB) to keep it",
+            live.nbytes(), live.nbytes() / MiB, budget, budget / MiB, need, need / MiB)
+
     def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
         """``check_update``: one fused norm over the updated parameters and floating optimizer
         state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
@@ -495,56 +490,16 @@ class Recorder:
         return False
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
-    def _check_lagged(self, rec: StepRecord) -> None:
-        """Step pre-hook with ``check_every > 1``: keep this step's grad norm and loss on the
-        device, move the latch (copy this step's pre-step state and gradients into the slot unless
-        an earlier unchecked step was non-finite), and read every pending verdict on the host
-        once every ``check_every`` steps."""
-        grads = self._grads()
-        rec._norm_t = fused_norm([g for _, g in grads])  # type: ignore[attr-defined]
-        loss = self._pending_loss if self.config.check_loss else None
-        self._pending_loss = None
-        rec._loss_t = loss  # type: ignore[attr-defined]
-        bad = nonfinite_flag(rec._norm_t, loss)  # type: ignore[attr-defined]
-        if bad is not None:
-            if self._latch is None:
-                self._latch = Latch()
-            self._latch.update(self.model, self.optimizer, grads, bad)
-        self._pending.append(rec)
-        self._seal(rec)
-        if len(self._pending) >= self.config.check_every:
-            self._check_pending(final=False)
-
     def _check_pending(self, *, final: bool) -> None:
-        """Read the pending verdicts (one host sync) and handle the first non-finite step."""
-        pending, self._pending = self._pending, []
-        vals = []
-        for r in pending:
-            for t in (getattr(r, "_norm_t", None), getattr(r, "_loss_t", None)):
-                if t is not None:
-                    vals.append(t.detach().reshape(()).to(torch.float32))
-        host = iter(torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else [])  # the one sync
-        first: Optional[StepRecord] = None
-        for r in pending:
-            r.grad_norm = next(host) if getattr(r, "_norm_t", None) is not None else None
-            r.loss = next(host) if getattr(r, "_loss_t", None) is not None else None
-            r._norm_t = r._loss_t = None  # type: ignore[attr-defined]
-            bad = any(v is not None and not math.isfinite(v) for v in (r.grad_norm, r.loss))
-            r.finite = not bad
-            if bad and first is None:
-                first = r
-        latch = self._latch
+        """Read the pending verdicts (one host sync) and handle the first non-finite step: put
+        back its pre-step state from the latch (``raise``, ``skip``; for the diagnosis only with
+        ``warn``), dump, act."""
+        assert self._lagged is not None
+        first = self._lagged.read()
         if first is None:
             self._actions.finite()
-            if latch is not None:
-                latch.reset()
             return
-        after = False
-        for r in pending:
-            if after:
-                r.finite = None  # ran on corrupted weights: its verdict says nothing
-            after = after or r is first
-        assert latch is not None, "a non-finite step has gone through the latch"
+        latch = self._lagged.latch
         state = latch.snapshot(self.optimizer.state_dict(), first)
         restore = self._actions.restores
         saved = None
@@ -564,6 +519,25 @@ class Recorder:
             if saved is not None:
                 restore_into(self.model, self.optimizer, saved)
             latch.reset()
+
+    def _lagged_off(self) -> None:
+        """The latch cannot grow to the size it needs within ``memory_budget``: read the verdicts
+        still on the device (all finite: nothing is latched when the latch grows) and check on the
+        host every step from now on, with a warning that says the budget the mode needs."""
+        lagged = self._lagged
+        assert lagged is not None
+        need, budget = self.ring.required, self.config.memory_budget
+        if lagged.pending:
+            self._check_pending(final=False)
+        self._lagged = None
+        lagged.close()
+        self.ring.capacity = self.config.capacity
+        logger.warning(
+            "nanreplay: check_every=%d keeps a device-side copy of the weights, optimizer state and gradients (%d bytes, %.2f "
+            "MiB), which memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the check reads its "
+            "verdict on the host every step from now on (check_every=1). Raise memory_budget to at least %d bytes (%.2f MiB) "
+            "to keep it sync-free", self.config.check_every, lagged.refused, lagged.refused / MiB, budget, budget / MiB, need,
+            need / MiB)
 
     # -- GradScaler ------------------------------------------------------------------------------
     def _on_scaler_skip(self, scale: float) -> None:
