@@ -430,7 +430,7 @@ def test_memory_budget_is_a_cap_in_every_mode(out_dir, opts, caplog):
         assert max(held) <= 4 * MiB, [h / MiB for h in held]
         assert rec.held_bytes() == held[-1]  # what the Recorder counts is what it holds
         assert 3 * MiB < max(held) and len(rec.ring) < 16  # the budget, not the capacity, was the binding limit
-        assert rec._update_check == opts.get("check_update", False)
+        assert (rec._update is not None and rec._update.on) == opts.get("check_update", False)
         assert (rec._lagged is not None) == ("check_every" in opts)
     assert not [r for r in caplog.records if "memory_budget" in r.getMessage()]
 
@@ -467,7 +467,7 @@ def test_a_copy_that_outgrows_the_budget_turns_its_mode_off_once_and_the_check_g
         with pytest.raises(NonFiniteGradientError) as e:
             _train_and_measure(model, opt, rec, 6, rows=16, nan_at=4)
         assert e.value.step == 4 and rec.nonfinite_steps == [4]
-        assert not rec._update_check and rec._lagged is None
+        assert (rec._update is None or not rec._update.on) and rec._lagged is None
         assert _storage_bytes_held(rec, model) <= MiB
     warnings = [r.getMessage() for r in caplog.records if "cannot hold beside the step in progress" in r.getMessage()]
     assert len(warnings) == 1 and "Raise memory_budget to at least" in warnings[0], warnings

@@ -18,14 +18,35 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import logging
 import math
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..format.records import Snapshot, StepRecord
+from .ring import MiB
 
-__all__ = ["LaggedCheck", "Latch", "nonfinite_flag"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["LaggedCheck", "Latch", "check_combination", "nonfinite_flag"]
+
+
+def check_combination(config: Any, *, scaler: Any) -> None:
+    """Refuse ``check_every > 1`` with what it does not combine with yet.
+
+    Raises:
+        ValueError: with torch.distributed initialised, a GradScaler, or ``check_update=True``.
+    """
+    if config.check_every <= 1:
+        return
+    pg = torch.distributed.is_available() and torch.distributed.is_initialized()
+    clash = [n for n, on in (("torch.distributed", pg), ("a GradScaler", scaler is not None), ("check_update=True", config.check_update)) if on]
+    if clash:
+        raise ValueError(
+            f"check_every={config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
+            "use check_every=1 there (one host read per step)"
+        )
 
 
 def nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -196,8 +217,15 @@ class LaggedCheck:
             self.latch.reset()
         return first
 
-    def close(self) -> None:
-        """The mode is over: the latch is freed and no longer counted."""
+    def close(self, required: int) -> None:
+        """The mode is over because its latch needed :attr:`refused` bytes, and the budget
+        ``required`` bytes with the step in progress: warn, free the latch, stop counting it."""
+        budget = self.ring.budget
+        logger.warning(
+            "nanreplay: check_every=%d keeps a device-side copy of the weights, optimizer state and gradients (%d bytes, %.2f "
+            "MiB), which memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the check reads its "
+            "verdict on the host every step from now on (check_every=1). Raise memory_budget to at least %d bytes (%.2f MiB) "
+            "to keep it sync-free", self.every, self.refused, self.refused / MiB, budget, budget / MiB, required, required / MiB)
         for r, _, _ in self._pending:
             self.ring.unpin(r)
         self._pending = []

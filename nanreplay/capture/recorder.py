@@ -1,25 +1,23 @@
-"""The Recorder: attaches to a live training loop, keeps a ring buffer of the last steps, and
-on the first non-finite gradient (or loss) dumps a self-contained bundle and diagnoses it.
+"""The Recorder: attaches to a live training loop, keeps a ring buffer of the last steps, and on
+the first non-finite gradient (or loss) dumps a self-contained bundle and diagnoses it.
 
-Hot path, per step, default options:
+It coordinates rooms with one job each. The walk of a step, default options:
 
-* the forward tap (:mod:`nanreplay.capture.forward`) on the top-level model: keep references to
-  the forward inputs (:mod:`nanreplay.capture.inputs`: checked later with the tensor version
-  counter, copied only once the loop is seen to reuse or modify a batch tensor in place), the RNG
-  states (host only, no device sync), and a tensor hook on each output to keep the cotangent;
-* the optimizer's step pre-hook: one fused ``_foreach_norm`` over all gradients and one host read
-  of one scalar (the grad norm, which is NaN/Inf iff some gradient is, or iff their 2-norm
-  overflows float32: the rare path tells the two apart).
+1. a forward (or :meth:`Recorder.record`) begins the step: RNG states (host only), step-start
+   buffers (:mod:`~nanreplay.capture.snapshots`), a :class:`StepRecord` in the ring buffer
+   (:mod:`~nanreplay.capture.ring`, which evicts to stay within ``memory_budget``); the forward tap
+   (:mod:`~nanreplay.capture.forward`) keeps the inputs (:mod:`~nanreplay.capture.inputs`: by
+   reference while safe) and a hook on each output for the cotangent;
+2. the optimizer's step pre-hook checks: one fused ``_foreach_norm``, one host read
+   (:mod:`~nanreplay.capture.check`; with ``check_every > 1`` none,
+   :mod:`~nanreplay.capture.lagged`; with ``check_update`` a pre-step copy,
+   :mod:`~nanreplay.capture.update`);
+3. on a non-finite step: the dump (:mod:`~nanreplay.capture.dump`: bundle, program, in-process
+   diagnosis), then the action (:data:`nanreplay.capture.actions.ACTIONS`: raise, skip, warn);
+4. the step post-hook ends the step (the update check, eviction).
 
-Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots
-(:mod:`nanreplay.capture.snapshots`): the failing step's pre-step weights and optimizer state are
-still in place when the step pre-hook fires, so they are written from where they are. With
-``check_every=N > 1`` the check is sync-free (:mod:`nanreplay.capture.lagged`).
-
-On a non-finite step the bundle is written first; then the step's program is exported
-(``embed_program``) and, with ``diagnose`` on, the step is replayed in process
-(:func:`nanreplay.diagnosis.api.diagnose_live`, within ``diagnose_timeout`` seconds), and the
-bundle is written again with both.
+Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
+the failing step's pre-step state is still in place when the pre-hook fires.
 """
 
 from __future__ import annotations
@@ -34,19 +32,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
-from ..core.numerics import fused_norm, is_float
+from ..core.numerics import fused_norm
 from ..core.rng import RNGState
 from ..core.state import load_buffers
-from ..core.tree import flatten_typed
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
 from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
-from .forward import ForwardTap, unwrap_model
+from .check import lr_value, overflowed_norm, read_check, warn_explosion
+from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
 from .inputs import InputCapture
-from .lagged import LaggedCheck
-from .ring import MiB, RingBuffer, check_budget
+from .lagged import LaggedCheck, check_combination
+from .ring import RingBuffer, check_budget
 from .snapshots import StepStartBuffers, live_state, restore_into
+from .update import UpdateCheck
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +78,11 @@ class Recorder:
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
 
+    Memory: ``memory_budget`` caps everything the Recorder keeps, in every mode (the ring buffer
+    counts it all and evicts). A budget below the copy ``check_update`` or ``check_every > 1``
+    needs raises ``ValueError`` here, naming the minimum; if the optimizer's state, created at its
+    first step, makes that copy outgrow the budget, the mode is turned off then, with a warning.
+
     Random streams: per-step capture only reads the RNG states (it never advances a generator),
     and the Recorder's own random work at a dump (program check, in-process diagnosis) draws
     from private generators when other threads are alive (:class:`~nanreplay.core.rng.ReplayRNG`),
@@ -109,24 +113,11 @@ class Recorder:
         TypeError / ValueError: bad arguments or options; ``out_dir`` is not a writable directory.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        loss_fn: Any = None,
-        model_factory: Any = None,
-        scaler: Any = None,
-        config: Optional[RecorderConfig] = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: Any = None, model_factory: Any = None,
+                 scaler: Any = None, config: Optional[RecorderConfig] = None, **options: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer and similar wrappers
-            if not isinstance(inner, torch.optim.Optimizer):
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-            optimizer = inner
+        optimizer = _unwrap_optimizer(optimizer)
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
         check_out_dir(self.config.out_dir)
@@ -139,15 +130,7 @@ class Recorder:
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
         self._module_names = list(self.model.named_modules())  # walked once, not per step
-        if self.config.check_every > 1:
-            pg = torch.distributed.is_available() and torch.distributed.is_initialized()
-            clash = [n for n, on in (("torch.distributed", pg), ("a GradScaler", scaler is not None), ("check_update=True", self.config.check_update)) if on]
-            if clash:
-                raise ValueError(
-                    f"check_every={self.config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
-                    "use check_every=1 there (one host read per step)"
-                )
-
+        check_combination(self.config, scaler=scaler)
         check_budget(self.config, self.model, optimizer)
 
         # what the ring buffer keeps (all of the memory budget), and the modes that add to it
@@ -156,7 +139,7 @@ class Recorder:
                                model=self.model, inputs=self._inputs)
         self._buffers = StepStartBuffers(self.model)
         self._lagged = LaggedCheck(self.config.check_every, self.ring) if self.config.check_every > 1 else None
-        self._update_check = self.config.check_update  # turned off when its copy cannot fit in memory_budget
+        self._update = UpdateCheck(self.ring) if self.config.check_update else None
 
         # the step in progress and the outcomes so far
         self.step = 0
@@ -168,7 +151,7 @@ class Recorder:
 
         # hooks, each behind a handle this Recorder owns
         self._handles: list[Any] = []
-        from .ddp import RankContext
+        from .ddp import RankContext, unwrap_ddp_only
 
         self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
                                        optimizer=optimizer, step=lambda: self.step)
@@ -259,10 +242,8 @@ class Recorder:
 
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
-        ``memory_budget``: the storages of kept batches (a view keeps its whole storage alive),
-        cotangents, copied step-start buffers and weight snapshots of the steps held, plus the
-        recycled snapshot slot, the sync-free latch and the ``check_update`` copy. Host cost: a
-        walk over the ring's tensors, no device sync."""
+        ``memory_budget`` (:mod:`nanreplay.capture.ring` lists them). Host cost: a walk over the
+        ring's tensors, no device sync."""
         return self.ring.held_bytes()
 
     # -- steps ---------------------------------------------------------------------------------
@@ -309,7 +290,7 @@ class Recorder:
             return
         rec = self._begin_step()
         if rec.autocast is None:
-            rec.autocast = _autocast_state(args, kwargs)
+            rec.autocast = autocast_state(args, kwargs)
         # a later micro-batch: the loop may have drawn random numbers since the step began
         rng = RNGState.capture() if rec.forwards else None
         rec.forwards.append(ForwardRecord(inputs=self._inputs.capture((args, kwargs), rec.step), rng=rng))
@@ -320,20 +301,7 @@ class Recorder:
         rec = self._current
         if rec is None or not rec.forwards or not self.config.capture_cotangent:
             return
-        fw = rec.forwards[-1]
-        leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
-        # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
-        cot: list[Any] = [None] * len(leaves)
-        fw.cotangent = pytree.tree_unflatten(cot, spec)
-
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
-
-                def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw) -> None:
-                    cot[i] = g.detach()
-                    fw.cotangent = pytree.tree_unflatten(cot, spec)
-
-                t.register_hook(hook)
+        keep_cotangent(rec.forwards[-1], output)
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad)
@@ -363,7 +331,7 @@ class Recorder:
             return True
         self._tap.check()
         rec = self._begin_step(capture=False)
-        rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
+        rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
         loss = self._pending_loss if self.config.check_loss else None
@@ -375,10 +343,10 @@ class Recorder:
                     self._check_pending(final=False)
                 return None
             self._lagged_off()
-        rec.grad_norm, rec.loss, agreed = self._read_check(norm, loss)
+        rec.grad_norm, rec.loss, agreed = read_check(norm, loss, self.dist)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         if bad_grad and math.isinf(rec.grad_norm) and agreed is None:
-            wide = _overflowed_norm([g for _, g in grads])
+            wide = overflowed_norm([g for _, g in grads])
             if wide is not None:  # every gradient is finite: the float32 2-norm overflowed
                 rec.grad_norm = wide
                 bad_grad = False
@@ -390,44 +358,17 @@ class Recorder:
             self._amp.on_checked(rec.finite)
         if rec.finite:
             self._actions.finite()
-            if self._update_check:
-                self._keep_pre_update()
+            if self._update is not None and self._update.on:
+                self._update.keep(self.snapshot_state(clone=False))
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
 
     def _on_explosion(self, rec: StepRecord, grads: list) -> None:
         """A step whose finite gradients have a float32 2-norm that overflows (sum of squares)."""
-        history = [(r.step, r.grad_norm) for r in self.ring.upto(rec.step) if r.grad_norm is not None]
-        largest = max(grads, key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
-        logger.warning(
-            "nanreplay: step %d: exploding gradients: every gradient is finite, but the float32 2-norm overflows (the sum of "
-            "squares passes float32's range; in float64 the norm is %.4g; largest |gradient| %.4g in %s); grad norms of the "
-            "steps held: %s. Training goes on; the bundle is written at the first non-finite gradient%s",
-            rec.step, rec.grad_norm, float(largest[1].detach().abs().max()), largest[0],
-            ", ".join(f"{k}: {v:.3g}" for k, v in history), "" if not self.config.dump_on_explosion else " (and now: dump_on_explosion)")
+        warn_explosion(rec, grads, self.ring.upto(rec.step), dumping=self.config.dump_on_explosion)
         if self.config.dump_on_explosion and self._dump.allowed:
             self._dump(rec, grads, self._live, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
-
-    def _read_check(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[Optional[float], Optional[float], Optional[bool]]:
-        """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
-        finiteness is ``None`` outside torch.distributed; inside, the ranks' flags are all-reduced
-        on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`)."""
-        present = [t for t in (norm, loss) if t is not None]
-        if self.dist is None and not present:
-            return None, None, None
-        device = present[0].device if present else self.dist.device()
-        parts = [t.to(device, torch.float32).reshape(1) for t in present]
-        flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
-        n = len(parts)
-        if self.dist is not None:
-            flat = torch.cat([flat, self.dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])
-        vals = flat.tolist()  # the one host read
-        it = iter(vals[:n])
-        g = next(it) if norm is not None else None
-        lo = next(it) if loss is not None else None
-        agreed = self.dist.decide(vals[n:]) if self.dist is not None else None
-        return g, lo, agreed
 
     def _seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
@@ -438,44 +379,25 @@ class Recorder:
     def end_step(self) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
         ``self.step + 1``. The optimizer step post-hook calls it."""
-        pre = self.ring.release("check_update")
+        pre = self._update.take() if self._update is not None else None
         rec = self._current
         self._actions.verify_skip(self.step)
         self.step += 1
         self.ring.end()
         self._pending_loss = None
         if pre is not None and rec is not None and self._check_update(rec, pre):
-            self.ring.pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
+            self._update.recycle(pre)
         self.ring.evict()  # after the release: the recycled slot counts against the budget too
         if self.ring.over_budget and self._lagged is not None and self._lagged.pending:
             self._check_pending(final=False)  # only unchecked steps are left to evict: read their verdicts now (one sync)
             self.ring.evict()
 
     # -- check_update ---------------------------------------------------------------------------
-    def _keep_pre_update(self) -> None:
-        """``check_update``: copy the pre-step weights and optimizer state (into the recycled slot)
-        when the copy fits in ``memory_budget`` beside the step in progress; else turn the update
-        check off, once, with a warning that says the budget it needs."""
-        live = self.snapshot_state(clone=False)
-        if self.ring.reserve("check_update", live.nbytes(), from_pool=True):
-            self.ring.keep("check_update", self.ring.pool.take(live))
-            return
-        self._update_check = False
-        need, budget = self.ring.required, self.config.memory_budget
-        logger.warning(
-            "nanreplay: check_update=True keeps a copy of the weights, buffers and optimizer state (%d bytes, %.2f MiB), which "
-            "memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the update check is off from now on "
-            "(the gradients and the loss are still checked). Raise memory_budget to at least %d bytes (%.2f MiB) to keep it",
-            live.nbytes(), live.nbytes() / MiB, budget, budget / MiB, need, need / MiB)
-
     def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
         """``check_update``: one fused norm over the updated parameters and floating optimizer
         state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
         and diagnose, then act. Returns ``True`` when the update was finite."""
-        state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
-        params = [p.detach() for g in self.optimizer.param_groups for p in g["params"]]
-        norm = fused_norm(params + state)
-        if norm is None or math.isfinite(norm.item()):
+        if UpdateCheck.finite(self.optimizer):
             return True
         post = None if self._actions.restores else self.snapshot_state(clone=True)
         restore_into(self.model, self.optimizer, pre)
@@ -526,18 +448,12 @@ class Recorder:
         host every step from now on, with a warning that says the budget the mode needs."""
         lagged = self._lagged
         assert lagged is not None
-        need, budget = self.ring.required, self.config.memory_budget
+        required = self.ring.required
         if lagged.pending:
             self._check_pending(final=False)
         self._lagged = None
-        lagged.close()
+        lagged.close(required)
         self.ring.capacity = self.config.capacity
-        logger.warning(
-            "nanreplay: check_every=%d keeps a device-side copy of the weights, optimizer state and gradients (%d bytes, %.2f "
-            "MiB), which memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the check reads its "
-            "verdict on the host every step from now on (check_every=1). Raise memory_budget to at least %d bytes (%.2f MiB) "
-            "to keep it sync-free", self.config.check_every, lagged.refused, lagged.refused / MiB, budget, budget / MiB, need,
-            need / MiB)
 
     # -- GradScaler ------------------------------------------------------------------------------
     def _on_scaler_skip(self, scale: float) -> None:
@@ -547,7 +463,7 @@ class Recorder:
         assert rec is not None and self._amp is not None
         rec.scaler_skipped = True
         rec.finite = False
-        rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
+        rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         loss = self._pending_loss
         rec.loss = float(loss) if loss is not None else None
         self._seal(rec)
@@ -576,16 +492,8 @@ class Recorder:
             extra["scaler"] = self.scaler.state_dict()
         return live_state(self.model, self.optimizer, clone=clone, extra=extra)
 
-    def _handle_nonfinite(
-        self,
-        rec: StepRecord,
-        grads: list,
-        bad_grad: bool,
-        bad_loss: bool,
-        *,
-        cause: Optional[dict] = None,
-        state: Optional[Snapshot] = None,
-    ) -> None:
+    def _handle_nonfinite(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, *, cause: Optional[dict] = None,
+                          state: Optional[Snapshot] = None) -> None:
         """``cause``: JSON merged into the bundle's ``reason``; its ``"message"`` replaces the
         opening words of the error message (used for GradScaler and cross-rank decisions).
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
@@ -618,44 +526,16 @@ class Recorder:
         return self.snapshot_state(clone=False)
 
 
-def unwrap_ddp_only(model: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The ``DistributedDataParallel`` module in ``model``'s wrapper chain, if any."""
-    m = model
-    for _ in range(8):
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
-            return m
-        m = getattr(m, "module", None) or getattr(m, "_orig_mod", None)
-        if not isinstance(m, torch.nn.Module):
-            return None
-    return None
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """``optimizer``, or the ``torch.optim.Optimizer`` a wrapper holds as ``.optimizer``
+    (accelerate's ``AcceleratedOptimizer`` and similar).
 
-
-def _overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:
-    """The float64 2-norm of ``grads`` when every gradient is finite (the float32 norm overflowed),
-    else ``None``. Rare path: one ``_foreach_norm(inf)`` and one float64 pass."""
-    if not grads:
-        return None
-    maxes = fused_norm(grads, ord=math.inf)
-    if maxes is None or not math.isfinite(float(maxes)):
-        return None
-    return math.sqrt(sum(float(torch.linalg.vector_norm(g.detach().double(), 2)) ** 2 for g in grads))
-
-
-def _lr_value(lr: Any) -> Any:
-    """A param group's learning rate as kept in the ring buffer: a float as is; a tensor (fused
-    or capturable optimizers, some schedulers) as a detached copy on its device, because
-    ``float()`` of a CUDA tensor would be a host sync every step. Converted at dump time."""
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
-
-
-def _autocast_state(*trees: Any) -> Optional[dict]:
-    """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
-    ``None`` outside autocast; replay runs the step under the same autocast."""
-    kinds = ["cpu"] + [t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.device.type != "cpu"][:1]
-    for dev in reversed(kinds):
-        try:
-            if torch.is_autocast_enabled(dev):
-                return {"device_type": dev, "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
-        except (TypeError, RuntimeError):  # a device type this torch has no autocast for
-            continue
-    return None
+    Raises:
+        TypeError: neither is a ``torch.optim.Optimizer``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return inner
