@@ -128,8 +128,11 @@ class RingBuffer:
         if nbytes + others + current > self.budget:
             self.required = nbytes + others + current
             return False
-        held = (self._kept[name].nbytes() if name in self._kept else 0) + (self.pool.nbytes() if from_pool else 0)
-        self.evict(extra=max(0, nbytes - held))
+        reused = (self._kept[name].nbytes() if name in self._kept else 0) + (self.pool.nbytes() if from_pool else 0)
+        extra = max(0, nbytes - reused)
+        steps = sum(self.bytes_of(r) for r in self._steps if r is not self.current)  # cached: no walk
+        if steps + current + self.kept_bytes() + extra > self.budget:
+            self.evict(extra=extra)
         return True
 
     # -- bytes -----------------------------------------------------------------------------------
@@ -140,9 +143,10 @@ class RingBuffer:
         snapshot is counted apart, since eviction drops it first."""
         n = self._cache.get(r.step) if r is not self.current else None
         if n is None:
-            trees = [r.batches, [(fw.inputs, fw.cotangent) for fw in r.forwards], r.buffers]
+            trees = [fw.inputs for fw in r.forwards] + [r.batches] + [fw.cotangent for fw in r.forwards if fw.cotangent is not None]
             live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
-            n = storage_bytes(pytree.tree_leaves(trees), exclude=live)
+            leaves = [t for tree in trees for t in pytree.tree_leaves(tree)] + list((r.buffers or {}).values())
+            n = storage_bytes(leaves, exclude=live)
             if r is not self.current:
                 self._cache[r.step] = n
         return n + (r.snapshot.nbytes() if r.snapshot is not None else 0)

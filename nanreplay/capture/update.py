@@ -18,6 +18,7 @@ import math
 from typing import Any, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..core.numerics import fused_norm, is_float
 from ..format.records import Snapshot
@@ -45,7 +46,7 @@ class UpdateCheck:
     def keep(self, live: Snapshot) -> None:
         """Copy ``live`` (references to the pre-step state) into the recycled slot when it fits in
         the budget beside the step in progress; else turn the check off, with a warning."""
-        need = live.nbytes()
+        need = _copy_bytes(live)
         if self.ring.reserve("check_update", need, from_pool=True):
             self.ring.keep("check_update", self.ring.pool.take(live))
             return
@@ -73,3 +74,12 @@ class UpdateCheck:
         params = [p.detach() for g in optimizer.param_groups for p in g["params"]]
         norm = fused_norm(params + state)
         return norm is None or math.isfinite(norm.item())
+
+
+def _copy_bytes(live: Snapshot) -> int:
+    """Bytes a copy of ``live`` takes (what ``live.nbytes()`` says), without flattening the
+    optimizer's ``state_dict`` with pytree every step: ``state`` is ``{index: {key: value}}``."""
+    opt_state = (live.optimizer or {}).get("state", {})
+    tensors = [*live.params.values(), *live.buffers.values(), *(v for st in opt_state.values() for v in st.values()),
+               *pytree.tree_leaves(live.extra)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
