@@ -340,11 +340,12 @@ def _storage_bytes_held(rec: Recorder, model: nn.Module) -> int:
         add([r.batches, r.buffers, [(fw.inputs, fw.cotangent) for fw in r.forwards]])
         if r.snapshot is not None:
             add([r.snapshot.params, r.snapshot.buffers, r.snapshot.optimizer, r.snapshot.extra])
-    add([s.tensors for s in rec._pool._free])
-    if rec._pre_update is not None:
-        add([rec._pre_update.params, rec._pre_update.buffers, rec._pre_update.optimizer])
-    if rec._latch is not None:
-        add([rec._latch.params, rec._latch.opt, rec._latch.grads])
+    add([s.tensors for s in rec.ring.pool._free])
+    pre = rec.ring._kept.get("check_update")  # the copy's only owner is the ring
+    if pre is not None:
+        add([pre.params, pre.buffers, pre.optimizer])
+    if rec._lagged is not None:
+        add([rec._lagged.latch.params, rec._lagged.latch.opt, rec._lagged.latch.grads])
     return total
 
 
@@ -389,3 +390,84 @@ def test_a_snapshot_larger_than_the_budget_is_refused_once_with_a_warning(out_di
         assert rec.ring.snapshots_refused
     warnings = [r for r in caplog.records if "does not fit in memory_budget" in r.getMessage()]
     assert len(warnings) == 1
+
+
+MiB = 1 << 20
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128))  # 98,688 params: 0.38 MiB in float32
+
+
+def _train_and_measure(model, opt, rec, steps: int, *, rows: int = 256, nan_at: int = -1) -> list[int]:
+    """Train ``steps`` steps with a fresh (rows, 256) batch each (256 KiB for 256 rows, plus a
+    (rows, 128) cotangent); after each, the bytes held counted storage by storage."""
+    held = []
+    for i in range(steps):
+        x = torch.randn(rows, 256)
+        rec.record(x)
+        loss = model(x).pow(2).mean() * (float("nan") if i == nan_at else 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        held.append(_storage_bytes_held(rec, model))
+    return held
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(check_update=True), dict(check_every=4), dict(check_every=8)],
+                         ids=["plain", "check_update", "check_every=4", "check_every=8"])
+def test_memory_budget_is_a_cap_in_every_mode(out_dir, opts, caplog):
+    """4 MiB, 16 steps of capacity, 384 KiB of batch and cotangent per step, Adam: without the cap
+    the ring would hold 6 MiB plus the mode's copy (check_update: 1.1 MiB; check_every: the latch,
+    1.5 MiB, and up to 8 unchecked steps, 3 MiB). Counted storage by storage after every step,
+    the Recorder holds at most the budget, and every mode stays on (check_every=8: the unchecked
+    steps are read early when they alone keep the ring over budget)."""
+    model = _wide_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    with Recorder(model, opt, out_dir=out_dir, capacity=16, memory_budget=4 * MiB, diagnose=False, **opts) as rec:
+        held = _train_and_measure(model, opt, rec, 20)
+        assert max(held) <= 4 * MiB, [h / MiB for h in held]
+        assert rec.held_bytes() == held[-1]  # what the Recorder counts is what it holds
+        assert 3 * MiB < max(held) and len(rec.ring) < 16  # the budget, not the capacity, was the binding limit
+        assert (rec._update is not None and rec._update.on) == opts.get("check_update", False)
+        assert (rec._lagged is not None) == ("check_every" in opts)
+    assert not [r for r in caplog.records if "memory_budget" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode, need, fix", [
+    (dict(check_update=True), 394752, "use check_update=False"),
+    (dict(check_every=4), 789504, "use check_every=1"),
+], ids=["check_update", "check_every"])
+def test_a_mode_whose_copy_cannot_fit_is_refused_at_construction(out_dir, mode, need, fix):
+    model = _wide_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    name = "check_update=True" if "check_update" in mode else "check_every=4"
+    what = ("one copy of the weights, buffers and optimizer state" if "check_update" in mode
+            else "one device-side copy of the weights, optimizer state and gradients")
+    with pytest.raises(ValueError) as e:
+        Recorder(model, opt, out_dir=out_dir, memory_budget=300_000, **mode)
+    assert str(e.value) == (
+        f"memory_budget=300000 bytes (0.29 MiB) cannot hold what {name} keeps: {what}, {need} bytes ({need / MiB:.2f} MiB) "
+        f"for this model and optimizer (more once the optimizer creates its state); raise memory_budget to at least "
+        f"{need} bytes ({need / MiB:.2f} MiB), or {fix}"
+    )
+    Recorder(model, opt, out_dir=out_dir, memory_budget=need, **mode).close()  # the minimum it names is enough to start
+
+
+@pytest.mark.parametrize("mode", [dict(check_update=True), dict(check_every=4)], ids=["check_update", "check_every"])
+def test_a_copy_that_outgrows_the_budget_turns_its_mode_off_once_and_the_check_goes_on(out_dir, mode, caplog):
+    """Adam creates its state at its first step: the copy then needs 3x (check_update) or 4x
+    (check_every) the parameter bytes, past the 1 MiB budget that passed at construction. The
+    mode is turned off at that step with one warning naming the budget it needs, the cap holds,
+    and a later non-finite gradient is still caught at its own step."""
+    model = _wide_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    with Recorder(model, opt, out_dir=out_dir, memory_budget=MiB, diagnose=False, **mode) as rec:
+        with pytest.raises(NonFiniteGradientError) as e:
+            _train_and_measure(model, opt, rec, 6, rows=16, nan_at=4)
+        assert e.value.step == 4 and rec.nonfinite_steps == [4]
+        assert (rec._update is None or not rec._update.on) and rec._lagged is None
+        assert _storage_bytes_held(rec, model) <= MiB
+    warnings = [r.getMessage() for r in caplog.records if "cannot hold beside the step in progress" in r.getMessage()]
+    assert len(warnings) == 1 and "Raise memory_budget to at least" in warnings[0], warnings

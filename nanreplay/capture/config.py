@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 __all__ = ["RecorderConfig", "ACTIONS"]
 
-#: what the Recorder does on a non-finite step
+#: what the Recorder does on a non-finite step: the names of :data:`nanreplay.capture.actions.ACTIONS`
 ACTIONS = ("raise", "skip", "warn")
 
 
@@ -31,11 +31,18 @@ class RecorderConfig:
             snapshot (about 3x the parameter bytes for Adam) in time and memory; ``nanreplay
             bisect`` needs it to compare the failing step with an earlier, finite one. The failing
             step's own pre-step state is always saved, at no per-step cost.
-        memory_budget: bytes the ring buffer may keep alive beyond what training holds anyway:
-            past steps' batches and forward inputs (a kept reference holds the loader's tensor
-            too), cotangents, copied buffers, weight snapshots, recycled snapshot slots.
-            Oldest snapshots, then oldest steps, are evicted to stay within it; the step in
-            progress is kept whole (``held_bytes()`` says what is held now).
+        memory_budget: bytes the Recorder may keep alive beyond what training holds anyway, a cap
+            in every mode: past steps' batches and forward inputs (a kept reference holds the
+            loader's tensor too), cotangents, copied buffers, weight snapshots, the recycled
+            snapshot slot, ``check_update``'s pre-step copy and ``check_every``'s latch. Oldest
+            snapshots, the spare slot, then oldest steps are evicted to stay within it; the step
+            in progress is kept whole, and unchecked steps (``check_every``) are read early
+            rather than evicted (``held_bytes()`` says what is held now). A budget below the copy
+            ``check_update`` or ``check_every`` needs is refused at construction (``ValueError``
+            with the minimum in bytes and MiB); when optimizer state created at its first step
+            makes the copy outgrow the budget, that mode is turned off with one warning naming
+            the budget it needs (``check_update`` stops; ``check_every`` reads on the host every
+            step).
         out_dir: directory for bundles (created on first dump).
         bundle_format: ``"h5"`` (HDF5) or ``"safetensors"``.
         max_consecutive: with ``action="skip"``, raise after this many consecutive skipped steps.
@@ -134,8 +141,10 @@ class RecorderConfig:
         for r in self.allow_nonfinite:
             if not isinstance(r, AllowRule):
                 AllowRule.parse(str(r))  # raises ValueError naming the bad rule
-        if self.action not in ACTIONS:
-            raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
+        from .actions import ACTIONS as table
+
+        if self.action not in table:
+            raise ValueError(f"action must be one of {tuple(table)}, got {self.action!r}")
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1 step, got {self.capacity}")
         if self.snapshot_every < 0:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankContext", "register_origin_hook", "unwrap_model", "rank_summary"]
+__all__ = ["RankContext", "register_origin_hook", "unwrap_model", "unwrap_ddp_only", "rank_summary"]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -48,6 +48,18 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, wrappers):
         model = model.module
     return model
+
+
+def unwrap_ddp_only(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The ``DistributedDataParallel`` module in ``model``'s wrapper chain, if any."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            return m
+        m = getattr(m, "module", None) or getattr(m, "_orig_mod", None)
+        if not isinstance(m, torch.nn.Module):
+            return None
+    return None
 
 
 class RankContext:

@@ -26,10 +26,15 @@ import sys
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils import _pytree as pytree
+
+from ..core.numerics import is_float
+from ..core.tree import flatten_typed
+from ..format.records import ForwardRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["unwrap_model", "ForwardTap"]
+__all__ = ["unwrap_model", "ForwardTap", "keep_cotangent", "autocast_state"]
 
 
 def _optimized_module_type() -> Optional[type]:
@@ -204,3 +209,34 @@ class ForwardTap:
             if self._wrapped.__dict__.get("_compiled_call_impl") is not None:
                 self._wrapped._compiled_call_impl = self._orig_impl
             self._wrapped = None
+
+
+def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
+    """Keep the gradient w.r.t. each floating output of a forward in ``fw.cotangent`` (same tree
+    as ``output``), through a tensor hook that fires in the backward pass."""
+    leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
+    # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
+    cot: list[Any] = [None] * len(leaves)
+    fw.cotangent = pytree.tree_unflatten(cot, spec)
+
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
+
+            def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw) -> None:
+                cot[i] = g.detach()
+                fw.cotangent = pytree.tree_unflatten(cot, spec)
+
+            t.register_hook(hook)
+
+
+def autocast_state(*trees: Any) -> Optional[dict]:
+    """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
+    ``None`` outside autocast; replay runs the step under the same autocast."""
+    kinds = ["cpu"] + [t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.device.type != "cpu"][:1]
+    for dev in reversed(kinds):
+        try:
+            if torch.is_autocast_enabled(dev):
+                return {"device_type": dev, "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+        except (TypeError, RuntimeError):  # a device type this torch has no autocast for
+            continue
+    return None

@@ -1,21 +1,52 @@
 """The sync-free check (``check_every=N > 1``): the verdict stays on the device, like
 GradScaler's ``found_inf``, and the host reads it once every N steps.
 
-A device-side latch keeps the first non-finite step's pre-step weights, optimizer state and
-gradients until the host reads the verdicts, so its bundle holds the same content as with a
-per-step check. :func:`nonfinite_flag` is the device-side verdict of one step.
+:class:`LaggedCheck` owns the mode's state: the steps whose verdict is still on the device (their
+grad norm and loss as device scalars, the steps pinned in the ring buffer until read) and the
+:class:`Latch`, a device-side slot that keeps the first non-finite step's pre-step weights,
+optimizer state and gradients until the host reads the verdicts, so its bundle holds the same
+content as with a per-step check. :func:`nonfinite_flag` is the device-side verdict of one step.
+
+Memory: the latch (params + optimizer state + gradients) counts against ``memory_budget`` in the
+ring buffer. When it would have to grow (the optimizer creates its state at its first step) past
+what the budget can hold beside the step in progress, :meth:`LaggedCheck.push` says so and the
+Recorder falls back to the per-step check. Unchecked steps are never evicted; when they alone keep
+the ring over its budget, the Recorder reads their verdicts early (one host sync) so they can be.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import logging
+import math
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..format.records import Snapshot, StepRecord
+from .ring import MiB
 
-__all__ = ["Latch", "nonfinite_flag"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["LaggedCheck", "Latch", "check_combination", "nonfinite_flag"]
+
+
+def check_combination(config: Any, *, scaler: Any) -> None:
+    """Refuse ``check_every > 1`` with what it does not combine with yet.
+
+    Raises:
+        ValueError: with torch.distributed initialised, a GradScaler, or ``check_update=True``.
+    """
+    if config.check_every <= 1:
+        return
+    pg = torch.distributed.is_available() and torch.distributed.is_initialized()
+    clash = [n for n, on in (("torch.distributed", pg), ("a GradScaler", scaler is not None), ("check_update=True", config.check_update)) if on]
+    if clash:
+        raise ValueError(
+            f"check_every={config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
+            "use check_every=1 there (one host read per step)"
+        )
 
 
 def nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -56,9 +87,12 @@ class Latch:
         self.opt: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
 
-    def update(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads: list, bad: torch.Tensor) -> None:
+    def update(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads: list, bad: torch.Tensor, *,
+               room: Optional[Callable[[int], bool]] = None) -> bool:
         """Move the latch for one step: ``grads`` are its ``(fqn, gradient)`` pairs, ``bad`` its
-        0-dim bool device flag (non-finite grad norm or loss). No host sync, but on a layout change."""
+        0-dim bool device flag (non-finite grad norm or loss). No host sync, but on a layout change.
+        ``room(nbytes)``: asked before the slot is (re)allocated; when it says no, nothing changes
+        and ``False`` is returned."""
         params = [(n, p.detach()) for n, p in model.named_parameters()]
         opt_leaves, opt_spec = pytree.tree_flatten(optimizer.state_dict()["state"])
         opt_t = [t for t in opt_leaves if isinstance(t, torch.Tensor)]
@@ -68,7 +102,9 @@ class Latch:
         if key != self.key:
             if self.latched is not None and bool(self.latched):  # layout change after a latch: keep it frozen
                 self.latched = self.latched | bad
-                return
+                return True
+            if room is not None and not room(sum(t.numel() * t.element_size() for t in [p for _, p in params] + opt_t + g)):
+                return False
             self.key, self.names, self.live_spec = key, [n for n, _ in grads], opt_spec
             self.params = [p.clone() for _, p in params]
             self.opt = [t.clone() for t in opt_t]
@@ -79,6 +115,7 @@ class Latch:
             for dst, src in zip(self.params + self.opt + self.grads, [p for _, p in params] + opt_t + g):
                 torch.where(keep.to(dst.device), dst, src.detach(), out=dst)
         self.latched = self.latched | bad
+        return True
 
     def reset(self) -> None:
         """Open the latch again after a host check; the slot's tensors are kept for reuse."""
@@ -107,3 +144,90 @@ class Latch:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.params + self.opt + self.grads)
+
+
+class LaggedCheck:
+    """The sync-free check's state: the latch, and the steps whose verdict is still on the device.
+
+    Args:
+        every: ``check_every``, the steps between host reads.
+        ring: the ring buffer: it pins the unchecked steps and counts the latch (as ``"latch"``).
+
+    Attributes:
+        latch: the :class:`Latch`. refused: bytes the latch needed when :meth:`push` refused it.
+    """
+
+    def __init__(self, every: int, ring: Any) -> None:
+        self.every = every
+        self.ring = ring
+        self.latch = Latch()
+        self.refused = 0
+        self._pending: list[tuple[StepRecord, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+
+    @property
+    def pending(self) -> list[StepRecord]:
+        """The steps whose verdict is still on the device, oldest first."""
+        return [r for r, _, _ in self._pending]
+
+    def push(self, rec: StepRecord, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer, grads: list) -> bool:
+        """Keep step ``rec``'s grad norm and loss (device scalars) unread and move the latch. No
+        host sync. Returns ``False``, keeping nothing, when the latch would have to grow past what
+        the memory budget can hold (then :attr:`refused` says how many bytes it needed)."""
+
+        def room(nbytes: int) -> bool:
+            if self.ring.reserve("latch", nbytes):
+                return True
+            self.refused = nbytes
+            return False
+
+        bad = nonfinite_flag(norm, loss)
+        if bad is not None:
+            if not self.latch.update(model, optimizer, grads, bad, room=room):
+                return False
+            self.ring.keep("latch", self.latch)
+        self._pending.append((rec, norm, loss))
+        self.ring.pin(rec)
+        return True
+
+    def due(self) -> bool:
+        """Whether ``every`` steps wait for their verdict."""
+        return len(self._pending) >= self.every
+
+    def read(self) -> Optional[StepRecord]:
+        """Read every pending verdict (one host sync) into its step's ``grad_norm``, ``loss`` and
+        ``finite``, and unpin the steps. Returns the first non-finite step, whose pre-step state
+        and gradients the latch holds (the steps after it ran on corrupted weights: their
+        ``finite`` is ``None``); else ``None``, and the latch opens again."""
+        pending, self._pending = self._pending, []
+        vals = [t.detach().reshape(()).to(torch.float32) for _, norm, loss in pending for t in (norm, loss) if t is not None]
+        host = iter(torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else [])  # the one sync
+        first: Optional[StepRecord] = None
+        for r, norm, loss in pending:
+            self.ring.unpin(r)
+            r.grad_norm = next(host) if norm is not None else None
+            r.loss = next(host) if loss is not None else None
+            if first is not None:
+                r.finite = None  # ran on corrupted weights: its verdict says nothing
+                continue
+            r.finite = not any(v is not None and not math.isfinite(v) for v in (r.grad_norm, r.loss))
+            if not r.finite:
+                first = r
+        if first is None:
+            self.latch.reset()
+        return first
+
+    def close(self, required: int) -> None:
+        """The mode is over because its latch needed :attr:`refused` bytes, and the budget
+        ``required`` bytes with the step in progress: warn, free the latch, stop counting it."""
+        budget = self.ring.budget
+        logger.warning(
+            "nanreplay: check_every=%d keeps a device-side copy of the weights, optimizer state and gradients (%d bytes, %.2f "
+            "MiB), which memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the check reads its "
+            "verdict on the host every step from now on (check_every=1). Raise memory_budget to at least %d bytes (%.2f MiB) "
+            "to keep it sync-free", self.every, self.refused, self.refused / MiB, budget, budget / MiB, required, required / MiB)
+        for r, _, _ in self._pending:
+            self.ring.unpin(r)
+        self._pending = []
+        self.ring.release("latch")
+        self.latch = Latch()

@@ -1,25 +1,23 @@
-"""The Recorder: attaches to a live training loop, keeps a ring buffer of the last steps, and
-on the first non-finite gradient (or loss) dumps a self-contained bundle and diagnoses it.
+"""The Recorder: attaches to a live training loop, keeps a ring buffer of the last steps, and on
+the first non-finite gradient (or loss) dumps a self-contained bundle and diagnoses it.
 
-Hot path, per step, default options:
+It coordinates rooms with one job each. The walk of a step, default options:
 
-* the forward tap (:mod:`nanreplay.capture.forward`) on the top-level model: keep references to
-  the forward inputs (:mod:`nanreplay.capture.inputs`: checked later with the tensor version
-  counter, copied only once the loop is seen to reuse or modify a batch tensor in place), the RNG
-  states (host only, no device sync), and a tensor hook on each output to keep the cotangent;
-* the optimizer's step pre-hook: one fused ``_foreach_norm`` over all gradients and one host read
-  of one scalar (the grad norm, which is NaN/Inf iff some gradient is, or iff their 2-norm
-  overflows float32: the rare path tells the two apart).
+1. a forward (or :meth:`Recorder.record`) begins the step: RNG states (host only), step-start
+   buffers (:mod:`~nanreplay.capture.snapshots`), a :class:`StepRecord` in the ring buffer
+   (:mod:`~nanreplay.capture.ring`, which evicts to stay within ``memory_budget``); the forward tap
+   (:mod:`~nanreplay.capture.forward`) keeps the inputs (:mod:`~nanreplay.capture.inputs`: by
+   reference while safe) and a hook on each output for the cotangent;
+2. the optimizer's step pre-hook checks: one fused ``_foreach_norm``, one host read
+   (:mod:`~nanreplay.capture.check`; with ``check_every > 1`` none,
+   :mod:`~nanreplay.capture.lagged`; with ``check_update`` a pre-step copy,
+   :mod:`~nanreplay.capture.update`);
+3. on a non-finite step: the dump (:mod:`~nanreplay.capture.dump`: bundle, program, in-process
+   diagnosis), then the action (:data:`nanreplay.capture.actions.ACTIONS`: raise, skip, warn);
+4. the step post-hook ends the step (the update check, eviction).
 
-Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots
-(:mod:`nanreplay.capture.snapshots`): the failing step's pre-step weights and optimizer state are
-still in place when the step pre-hook fires, so they are written from where they are. With
-``check_every=N > 1`` the check is sync-free (:mod:`nanreplay.capture.lagged`).
-
-On a non-finite step the bundle is written first; then the step's program is exported
-(``embed_program``) and, with ``diagnose`` on, the step is replayed in process
-(:func:`nanreplay.diagnosis.api.diagnose_live`, within ``diagnose_timeout`` seconds), and the
-bundle is written again with both.
+Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
+the failing step's pre-step state is still in place when the pre-hook fires.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,21 +32,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
-from ..core.jsonable import fnum, jsonable
-from ..core.numerics import fused_norm, is_float
-from ..core.quiet import replay_quiet
+from ..core.numerics import fused_norm
 from ..core.rng import RNGState
 from ..core.state import load_buffers
-from ..core.tree import flatten_typed
-from ..errors import NonFiniteGradientError
-from ..format.bundle import write_bundle
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
+from .actions import Actions, Incident
 from .config import RecorderConfig
-from .forward import ForwardTap, unwrap_model
+from .dump import Dump, check_out_dir, model_info, shell_path
+from .check import lr_value, overflowed_norm, read_check, warn_explosion
+from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
 from .inputs import InputCapture
-from .lagged import Latch, nonfinite_flag
-from .ring import RingBuffer
-from .snapshots import SnapshotPool, StepStartBuffers, live_state, replace_snapshot, restore_into, storage_bytes
+from .lagged import LaggedCheck, check_combination
+from .ring import RingBuffer, check_budget
+from .snapshots import StepStartBuffers, live_state, restore_into
+from .update import UpdateCheck
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +78,11 @@ class Recorder:
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
 
+    Memory: ``memory_budget`` caps everything the Recorder keeps, in every mode (the ring buffer
+    counts it all and evicts). A budget below the copy ``check_update`` or ``check_every > 1``
+    needs raises ``ValueError`` here, naming the minimum; if the optimizer's state, created at its
+    first step, makes that copy outgrow the budget, the mode is turned off then, with a warning.
+
     Random streams: per-step capture only reads the RNG states (it never advances a generator),
     and the Recorder's own random work at a dump (program check, in-process diagnosis) draws
     from private generators when other threads are alive (:class:`~nanreplay.core.rng.ReplayRNG`),
@@ -113,27 +113,14 @@ class Recorder:
         TypeError / ValueError: bad arguments or options; ``out_dir`` is not a writable directory.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        loss_fn: Any = None,
-        model_factory: Any = None,
-        scaler: Any = None,
-        config: Optional[RecorderConfig] = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn: Any = None, model_factory: Any = None,
+                 scaler: Any = None, config: Optional[RecorderConfig] = None, **options: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer and similar wrappers
-            if not isinstance(inner, torch.optim.Optimizer):
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-            optimizer = inner
+        optimizer = _unwrap_optimizer(optimizer)
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
-        _check_out_dir(self.config.out_dir)
+        check_out_dir(self.config.out_dir)
         self.wrapper = model
         self.model = unwrap_model(model)
         self.optimizer = optimizer
@@ -143,46 +130,36 @@ class Recorder:
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
         self._module_names = list(self.model.named_modules())  # walked once, not per step
-        if self.config.check_every > 1:
-            pg = torch.distributed.is_available() and torch.distributed.is_initialized()
-            clash = [n for n, on in (("torch.distributed", pg), ("a GradScaler", scaler is not None), ("check_update=True", self.config.check_update)) if on]
-            if clash:
-                raise ValueError(
-                    f"check_every={self.config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
-                    "use check_every=1 there (one host read per step)"
-                )
+        check_combination(self.config, scaler=scaler)
+        check_budget(self.config, self.model, optimizer)
 
-        # what the ring buffer keeps, and how
-        self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
-                               held=self._held, on_drop=self._on_drop, on_snapshot_drop=self._drop_snapshot)
+        # what the ring buffer keeps (all of the memory budget), and the modes that add to it
         self._inputs = InputCapture(self.config.copy_batch)
+        self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
+                               model=self.model, inputs=self._inputs)
         self._buffers = StepStartBuffers(self.model)
-        self._pool = SnapshotPool()
-        self._latch: Optional[Latch] = None         # the sync-free mode's device-side evidence slot
-        self._pending: list[StepRecord] = []        # steps whose verdict is still on the device
-        self._pre_update: Optional[Snapshot] = None  # check_update: pre-step weights + state
+        self._lagged = LaggedCheck(self.config.check_every, self.ring) if self.config.check_every > 1 else None
+        self._update = UpdateCheck(self.ring) if self.config.check_update else None
 
         # the step in progress and the outcomes so far
         self.step = 0
-        self._current: Optional[StepRecord] = None
         self._provisional = False                   # the step in progress was begun in eval mode
         self._pending_loss: Optional[torch.Tensor] = None
-        self.bundles: list[Path] = []
-        self._dump_attempts = 0                     # dumps tried, failed ones included (max_dumps bounds them)
-        self.last_diagnosis: Optional[dict] = None
-        self.skipped = 0                            # consecutive skipped steps
         self.nonfinite_steps: list[int] = []
-        self._skip_versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
-        self._replaying = False                     # set while the in-process diagnosis replays on the live model
         self.extra_meta: dict[str, Any] = {}
         self._closed = False
 
         # hooks, each behind a handle this Recorder owns
         self._handles: list[Any] = []
-        from .ddp import RankContext
+        from .ddp import RankContext, unwrap_ddp_only
 
         self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
                                        optimizer=optimizer, step=lambda: self.step)
+        self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
+                          loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
+                          extra_meta=self.extra_meta)
+        self._actions = Actions(self.config.action, optimizer, dump=self._dump, max_consecutive=self.config.max_consecutive,
+                                param_fqn=self._param_fqn)
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
@@ -200,6 +177,26 @@ class Recorder:
             self.dist.attach_origin_hook(ddp)
 
     @property
+    def _current(self) -> Optional[StepRecord]:
+        """The step in progress, else ``None``."""
+        return self.ring.current
+
+    @property
+    def bundles(self) -> list[Path]:
+        """Paths of the bundles written so far."""
+        return self._dump.bundles
+
+    @property
+    def last_diagnosis(self) -> Optional[dict]:
+        """The diagnosis dict of the last in-process diagnosis, else ``None``."""
+        return self._dump.last_diagnosis
+
+    @property
+    def skipped(self) -> int:
+        """Consecutive steps skipped so far (``action="skip"``)."""
+        return self._actions.skipped
+
+    @property
     def scaler_skips(self) -> int:
         """Steps the GradScaler skipped for non-finite gradients so far (0 without a scaler)."""
         return self._amp.total_skips if self._amp is not None else 0
@@ -209,7 +206,7 @@ class Recorder:
         """Remove every hook this Recorder registered. Idempotent. With ``check_every > 1``, first
         reads the verdicts still on the device (one host sync) and dumps a bundle for a
         non-finite step among them; it logs instead of raising."""
-        if self._pending and not self._closed:
+        if self._lagged is not None and self._lagged.pending and not self._closed:
             try:
                 self._check_pending(final=True)
             except Exception:  # close() runs from __exit__, often while another error propagates
@@ -232,7 +229,7 @@ class Recorder:
         """Capture an explicit batch (any nesting of tuples, lists, dicts, dataclasses; tensors
         and plain values as leaves) for the step in progress. Call it once per micro-batch,
         before its forward, in loops whose loss needs more than the model inputs."""
-        if self._replaying or self._closed:
+        if self._dump.replaying or self._closed:
             return
         rec = self._begin_step()
         rec.batches.append(self._inputs.capture(batch, rec.step))
@@ -245,11 +242,9 @@ class Recorder:
 
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
-        ``memory_budget``: the storages of kept batches (a view keeps its whole storage alive),
-        cotangents, copied step-start buffers and weight snapshots of the steps held, plus the
-        recycled snapshot slot, the sync-free latch and the ``check_update`` copy. Host cost: a
-        walk over the ring's tensors, no device sync."""
-        return self.ring.held_bytes(current=self._current) + self._extra_bytes()
+        ``memory_budget`` (:mod:`nanreplay.capture.ring` lists them). Host cost: a walk over the
+        ring's tensors, no device sync."""
+        return self.ring.held_bytes()
 
     # -- steps ---------------------------------------------------------------------------------
     def _begin_step(self, *, capture: bool = True) -> StepRecord:
@@ -269,10 +264,9 @@ class Recorder:
         se = self.config.snapshot_every
         if se and self.step % se == 0 and not self.ring.snapshots_refused:
             self.ring.make_room()  # evict first, so its slot can be reused
-            rec.snapshot = self._pool.take(self.snapshot_state(clone=False))
-        self._current = rec
-        self.ring.append(rec)
-        self._evict()
+            rec.snapshot = self.ring.pool.take(self.snapshot_state(clone=False))
+        self.ring.begin(rec)
+        self.ring.evict()
         return rec
 
     def _restart_step(self, rec: StepRecord) -> None:
@@ -292,35 +286,22 @@ class Recorder:
 
     def _on_forward_pre(self, args: tuple, kwargs: dict) -> None:
         # forwards without autograd (evaluation under no_grad) are not part of a training step
-        if self._replaying or self._closed or not torch.is_grad_enabled():
+        if self._dump.replaying or self._closed or not torch.is_grad_enabled():
             return
         rec = self._begin_step()
         if rec.autocast is None:
-            rec.autocast = _autocast_state(args, kwargs)
+            rec.autocast = autocast_state(args, kwargs)
         # a later micro-batch: the loop may have drawn random numbers since the step began
         rng = RNGState.capture() if rec.forwards else None
         rec.forwards.append(ForwardRecord(inputs=self._inputs.capture((args, kwargs), rec.step), rng=rng))
 
     def _on_forward(self, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._replaying or self._closed or not torch.is_grad_enabled():
+        if self._dump.replaying or self._closed or not torch.is_grad_enabled():
             return
         rec = self._current
         if rec is None or not rec.forwards or not self.config.capture_cotangent:
             return
-        fw = rec.forwards[-1]
-        leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
-        # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
-        cot: list[Any] = [None] * len(leaves)
-        fw.cotangent = pytree.tree_unflatten(cot, spec)
-
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
-
-                def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw) -> None:
-                    cot[i] = g.detach()
-                    fw.cotangent = pytree.tree_unflatten(cot, spec)
-
-                t.register_hook(hook)
+        keep_cotangent(rec.forwards[-1], output)
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad)
@@ -350,17 +331,22 @@ class Recorder:
             return True
         self._tap.check()
         rec = self._begin_step(capture=False)
-        rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
-        if self.config.check_every > 1:
-            return self._check_lagged(rec)
+        rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
         loss = self._pending_loss if self.config.check_loss else None
         self._pending_loss = None
-        rec.grad_norm, rec.loss, agreed = self._read_check(norm, loss)
+        if self._lagged is not None:
+            if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
+                self._seal(rec)
+                if self._lagged.due():
+                    self._check_pending(final=False)
+                return None
+            self._lagged_off()
+        rec.grad_norm, rec.loss, agreed = read_check(norm, loss, self.dist)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         if bad_grad and math.isinf(rec.grad_norm) and agreed is None:
-            wide = _overflowed_norm([g for _, g in grads])
+            wide = overflowed_norm([g for _, g in grads])
             if wide is not None:  # every gradient is finite: the float32 2-norm overflowed
                 rec.grad_norm = wide
                 bad_grad = False
@@ -371,45 +357,18 @@ class Recorder:
         if self._amp is not None:
             self._amp.on_checked(rec.finite)
         if rec.finite:
-            self.skipped = 0
-            if self.config.check_update:
-                self._pre_update = self._pool.take(self.snapshot_state(clone=False))  # recycled slot
+            self._actions.finite()
+            if self._update is not None and self._update.on:
+                self._update.keep(self.snapshot_state(clone=False))
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
 
     def _on_explosion(self, rec: StepRecord, grads: list) -> None:
         """A step whose finite gradients have a float32 2-norm that overflows (sum of squares)."""
-        history = [(r.step, r.grad_norm) for r in self.ring.upto(rec.step) if r.grad_norm is not None]
-        largest = max(grads, key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
-        logger.warning(
-            "nanreplay: step %d: exploding gradients: every gradient is finite, but the float32 2-norm overflows (the sum of "
-            "squares passes float32's range; in float64 the norm is %.4g; largest |gradient| %.4g in %s); grad norms of the "
-            "steps held: %s. Training goes on; the bundle is written at the first non-finite gradient%s",
-            rec.step, rec.grad_norm, float(largest[1].detach().abs().max()), largest[0],
-            ", ".join(f"{k}: {v:.3g}" for k, v in history), "" if not self.config.dump_on_explosion else " (and now: dump_on_explosion)")
-        if self.config.dump_on_explosion and self._dump_attempts < self.config.max_dumps:
-            self._dump(rec, grads, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
-
-    def _read_check(self, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[Optional[float], Optional[float], Optional[bool]]:
-        """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
-        finiteness is ``None`` outside torch.distributed; inside, the ranks' flags are all-reduced
-        on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`)."""
-        present = [t for t in (norm, loss) if t is not None]
-        if self.dist is None and not present:
-            return None, None, None
-        device = present[0].device if present else self.dist.device()
-        parts = [t.to(device, torch.float32).reshape(1) for t in present]
-        flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
-        n = len(parts)
-        if self.dist is not None:
-            flat = torch.cat([flat, self.dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])
-        vals = flat.tolist()  # the one host read
-        it = iter(vals[:n])
-        g = next(it) if norm is not None else None
-        lo = next(it) if loss is not None else None
-        agreed = self.dist.decide(vals[n:]) if self.dist is not None else None
-        return g, lo, agreed
+        warn_explosion(rec, grads, self.ring.upto(rec.step), dumping=self.config.dump_on_explosion)
+        if self.config.dump_on_explosion and self._dump.allowed:
+            self._dump(rec, grads, self._live, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
 
     def _seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
@@ -420,148 +379,51 @@ class Recorder:
     def end_step(self) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
         ``self.step + 1``. The optimizer step post-hook calls it."""
-        pre, self._pre_update = self._pre_update, None
+        pre = self._update.take() if self._update is not None else None
         rec = self._current
-        self._verify_skip()
+        self._actions.verify_skip(self.step)
         self.step += 1
-        self._current = None
+        self.ring.end()
         self._pending_loss = None
         if pre is not None and rec is not None and self._check_update(rec, pre):
-            self._pool.release(pre)  # only a finite step's copy goes back to the pool: a restored one may be aliased
-        self._evict()  # after the release: the recycled slot counts against the budget too
-
-    def _verify_skip(self) -> None:
-        """After a skipped step: the version counters prove the optimizer left every parameter
-        alone. Torch's optimizers skip parameters whose ``.grad`` is ``None``; one that updates
-        parameters regardless (weight decay on every parameter, a custom rule) is named."""
-        if not self._skip_versions:
-            return
-        changed = [self._param_fqn.get(id(p), "?") for p, v in self._skip_versions if p._version != v]
-        self._skip_versions = []
-        if changed:
-            logger.warning(
-                "nanreplay: action='skip' dropped the gradients of step %d, but %s changed %d parameter(s) anyway "
-                "(e.g. %s): this optimizer updates parameters without gradients, so the skip did not leave the "
-                "weights as they were; use action='raise' with it",
-                self.step, type(self.optimizer).__name__, len(changed), changed[:3],
-            )
-
-    # -- the ring buffer's memory --------------------------------------------------------------
-    def _held(self, r: StepRecord) -> int:
-        """Bytes step ``r`` keeps alive beyond what training holds anyway, its snapshot excluded:
-        the storages of its batches and forward inputs (a kept reference holds the loader's
-        tensor, and a view its whole storage), its cotangents and its copied buffers."""
-        trees = [fw.inputs for fw in r.forwards] + [r.batches] + [fw.cotangent for fw in r.forwards if fw.cotangent is not None]
-        live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
-        n = storage_bytes((t for tree in trees for t in pytree.tree_leaves(tree)), exclude=live)
-        return n + self._buffers.copied_bytes(r.buffers)
-
-    def _extra_bytes(self) -> int:
-        """Bytes held outside the ring's steps that count against the budget."""
-        n = self._pool.nbytes() + (self._latch.nbytes() if self._latch is not None else 0)
-        return n + (self._pre_update.nbytes() if self._pre_update is not None else 0)
-
-    def _on_drop(self, r: StepRecord, reuse: bool) -> None:
-        self._pool.release(r.snapshot, reuse=reuse)
-        self._inputs.forget(r.step)
-
-    def _drop_snapshot(self, r: StepRecord) -> None:
-        self._pool.release(r.snapshot, reuse=False)
-        r.snapshot = None
-
-    def _evict(self) -> None:
-        """Keep the ring buffer within ``capacity`` steps and ``memory_budget`` bytes (unchecked
-        steps of the sync-free mode are never evicted)."""
-        extra = self._extra_bytes()
-        if extra > self.config.memory_budget and self._pool.nbytes():
-            self._pool = SnapshotPool()  # the spare slot goes first
-            extra = self._extra_bytes()
-        self.ring.evict(extra=extra, protect={id(r) for r in self._pending}, current=self._current)
+            self._update.recycle(pre)
+        self.ring.evict()  # after the release: the recycled slot counts against the budget too
+        if self.ring.over_budget and self._lagged is not None and self._lagged.pending:
+            self._check_pending(final=False)  # only unchecked steps are left to evict: read their verdicts now (one sync)
+            self.ring.evict()
 
     # -- check_update ---------------------------------------------------------------------------
     def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
         """``check_update``: one fused norm over the updated parameters and floating optimizer
         state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
         and diagnose, then act. Returns ``True`` when the update was finite."""
-        state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
-        params = [p.detach() for g in self.optimizer.param_groups for p in g["params"]]
-        norm = fused_norm(params + state)
-        if norm is None or math.isfinite(norm.item()):
+        if UpdateCheck.finite(self.optimizer):
             return True
-        post = self.snapshot_state(clone=True) if self.config.action == "warn" else None
+        post = None if self._actions.restores else self.snapshot_state(clone=True)
         restore_into(self.model, self.optimizer, pre)
         grads = self._grads()
         self.nonfinite_steps.append(rec.step)
-        path = None
-        if self._dump_attempts < self.config.max_dumps:
-            path = self._dump(rec, grads, state=pre, update=True)
-        msg = (
-            f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad norm {rec.grad_norm})"
-            + self._outcome(path)
-        )
-        if self.config.action == "raise":
-            raise NonFiniteGradientError(msg + "; the pre-step weights and optimizer state were restored", step=rec.step,
-                                         bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis)
-        if self.config.action == "warn":
-            restore_into(self.model, self.optimizer, post)
-            logger.warning("nanreplay: %s; the update is kept (action='warn')", msg)
-            return False
-        logger.warning("nanreplay: %s; the update was undone (action='skip')", msg)
+        path = self._dump(rec, grads, pre, update=True) if self._dump.allowed else None
+        msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
+               f"norm {rec.grad_norm})" + self._dump.outcome(path))
+        if post is not None:
+            restore_into(self.model, self.optimizer, post)  # the action keeps the update
+        self._actions(Incident(rec.step, msg, path, self.last_diagnosis, update=True))
         return False
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
-    def _check_lagged(self, rec: StepRecord) -> None:
-        """Step pre-hook with ``check_every > 1``: keep this step's grad norm and loss on the
-        device, move the latch (copy this step's pre-step state and gradients into the slot unless
-        an earlier unchecked step was non-finite), and read every pending verdict on the host
-        once every ``check_every`` steps."""
-        grads = self._grads()
-        rec._norm_t = fused_norm([g for _, g in grads])  # type: ignore[attr-defined]
-        loss = self._pending_loss if self.config.check_loss else None
-        self._pending_loss = None
-        rec._loss_t = loss  # type: ignore[attr-defined]
-        bad = nonfinite_flag(rec._norm_t, loss)  # type: ignore[attr-defined]
-        if bad is not None:
-            if self._latch is None:
-                self._latch = Latch()
-            self._latch.update(self.model, self.optimizer, grads, bad)
-        self._pending.append(rec)
-        self._seal(rec)
-        if len(self._pending) >= self.config.check_every:
-            self._check_pending(final=False)
-
     def _check_pending(self, *, final: bool) -> None:
-        """Read the pending verdicts (one host sync) and handle the first non-finite step."""
-        pending, self._pending = self._pending, []
-        vals = []
-        for r in pending:
-            for t in (getattr(r, "_norm_t", None), getattr(r, "_loss_t", None)):
-                if t is not None:
-                    vals.append(t.detach().reshape(()).to(torch.float32))
-        host = iter(torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else [])  # the one sync
-        first: Optional[StepRecord] = None
-        for r in pending:
-            r.grad_norm = next(host) if getattr(r, "_norm_t", None) is not None else None
-            r.loss = next(host) if getattr(r, "_loss_t", None) is not None else None
-            r._norm_t = r._loss_t = None  # type: ignore[attr-defined]
-            bad = any(v is not None and not math.isfinite(v) for v in (r.grad_norm, r.loss))
-            r.finite = not bad
-            if bad and first is None:
-                first = r
-        latch = self._latch
+        """Read the pending verdicts (one host sync) and handle the first non-finite step: put
+        back its pre-step state from the latch (``raise``, ``skip``; for the diagnosis only with
+        ``warn``), dump, act."""
+        assert self._lagged is not None
+        first = self._lagged.read()
         if first is None:
-            self.skipped = 0
-            if latch is not None:
-                latch.reset()
+            self._actions.finite()
             return
-        after = False
-        for r in pending:
-            if after:
-                r.finite = None  # ran on corrupted weights: its verdict says nothing
-            after = after or r is first
-        assert latch is not None, "a non-finite step has gone through the latch"
+        latch = self._lagged.latch
         state = latch.snapshot(self.optimizer.state_dict(), first)
-        restore = self.config.action in ("raise", "skip")
+        restore = self._actions.restores
         saved = None
         if restore or self.config.diagnose:
             saved = None if restore else self.snapshot_state(clone=True)
@@ -571,14 +433,27 @@ class Recorder:
         try:
             if final:
                 self.nonfinite_steps.append(first.step)
-                if self._dump_attempts < self.config.max_dumps:
-                    self._dump(first, latch.grad_list(), bad_grad, bad_loss, state=state)
+                if self._dump.allowed:
+                    self._dump(first, latch.grad_list(), state, bad_grad=bad_grad, bad_loss=bad_loss)
                 return
             self._handle_nonfinite(first, latch.grad_list(), bad_grad, bad_loss, state=state)
         finally:
             if saved is not None:
                 restore_into(self.model, self.optimizer, saved)
             latch.reset()
+
+    def _lagged_off(self) -> None:
+        """The latch cannot grow to the size it needs within ``memory_budget``: read the verdicts
+        still on the device (all finite: nothing is latched when the latch grows) and check on the
+        host every step from now on, with a warning that says the budget the mode needs."""
+        lagged = self._lagged
+        assert lagged is not None
+        required = self.ring.required
+        if lagged.pending:
+            self._check_pending(final=False)
+        self._lagged = None
+        lagged.close(required)
+        self.ring.capacity = self.config.capacity
 
     # -- GradScaler ------------------------------------------------------------------------------
     def _on_scaler_skip(self, scale: float) -> None:
@@ -588,7 +463,7 @@ class Recorder:
         assert rec is not None and self._amp is not None
         rec.scaler_skipped = True
         rec.finite = False
-        rec.lrs = [_lr_value(g["lr"]) for g in self.optimizer.param_groups]
+        rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         loss = self._pending_loss
         rec.loss = float(loss) if loss is not None else None
         self._seal(rec)
@@ -617,31 +492,13 @@ class Recorder:
             extra["scaler"] = self.scaler.state_dict()
         return live_state(self.model, self.optimizer, clone=clone, extra=extra)
 
-    def _outcome(self, path: Optional[Path]) -> str:
-        """The part of a message that says where the bundle is and what the diagnosis found."""
-        summary = (self.last_diagnosis or {}).get("summary") if path else None
-        return (
-            (f"; bundle: {path}" if path else "; no bundle written")
-            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
-            + (f"; replay it with: nanreplay replay {_shell_path(path)}" if path else "")
-        )
-
-    def _handle_nonfinite(
-        self,
-        rec: StepRecord,
-        grads: list,
-        bad_grad: bool,
-        bad_loss: bool,
-        *,
-        cause: Optional[dict] = None,
-        state: Optional[Snapshot] = None,
-    ) -> None:
+    def _handle_nonfinite(self, rec: StepRecord, grads: list, bad_grad: bool, bad_loss: bool, *, cause: Optional[dict] = None,
+                          state: Optional[Snapshot] = None) -> None:
         """``cause``: JSON merged into the bundle's ``reason``; its ``"message"`` replaces the
         opening words of the error message (used for GradScaler and cross-rank decisions).
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
-        action = self.config.action
-        first = self._dump_attempts < self.config.max_dumps and (action == "raise" or self.skipped == 0)
+        first = self._dump.allowed and self._actions.dumps()
         cause = dict(cause or {})
         if self.dist is not None:
             info = self.dist.reason()
@@ -651,261 +508,34 @@ class Recorder:
             cause = {**self._amp.reason(bad_grad), **cause}
         path: Optional[Path] = None
         if first:
-            path = self._dump(rec, grads, bad_grad, bad_loss, cause, state=state)
+            path = self._dump(rec, grads, self._live if state is None else state, bad_grad=bad_grad, bad_loss=bad_loss, cause=cause)
         what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
         head = cause.get("message") or f"non-finite {what}"
-        msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._outcome(path) if first else "")
-        if action == "warn":
-            logger.warning("nanreplay: %s; the step proceeds (action='warn')", msg)
-            return
-        if state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
+        msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
+        if self._actions.restores and state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
             load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
-        if action == "raise":
-            raise NonFiniteGradientError(msg, step=rec.step, bundle_path=str(path) if path else None, diagnosis=self.last_diagnosis if first else None)
-        # skip: drop the gradients so the optimizer leaves weights and state untouched
-        self.skipped += 1
-        if self.skipped > self.config.max_consecutive:
-            raise NonFiniteGradientError(
-                f"{msg}; {self.skipped} consecutive steps skipped, more than max_consecutive="
-                f"{self.config.max_consecutive}: training is not recovering",
-                step=rec.step,
-                bundle_path=str(self.bundles[0]) if self.bundles else None,
-                diagnosis=self.last_diagnosis,
-            )
-        logger.warning("nanreplay: %s; skipping this optimizer step (%d in a row)", msg, self.skipped)
-        self._skip_versions = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        self._actions(Incident(rec.step, msg, path, self.last_diagnosis if first else None))
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
         ``state``: the pre-step state when it is no longer the live one (``check_update``,
         ``check_every > 1``); it is copied shallowly, never modified."""
-        state = replace_snapshot(self.snapshot_state(clone=False) if state is None else state)
-        if rec.buffers is not None:
-            state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
-        grad_tensors = {n: g.detach() for n, g in grads}
-        if self.dist is not None:
-            grad_tensors = self.dist.local_grads(grads, grad_tensors)
-        steps = self.ring.upto(rec.step)
-        for r in steps:
-            r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step
-            # a reference whose version counter moved no longer holds what the step saw
-            r.stale_inputs = self._inputs.stale(r.step)
-            if r.stale_inputs:
-                logger.warning("nanreplay: step %d's inputs were modified in place after capture; the bundle marks them stale", r.step)
-        group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
-        return BundleContent(
-            failing_step=rec.step,
-            steps=steps,
-            state=state,
-            grads=grad_tensors,
-            model_info=model_info(self.model),
-            optimizer_info={
-                "class": callable_path(type(self.optimizer)),
-                "param_groups_fqns": group_fqns,
-                "defaults": {k: jsonable(v) for k, v in self.optimizer.defaults.items()},
-            },
-            reason=reason,
-            model_factory=self.model_factory_path,
-            loss_fn=self.loss_fn_path,
-            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta},
-        )
+        return self._dump.content(rec, grads, reason, self.snapshot_state(clone=False) if state is None else state)
 
-    def _dump(self, rec: StepRecord, grads: list, bad_grad: bool = False, bad_loss: bool = False, cause: Optional[dict] = None, *,
-              state: Optional[Snapshot] = None, update: bool = False) -> Optional[Path]:
-        """Write the bundle of step ``rec``, then diagnose it in process and write it again with
-        the diagnosis. Never raises: a failure is logged and training goes on."""
-        self._dump_attempts += 1
-        t0 = time.perf_counter()
-        reason = {
-            "nonfinite_grad": bad_grad,
-            "nonfinite_loss": bad_loss,
-            "nonfinite_update": update,
-            "grad_norm": fnum(rec.grad_norm),
-            "loss": fnum(rec.loss),
-            "action": self.config.action,
-            **(cause or {}),
-        }
-        try:
-            content = self.bundle_content(rec, grads, reason, state)
-        except Exception:  # never let the recorder kill training by itself
-            logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
-            return None
-        path: Any = self.config.out_dir
-        try:
-            path = self._bundle_path(rec.step)
-            written = write_bundle(path, content)
-        except Exception:
-            logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
-                             "dumps tried)", rec.step, path, self._dump_attempts, self.config.max_dumps)
-            return None
-        self.bundles.append(written)
-        logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
-        amended = self.config.embed_program and self._embed_program(content, rec)
-        if self.config.diagnose:
-            amended = self._diagnose_into(content, written) or amended
-        if amended:
-            try:
-                write_bundle(written, content)
-            except Exception:
-                logger.exception("nanreplay: could not add the program and diagnosis to %s; the bundle stays as first written", written)
-        return written
-
-    def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
-        """Export the failing step as a program into ``content`` (see ``embed_program``). Never
-        raises; returns whether ``content`` changed."""
-        from ..engine.program import PROGRAM_META_KEY, program_content
-        from ..engine.verify import verify_program
-
-        t0 = time.perf_counter()
-        self._replaying = True  # export runs the module hooks with fake tensors: keep this recorder quiet
-        try:
-            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
-                meta, tensors = program_content(self.model, rec, self.loss_fn)
-                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
-            if unfaithful:
-                meta, tensors = {"kind": None, "error": unfaithful}, {}
-        except Exception as e:  # export must never cost training
-            meta, tensors = {"kind": None, "error": f"{type(e).__name__}: {e}"}, {}
-        finally:
-            self._replaying = False
-        content.extra_meta[PROGRAM_META_KEY] = meta
-        content.extra_tensors.update(tensors)
-        if meta and meta.get("kind"):
-            logger.info("nanreplay: exported step %d's %s program in %.2f s", rec.step, meta["kind"], time.perf_counter() - t0)
-        else:
-            logger.warning("nanreplay: could not embed step %d's program (%s); replay will need the model factory",
-                           rec.step, (meta or {}).get("error"))
-        return True
-
-    def _diagnose_into(self, content: BundleContent, path: Path) -> bool:
-        """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds, into
-        ``content.diagnosis`` (or, when it stops early, why into ``meta["diagnosis_error"]``);
-        returns whether ``content`` changed."""
-        from ..diagnosis.api import diagnose_live
-
-        step = content.failing_step
-        timeout = self.config.diagnose_timeout
-        logger.warning("nanreplay: diagnosing step %d in process%s (skip it with Recorder(..., diagnose=False); "
-                       "`nanreplay replay %s` does the same later)", step, f", at most {timeout:g} s" if timeout else "", _shell_path(path))
-        t0 = time.perf_counter()
-        last = [t0]
-
-        def progress(message: str) -> None:
-            now = time.perf_counter()
-            if now - last[0] >= 3.0:  # work over a few seconds is shown, not every stage
-                last[0] = now
-                logger.warning("nanreplay: diagnosis of step %d: %s (%.0f s)", step, message, now - t0)
-
-        self._replaying = True  # keep this recorder's own hooks quiet during the replay
-        try:
-            diag = diagnose_live(self.model, content, loss_fn=self.loss_fn, allow=self.config.allow_nonfinite,
-                                 progress=progress, timeout=timeout)
-        except Exception as e:
-            logger.warning("nanreplay: the in-process diagnosis of step %d stopped (%s: %s); the bundle %s holds everything: "
-                           "run `nanreplay replay %s`", step, type(e).__name__, e, path, _shell_path(path))
-            content.extra_meta["diagnosis_error"] = f"{type(e).__name__}: {e}"[:2000]  # the bundle says why it has none
-            return True
-        finally:
-            self._replaying = False
-        if self.dist is not None:
-            self.dist.annotate(diag)
-        self.last_diagnosis = content.diagnosis = diag
-        logger.warning("nanreplay: diagnosis of step %d (%.1f s): %s", step, time.perf_counter() - t0, diag.get("summary"))
-        return True
-
-    def _bundle_path(self, step: int) -> Path:
-        """A new bundle path in ``out_dir``: ``nanreplay-step{N}[-rank{r}of{w}].{ext}``, with a
-        ``-2``, ``-3``... suffix when a bundle of that name exists (never overwrite an older one)."""
-        ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
-        suffix = self.dist.name_suffix() if self.dist is not None else ""
-        out = Path(self.config.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"nanreplay-step{step}{suffix}{ext}"
-        n = 2
-        while path.exists():
-            path = out / f"nanreplay-step{step}{suffix}-{n}{ext}"
-            n += 1
-        return path
+    def _live(self) -> Snapshot:
+        return self.snapshot_state(clone=False)
 
 
-def unwrap_ddp_only(model: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The ``DistributedDataParallel`` module in ``model``'s wrapper chain, if any."""
-    m = model
-    for _ in range(8):
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
-            return m
-        m = getattr(m, "module", None) or getattr(m, "_orig_mod", None)
-        if not isinstance(m, torch.nn.Module):
-            return None
-    return None
-
-
-def _check_out_dir(out_dir: Any) -> None:
-    """``out_dir`` must be a directory that exists or can be created, and is writable.
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """``optimizer``, or the ``torch.optim.Optimizer`` a wrapper holds as ``.optimizer``
+    (accelerate's ``AcceleratedOptimizer`` and similar).
 
     Raises:
-        ValueError: it (or an ancestor) is a file, or it cannot be created or written; the message
-            says which path is in the way.
+        TypeError: neither is a ``torch.optim.Optimizer``.
     """
-    p = Path(out_dir)
-    probe = p
-    while not probe.exists() and probe.parent != probe:  # the nearest existing ancestor decides
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        where = "" if probe == p else f" (its ancestor {str(probe)!r} is a file)"
-        raise ValueError(f"out_dir={str(p)!r} cannot be a directory for bundles{where if where else ': it is a file'}; pass another out_dir")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = "it" if probe == p else f"its ancestor {str(probe)!r}"
-        raise ValueError(f"out_dir={str(p)!r} is not writable: {where} does not allow this user to write; pass an out_dir you can write to")
-
-
-def _shell_path(path: Any) -> str:
-    """``path`` as it can be pasted into a shell."""
-    import shlex
-
-    return shlex.quote(str(path))
-
-
-def _overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:
-    """The float64 2-norm of ``grads`` when every gradient is finite (the float32 norm overflowed),
-    else ``None``. Rare path: one ``_foreach_norm(inf)`` and one float64 pass."""
-    if not grads:
-        return None
-    maxes = fused_norm(grads, ord=math.inf)
-    if maxes is None or not math.isfinite(float(maxes)):
-        return None
-    return math.sqrt(sum(float(torch.linalg.vector_norm(g.detach().double(), 2)) ** 2 for g in grads))
-
-
-def _lr_value(lr: Any) -> Any:
-    """A param group's learning rate as kept in the ring buffer: a float as is; a tensor (fused
-    or capturable optimizers, some schedulers) as a detached copy on its device, because
-    ``float()`` of a CUDA tensor would be a host sync every step. Converted at dump time."""
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
-
-
-def model_info(model: torch.nn.Module) -> dict:
-    """Architecture facts stored in the bundle and checked by replay: class, parameter and buffer
-    FQNs with shape/dtype/device, and every module's FQN and class."""
-    return {
-        "class": callable_path(type(model)),
-        "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device)} for n, p in model.named_parameters()},
-        "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""), "device": str(b.device)} for n, b in model.named_buffers()},
-        "modules": [[n, type(m).__name__] for n, m in model.named_modules()],
-    }
-
-
-def _autocast_state(*trees: Any) -> Optional[dict]:
-    """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
-    ``None`` outside autocast; replay runs the step under the same autocast."""
-    kinds = ["cpu"] + [t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.device.type != "cpu"][:1]
-    for dev in reversed(kinds):
-        try:
-            if torch.is_autocast_enabled(dev):
-                return {"device_type": dev, "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
-        except (TypeError, RuntimeError):  # a device type this torch has no autocast for
-            continue
-    return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return inner

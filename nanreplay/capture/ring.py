@@ -1,47 +1,74 @@
-"""The ring buffer of the last steps, kept within a number of steps and a number of bytes.
+"""The ring buffer of the last steps, and the whole of the Recorder's memory budget.
 
-Eviction order when over the byte budget: weight snapshots of older steps first (they are the
-largest and only ``bisect`` needs them), then whole older steps; the step in progress and the
-steps whose verdict is still on the device (the sync-free check) are never evicted. What cannot
-fit at all (a single snapshot larger than the budget) is refused once, with a warning, rather
-than copied every step and dropped again.
+Everything the Recorder keeps alive beyond what training holds anyway is counted here, and only
+here: each step's batches, forward inputs and cotangents (the storages behind them: a kept view
+holds its whole storage), its copied step-start buffers and its weight snapshot; the spare
+snapshot slot (:class:`~nanreplay.capture.snapshots.SnapshotPool`); and the copies other parts
+keep outside the steps, registered by name with :meth:`RingBuffer.keep` (``check_update``'s
+pre-step copy, the sync-free check's latch).
+
+Eviction order when over the byte budget: weight snapshots of older steps (the largest, and
+only ``bisect`` needs them), the spare snapshot slot, whole older steps, then the newest step's
+snapshot. Never evicted: the step in progress and the pinned steps (those whose verdict is still
+on the device, :mod:`nanreplay.capture.lagged`): their owner reads them early when
+:attr:`RingBuffer.over_budget` says so. A snapshot that cannot fit at all is refused once, with a
+warning, rather than copied every step and dropped again; a kept copy that cannot fit beside the
+step in progress is refused by :meth:`RingBuffer.reserve`, and its owner turns its mode off.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable, Collection, Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils import _pytree as pytree
 
 from ..format.records import StepRecord
+from .inputs import InputCapture
+from .snapshots import SnapshotPool, storage_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RingBuffer"]
+__all__ = ["RingBuffer", "MiB", "check_budget"]
+
+MiB = 1 << 20
 
 
 class RingBuffer:
-    """The last ``capacity`` steps, oldest first; a sequence of :class:`StepRecord`.
+    """The last ``capacity`` steps, oldest first (a sequence of :class:`StepRecord`), kept within
+    ``budget`` bytes together with the copies registered by :meth:`keep`.
 
     Args:
         capacity: most steps kept.
-        budget: most bytes the kept steps (and ``extra`` bytes given to :meth:`evict`) may hold.
-        held: bytes a step keeps alive beyond what training holds anyway, its snapshot excluded
-            (the recorder counts batch storages, cotangents and copied buffers).
-        on_drop: called with a step that leaves the buffer and whether its snapshot slot may be
-            reused (``False`` when dropped to honour the budget).
+        budget: most bytes held (``memory_budget``).
+        model: the unwrapped model; storages of its parameters and buffers are not counted.
+        inputs: the batch capture; a step leaving the buffer drops its references there.
+
+    Attributes:
+        current: the step in progress (never evicted; its bytes are not cached).
+        pool: the recycled snapshot slots.
+        snapshots_refused: a single snapshot was larger than the budget; no more are taken.
+        over_budget: after the last :meth:`evict`, more than ``budget`` bytes are held (only
+            the step in progress and pinned steps are left to blame).
+        required: the budget the last copy refused by :meth:`reserve` would have needed.
     """
 
-    def __init__(self, capacity: int, budget: int, *, held: Callable[[StepRecord], int],
-                 on_drop: Callable[[StepRecord, bool], None], on_snapshot_drop: Callable[[StepRecord], None]) -> None:
+    def __init__(self, capacity: int, budget: int, *, model: torch.nn.Module, inputs: InputCapture) -> None:
         self.capacity = capacity
         self.budget = budget
-        self._held = held
-        self._on_drop = on_drop
-        self._on_snapshot_drop = on_snapshot_drop
+        self.model = model
+        self.inputs = inputs
+        self.pool = SnapshotPool()
+        self.current: Optional[StepRecord] = None
+        self.snapshots_refused = False
+        self.over_budget = False
+        self.required = 0
         self._steps: deque[StepRecord] = deque()
-        self._cache: dict[int, int] = {}   # step -> held bytes, once the step is over
-        self.snapshots_refused = False     # a single snapshot was larger than the budget
+        self._cache: dict[int, int] = {}     # step -> held bytes, once the step is over
+        self._pinned: set[int] = set()       # ids of steps never evicted
+        self._kept: dict[str, Any] = {}      # name -> a copy held outside the steps (has nbytes())
 
     # -- a read-only sequence of StepRecords ------------------------------------------------
     def __iter__(self) -> Iterator[StepRecord]:
@@ -57,59 +84,159 @@ class RingBuffer:
         """The steps held up to ``step`` (inclusive), oldest first."""
         return [r for r in self._steps if r.step <= step]
 
-    # -- bookkeeping -------------------------------------------------------------------------
-    def append(self, rec: StepRecord) -> None:
+    # -- the step lifecycle ------------------------------------------------------------------
+    def begin(self, rec: StepRecord) -> None:
+        """``rec`` is the step in progress: append it (after making room for one more step)."""
+        self.make_room()
         self._steps.append(rec)
+        self.current = rec
 
-    def drop_oldest(self, *, reuse: bool = True) -> StepRecord:
-        r = self._steps.popleft()
-        self._cache.pop(r.step, None)
-        self._on_drop(r, reuse)
-        return r
+    def end(self) -> None:
+        """The step in progress is over; its bytes are cached from now on."""
+        self.current = None
 
-    def bytes_of(self, r: StepRecord, *, current: Optional[StepRecord] = None) -> int:
-        """Bytes step ``r`` keeps alive, its snapshot included. Cached once the step is over (its
-        content no longer changes); the snapshot is counted apart, since eviction drops it first."""
-        n = self._cache.get(r.step) if r is not current else None
+    def make_room(self) -> None:
+        """Drop the oldest steps until one more fits within ``capacity`` (pinned ones stay)."""
+        while len(self._steps) >= self.capacity and id(self._steps[0]) not in self._pinned:
+            self._drop_oldest()
+
+    def pin(self, rec: StepRecord) -> None:
+        """Never evict ``rec`` until :meth:`unpin` (its verdict is still on the device)."""
+        self._pinned.add(id(rec))
+
+    def unpin(self, rec: StepRecord) -> None:
+        self._pinned.discard(id(rec))
+
+    # -- copies held outside the steps ---------------------------------------------------------
+    def keep(self, name: str, copy: Any) -> None:
+        """Count ``copy`` (anything with ``nbytes()``) against the budget under ``name``, in place
+        of what was kept under that name before."""
+        self._kept[name] = copy
+
+    def release(self, name: str) -> Any:
+        """Stop counting the copy kept under ``name``; returns it (``None`` if none)."""
+        return self._kept.pop(name, None)
+
+    def reserve(self, name: str, nbytes: int, *, from_pool: bool = False) -> bool:
+        """Whether a copy of ``nbytes`` can be kept under ``name`` (replacing what is kept there)
+        within the budget beside the step in progress and the other kept copies; when it can,
+        evict now to make room for it. ``from_pool``: the copy will go into the spare snapshot
+        slot (already counted). ``False`` means it cannot fit beside the step in progress; then
+        :attr:`required` says the budget it would take."""
+        others = sum(c.nbytes() for k, c in self._kept.items() if k != name)
+        current = self.bytes_of(self.current) if self.current is not None else 0
+        if nbytes + others + current > self.budget:
+            self.required = nbytes + others + current
+            return False
+        reused = (self._kept[name].nbytes() if name in self._kept else 0) + (self.pool.nbytes() if from_pool else 0)
+        extra = max(0, nbytes - reused)
+        steps = sum(self.bytes_of(r) for r in self._steps if r is not self.current)  # cached: no walk
+        if steps + current + self.kept_bytes() + extra > self.budget:
+            self.evict(extra=extra)
+        return True
+
+    # -- bytes -----------------------------------------------------------------------------------
+    def bytes_of(self, r: StepRecord) -> int:
+        """Bytes step ``r`` keeps alive, its snapshot included: the storages of its batches,
+        forward inputs and cotangents and its copied buffers (the live parameters' and buffers'
+        storages excluded). Cached once the step is over (its content no longer changes); the
+        snapshot is counted apart, since eviction drops it first."""
+        n = self._cache.get(r.step) if r is not self.current else None
         if n is None:
-            n = self._held(r)
-            if r is not current:
+            trees = [fw.inputs for fw in r.forwards] + [r.batches] + [fw.cotangent for fw in r.forwards if fw.cotangent is not None]
+            live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+            leaves = [t for tree in trees for t in pytree.tree_leaves(tree)] + list((r.buffers or {}).values())
+            n = storage_bytes(leaves, exclude=live)
+            if r is not self.current:
                 self._cache[r.step] = n
         return n + (r.snapshot.nbytes() if r.snapshot is not None else 0)
 
-    def held_bytes(self, *, current: Optional[StepRecord] = None) -> int:
-        return sum(self.bytes_of(r, current=current) for r in self._steps)
+    def kept_bytes(self) -> int:
+        """Bytes held outside the steps: the spare snapshot slot and the kept copies."""
+        return self.pool.nbytes() + sum(c.nbytes() for c in self._kept.values())
 
-    def make_room(self) -> None:
-        """Drop the oldest steps until one more fits within ``capacity``."""
-        while len(self._steps) >= self.capacity:
-            self.drop_oldest()
+    def held_bytes(self) -> int:
+        """Every byte counted against the budget now."""
+        return sum(self.bytes_of(r) for r in self._steps) + self.kept_bytes()
 
-    def evict(self, *, extra: int = 0, protect: Collection[int] = (), current: Optional[StepRecord] = None) -> int:
-        """Keep within ``capacity`` steps and ``budget`` bytes (``extra``: bytes held elsewhere that
-        count against the same budget and cannot be evicted here). ``protect``: ids of records
-        never evicted. Returns the bytes held after eviction (``extra`` included)."""
-        while len(self._steps) > self.capacity and id(self._steps[0]) not in protect:
-            self.drop_oldest()
-        total = self.held_bytes(current=current) + extra
+    # -- eviction --------------------------------------------------------------------------------
+    def _drop_oldest(self, *, reuse: bool = True) -> StepRecord:
+        r = self._steps.popleft()
+        self._cache.pop(r.step, None)
+        self.pool.release(r.snapshot, reuse=reuse)
+        self.inputs.forget(r.step)
+        return r
+
+    def _drop_snapshot(self, r: StepRecord) -> int:
+        size = r.snapshot.nbytes() if r.snapshot is not None else 0
+        self.pool.release(r.snapshot, reuse=False)
+        r.snapshot = None
+        return size
+
+    def _evictable(self) -> bool:
+        first = self._steps[0]
+        return len(self._steps) > 1 and id(first) not in self._pinned and first is not self.current
+
+    def evict(self, *, extra: int = 0) -> int:
+        """Keep within ``capacity`` steps and ``budget`` bytes (``extra``: bytes about to be kept,
+        counted as if they were). Returns the bytes held after eviction (``extra`` included) and
+        sets :attr:`over_budget`."""
+        while len(self._steps) > self.capacity and id(self._steps[0]) not in self._pinned:
+            self._drop_oldest()
+        total = self.held_bytes() + extra
         for r in list(self._steps)[:-1]:  # oldest snapshots first
             if total <= self.budget:
-                return total
-            if r.snapshot is not None:
-                total -= r.snapshot.nbytes()
-                self._on_snapshot_drop(r)
-        while total > self.budget and len(self._steps) > 1 and id(self._steps[0]) not in protect and self._steps[0] is not current:
-            total -= self.bytes_of(self.drop_oldest(reuse=False), current=current)
-        if total > self.budget and self._steps:
-            r = self._steps[-1]
-            if r.snapshot is not None:
-                size = r.snapshot.nbytes()
-                total -= size
-                self._on_snapshot_drop(r)
-                if not self.snapshots_refused:
-                    self.snapshots_refused = True
-                    logger.warning(
-                        "nanreplay: one weight snapshot (%d bytes) does not fit in memory_budget=%d bytes with the rest of the "
-                        "ring buffer; weight snapshots are off from now on (bisect --over layers/steps will lack them). Raise "
-                        "memory_budget or lower capacity to keep them", size, self.budget)
+                break
+            total -= self._drop_snapshot(r)
+        if total > self.budget and self.pool.nbytes():
+            total -= self.pool.nbytes()
+            self.pool.clear()  # the spare slot next
+        while total > self.budget and self._evictable():
+            total -= self.bytes_of(self._drop_oldest(reuse=False))
+        if total > self.budget and self._steps and self._steps[-1].snapshot is not None:
+            size = self._drop_snapshot(self._steps[-1])
+            total -= size
+            if not self.snapshots_refused:
+                self.snapshots_refused = True
+                logger.warning(
+                    "nanreplay: one weight snapshot (%d bytes) does not fit in memory_budget=%d bytes with the rest of the "
+                    "ring buffer; weight snapshots are off from now on (bisect --over layers/steps will lack them). Raise "
+                    "memory_budget or lower capacity to keep them", size, self.budget)
+        self.over_budget = total > self.budget
         return total
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def check_budget(config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, at construction, a mode whose fixed copy cannot fit in ``config.memory_budget``:
+    ``check_update`` keeps one copy of the weights, buffers and optimizer state; ``check_every > 1``
+    one copy of the weights, optimizer state and gradients (the latch). Optimizer state created
+    lazily at the first step is not known yet: then the Recorder turns the mode off at that step,
+    with a warning, if the copy has outgrown the budget (:meth:`RingBuffer.reserve`).
+
+    Raises:
+        ValueError: the budget is below the mode's copy; the message says the minimum in bytes and
+            MiB and the two ways out.
+    """
+    needs = []
+    if config.check_update or config.check_every > 1:
+        params = _nbytes(model.parameters())
+        state = _nbytes(pytree.tree_leaves(optimizer.state_dict()["state"]))
+        if config.check_update:
+            needs.append(("check_update=True", "check_update", "one copy of the weights, buffers and optimizer state",
+                          params + _nbytes(model.buffers()) + state))
+        if config.check_every > 1:
+            grads = _nbytes(p for p in model.parameters() if p.requires_grad)
+            needs.append((f"check_every={config.check_every}", "check_every=1", "one device-side copy of the weights, optimizer "
+                          "state and gradients", params + state + grads))
+    budget = config.memory_budget
+    for mode, off, what, need in needs:
+        if budget < need:
+            raise ValueError(
+                f"memory_budget={budget} bytes ({budget / MiB:.2f} MiB) cannot hold what {mode} keeps: {what}, {need} bytes "
+                f"({need / MiB:.2f} MiB) for this model and optimizer (more once the optimizer creates its state); raise "
+                f"memory_budget to at least {need} bytes ({need / MiB:.2f} MiB), or use {off if '=' in off else off + '=False'}"
+            )

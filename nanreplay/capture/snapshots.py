@@ -153,6 +153,10 @@ class SnapshotPool:
                 self._free[:] = [snap.slot]
             snap.slot = None
 
+    def clear(self) -> None:
+        """Free the spare slots (to honour the memory budget)."""
+        self._free.clear()
+
     def nbytes(self) -> int:
         """Bytes held in free slots."""
         return sum(t.numel() * t.element_size() for s in self._free for t in s.tensors)

@@ -1,0 +1,74 @@
+"""The per-step check on the host (``check_every=1``): one fused norm, one host read.
+
+:func:`read_check` reads the grad norm and the loss (and, under ``torch.distributed``, every
+rank's flags, all-reduced on the device first) with one ``tolist()``; :func:`overflowed_norm`
+tells an exploding step (finite gradients whose float32 2-norm overflows) from a non-finite one,
+on that rare path only. The sync-free variant is :mod:`nanreplay.capture.lagged`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+
+from ..core.numerics import fused_norm
+from ..format.records import StepRecord
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["read_check", "overflowed_norm", "warn_explosion", "lr_value"]
+
+
+def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None) -> tuple[Optional[float], Optional[float], Optional[bool]]:
+    """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
+    finiteness is ``None`` outside torch.distributed (``dist`` is ``None``); inside, the ranks'
+    flags are all-reduced on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`)."""
+    present = [t for t in (norm, loss) if t is not None]
+    if dist is None and not present:
+        return None, None, None
+    device = present[0].device if present else dist.device()
+    parts = [t.to(device, torch.float32).reshape(1) for t in present]
+    flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
+    n = len(parts)
+    if dist is not None:
+        flat = torch.cat([flat, dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])
+    vals = flat.tolist()  # the one host read
+    it = iter(vals[:n])
+    g = next(it) if norm is not None else None
+    lo = next(it) if loss is not None else None
+    agreed = dist.decide(vals[n:]) if dist is not None else None
+    return g, lo, agreed
+
+
+def overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:
+    """The float64 2-norm of ``grads`` when every gradient is finite (the float32 norm overflowed),
+    else ``None``. Rare path: one ``_foreach_norm(inf)`` and one float64 pass."""
+    if not grads:
+        return None
+    maxes = fused_norm(grads, ord=math.inf)
+    if maxes is None or not math.isfinite(float(maxes)):
+        return None
+    return math.sqrt(sum(float(torch.linalg.vector_norm(g.detach().double(), 2)) ** 2 for g in grads))
+
+
+def warn_explosion(rec: StepRecord, grads: list, steps: list[StepRecord], *, dumping: bool) -> None:
+    """Log an exploding step (finite gradients whose float32 2-norm overflows): its float64
+    norm, its largest gradient, and the grad norms of the ``steps`` held."""
+    history = [(r.step, r.grad_norm) for r in steps if r.grad_norm is not None]
+    largest = max(grads, key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
+    logger.warning(
+        "nanreplay: step %d: exploding gradients: every gradient is finite, but the float32 2-norm overflows (the sum of "
+        "squares passes float32's range; in float64 the norm is %.4g; largest |gradient| %.4g in %s); grad norms of the "
+        "steps held: %s. Training goes on; the bundle is written at the first non-finite gradient%s",
+        rec.step, rec.grad_norm, float(largest[1].detach().abs().max()), largest[0],
+        ", ".join(f"{k}: {v:.3g}" for k, v in history), "" if not dumping else " (and now: dump_on_explosion)")
+
+
+def lr_value(lr: Any) -> Any:
+    """A param group's learning rate as kept in the ring buffer: a float as is; a tensor (fused
+    or capturable optimizers, some schedulers) as a detached copy on its device, because
+    ``float()`` of a CUDA tensor would be a host sync every step. Converted at dump time."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)

@@ -1,0 +1,272 @@
+"""The dump: a failing step's bundle, its embedded program, and its in-process diagnosis.
+
+:class:`Dump` writes the bundle first (so nothing is lost if what follows fails or runs out of
+time), then exports the step's program (``embed_program``, with
+:func:`nanreplay.engine.program.program_content`) and, with ``diagnose`` on, replays the step in
+process (:func:`nanreplay.diagnosis.api.diagnose_live`, within ``diagnose_timeout`` seconds), and
+writes the bundle again with both. Nothing here raises into the training loop: a failure is
+logged and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..core.callables import callable_path
+from ..core.jsonable import fnum, jsonable
+from ..core.quiet import replay_quiet
+from ..format.bundle import write_bundle
+from ..format.records import BundleContent, Snapshot, StepRecord
+from .config import RecorderConfig
+from .inputs import InputCapture
+from .ring import RingBuffer
+from .snapshots import replace_snapshot
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Dump", "model_info", "check_out_dir", "shell_path"]
+
+#: a step's pre-step state, or a function returning the live one (called inside the dump's guard)
+StateSource = Union[Snapshot, Callable[[], Snapshot]]
+
+
+class Dump:
+    """Writes bundles for one Recorder and keeps what they produced.
+
+    Args:
+        model: the unwrapped model; optimizer: its optimizer; config: the Recorder's options.
+        ring: the ring buffer (the steps up to the failing one go into the bundle).
+        inputs: the batch capture (it knows which kept references went stale).
+        loss_fn: the loss function (or ``None``); loss_fn_path / model_factory_path: their import
+            paths for the bundle's metadata.
+        dist: the :class:`~nanreplay.capture.ddp.RankContext` under ``torch.distributed``, else ``None``.
+        extra_meta: the Recorder's dict merged into every bundle's metadata (shared, not copied).
+
+    Attributes:
+        bundles: paths written so far. attempts: dumps tried, failed ones included.
+        last_diagnosis: the last in-process diagnosis dict, else ``None``.
+        replaying: ``True`` while the export or the diagnosis runs the live model (the Recorder's
+            hooks stay quiet then).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RecorderConfig, *, ring: RingBuffer,
+                 inputs: InputCapture, loss_fn: Any, loss_fn_path: Optional[str], model_factory_path: Optional[str],
+                 dist: Any, extra_meta: dict) -> None:
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.ring, self.inputs, self.dist = ring, inputs, dist
+        self.loss_fn, self.loss_fn_path, self.model_factory_path = loss_fn, loss_fn_path, model_factory_path
+        self.extra_meta = extra_meta
+        self._param_fqn = {id(p): n for n, p in model.named_parameters()}
+        self.bundles: list[Path] = []
+        self.attempts = 0
+        self.last_diagnosis: Optional[dict] = None
+        self.replaying = False
+
+    @property
+    def allowed(self) -> bool:
+        """Whether another dump may be tried (``max_dumps`` bounds the attempts)."""
+        return self.attempts < self.config.max_dumps
+
+    def content(self, rec: StepRecord, grads: list, reason: dict, state: StateSource) -> BundleContent:
+        """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
+        ``state``: its pre-step state (or a function returning it, when it is the live state); it
+        is copied shallowly, never modified."""
+        state = replace_snapshot(state() if callable(state) else state)
+        if rec.buffers is not None:
+            state.buffers = dict(rec.buffers)   # step-start values, not the post-forward ones
+        grad_tensors = {n: g.detach() for n, g in grads}
+        if self.dist is not None:
+            grad_tensors = self.dist.local_grads(grads, grad_tensors)
+        steps = self.ring.upto(rec.step)
+        for r in steps:
+            r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step
+            # a reference whose version counter moved no longer holds what the step saw
+            r.stale_inputs = self.inputs.stale(r.step)
+            if r.stale_inputs:
+                logger.warning("nanreplay: step %d's inputs were modified in place after capture; the bundle marks them stale", r.step)
+        group_fqns = [[self._param_fqn.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups]
+        return BundleContent(
+            failing_step=rec.step,
+            steps=steps,
+            state=state,
+            grads=grad_tensors,
+            model_info=model_info(self.model),
+            optimizer_info={
+                "class": callable_path(type(self.optimizer)),
+                "param_groups_fqns": group_fqns,
+                "defaults": {k: jsonable(v) for k, v in self.optimizer.defaults.items()},
+            },
+            reason=reason,
+            model_factory=self.model_factory_path,
+            loss_fn=self.loss_fn_path,
+            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta},
+        )
+
+    def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
+                 update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
+        """Write the bundle of step ``rec`` (pre-step ``state``, gradients ``grads``), then export
+        its program and diagnose it in process, and write it again with both. Never raises: a
+        failure is logged and ``None`` returned."""
+        self.attempts += 1
+        t0 = time.perf_counter()
+        reason = {
+            "nonfinite_grad": bad_grad,
+            "nonfinite_loss": bad_loss,
+            "nonfinite_update": update,
+            "grad_norm": fnum(rec.grad_norm),
+            "loss": fnum(rec.loss),
+            "action": self.config.action,
+            **(cause or {}),
+        }
+        try:
+            content = self.content(rec, grads, reason, state)
+        except Exception:  # never let the recorder kill training by itself
+            logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
+            return None
+        path: Any = self.config.out_dir
+        try:
+            path = self._path(rec.step)
+            written = write_bundle(path, content)
+        except Exception:
+            logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
+                             "dumps tried)", rec.step, path, self.attempts, self.config.max_dumps)
+            return None
+        self.bundles.append(written)
+        logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        amended = self.config.embed_program and self._embed_program(content, rec)
+        if self.config.diagnose:
+            amended = self._diagnose_into(content, written) or amended
+        if amended:
+            try:
+                write_bundle(written, content)
+            except Exception:
+                logger.exception("nanreplay: could not add the program and diagnosis to %s; the bundle stays as first written", written)
+        return written
+
+    def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
+        """Export the failing step as a program into ``content`` (see ``embed_program``). Never
+        raises; returns whether ``content`` changed."""
+        from ..engine.program import PROGRAM_META_KEY, program_content
+        from ..engine.verify import verify_program
+
+        t0 = time.perf_counter()
+        self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
+        try:
+            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
+                meta, tensors = program_content(self.model, rec, self.loss_fn)
+                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
+            if unfaithful:
+                meta, tensors = {"kind": None, "error": unfaithful}, {}
+        except Exception as e:  # export must never cost training
+            meta, tensors = {"kind": None, "error": f"{type(e).__name__}: {e}"}, {}
+        finally:
+            self.replaying = False
+        content.extra_meta[PROGRAM_META_KEY] = meta
+        content.extra_tensors.update(tensors)
+        if meta and meta.get("kind"):
+            logger.info("nanreplay: exported step %d's %s program in %.2f s", rec.step, meta["kind"], time.perf_counter() - t0)
+        else:
+            logger.warning("nanreplay: could not embed step %d's program (%s); replay will need the model factory",
+                           rec.step, (meta or {}).get("error"))
+        return True
+
+    def _diagnose_into(self, content: BundleContent, path: Path) -> bool:
+        """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds, into
+        ``content.diagnosis`` (or, when it stops early, why into ``meta["diagnosis_error"]``);
+        returns whether ``content`` changed."""
+        from ..diagnosis.api import diagnose_live
+
+        step = content.failing_step
+        timeout = self.config.diagnose_timeout
+        logger.warning("nanreplay: diagnosing step %d in process%s (skip it with Recorder(..., diagnose=False); "
+                       "`nanreplay replay %s` does the same later)", step, f", at most {timeout:g} s" if timeout else "", shell_path(path))
+        t0 = time.perf_counter()
+        last = [t0]
+
+        def progress(message: str) -> None:
+            now = time.perf_counter()
+            if now - last[0] >= 3.0:  # work over a few seconds is shown, not every stage
+                last[0] = now
+                logger.warning("nanreplay: diagnosis of step %d: %s (%.0f s)", step, message, now - t0)
+
+        self.replaying = True  # keep the recorder's own hooks quiet during the replay
+        try:
+            diag = diagnose_live(self.model, content, loss_fn=self.loss_fn, allow=self.config.allow_nonfinite,
+                                 progress=progress, timeout=timeout)
+        except Exception as e:
+            logger.warning("nanreplay: the in-process diagnosis of step %d stopped (%s: %s); the bundle %s holds everything: "
+                           "run `nanreplay replay %s`", step, type(e).__name__, e, path, shell_path(path))
+            content.extra_meta["diagnosis_error"] = f"{type(e).__name__}: {e}"[:2000]  # the bundle says why it has none
+            return True
+        finally:
+            self.replaying = False
+        if self.dist is not None:
+            self.dist.annotate(diag)
+        self.last_diagnosis = content.diagnosis = diag
+        logger.warning("nanreplay: diagnosis of step %d (%.1f s): %s", step, time.perf_counter() - t0, diag.get("summary"))
+        return True
+
+    def _path(self, step: int) -> Path:
+        """A new bundle path in ``out_dir``: ``nanreplay-step{N}[-rank{r}of{w}].{ext}``, with a
+        ``-2``, ``-3``... suffix when a bundle of that name exists (never overwrite an older one)."""
+        ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
+        suffix = self.dist.name_suffix() if self.dist is not None else ""
+        out = Path(self.config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"nanreplay-step{step}{suffix}{ext}"
+        n = 2
+        while path.exists():
+            path = out / f"nanreplay-step{step}{suffix}-{n}{ext}"
+            n += 1
+        return path
+
+    def outcome(self, path: Optional[Path]) -> str:
+        """The part of a message that says where the bundle is and what the diagnosis found."""
+        summary = (self.last_diagnosis or {}).get("summary") if path else None
+        return (
+            (f"; bundle: {path}" if path else "; no bundle written")
+            + (f"; diagnosis: {summary.rstrip('.')}" if summary else "")
+            + (f"; replay it with: nanreplay replay {shell_path(path)}" if path else "")
+        )
+
+
+def model_info(model: torch.nn.Module) -> dict:
+    """Architecture facts stored in the bundle and checked by replay: class, parameter and buffer
+    FQNs with shape/dtype/device, and every module's FQN and class."""
+    return {
+        "class": callable_path(type(model)),
+        "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device)} for n, p in model.named_parameters()},
+        "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""), "device": str(b.device)} for n, b in model.named_buffers()},
+        "modules": [[n, type(m).__name__] for n, m in model.named_modules()],
+    }
+
+
+def check_out_dir(out_dir: Any) -> None:
+    """``out_dir`` must be a directory that exists or can be created, and is writable.
+
+    Raises:
+        ValueError: it (or an ancestor) is a file, or it cannot be created or written; the message
+            says which path is in the way.
+    """
+    p = Path(out_dir)
+    probe = p
+    while not probe.exists() and probe.parent != probe:  # the nearest existing ancestor decides
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "" if probe == p else f" (its ancestor {str(probe)!r} is a file)"
+        raise ValueError(f"out_dir={str(p)!r} cannot be a directory for bundles{where if where else ': it is a file'}; pass another out_dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "it" if probe == p else f"its ancestor {str(probe)!r}"
+        raise ValueError(f"out_dir={str(p)!r} is not writable: {where} does not allow this user to write; pass an out_dir you can write to")
+
+
+def shell_path(path: Any) -> str:
+    """``path`` as it can be pasted into a shell."""
+    return shlex.quote(str(path))
