@@ -59,8 +59,11 @@ def test_dropout_nan_step_reproduced_exactly(out_dir):
     assert diag["origin"]["samples"] == [3]
 
 
-def test_model_only_replay_uses_the_recorded_cotangent(nested_div_bundle):
-    diag = replay(nested_div_bundle, use_loss_fn=False)
+def test_model_only_replay_uses_the_recorded_cotangent(out_dir):
+    import scenarios
+
+    bundle = scenarios.division_by_zero_in_a_submodule(out_dir, capture_cotangent=True).bundle_path
+    diag = replay(bundle, use_loss_fn=False)
     assert diag["mode"] == "cotangent"
     assert diag["origin"]["module"] == "encoder.block.norm"
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
@@ -235,3 +238,28 @@ def test_bad_input_inside_a_dataclass_batch_is_named(out_dir):
         assert diag["phase"] == "input"
         assert diag["origin"]["leaf"] == "batch.image"
         assert diag["origin"]["samples"] == [3]
+
+
+def test_with_a_loss_function_only_the_failing_step_keeps_its_cotangent(out_dir):
+    """The replay runs the loss function: a finite step's cotangent (as large as the model's
+    outputs) is dropped once the step is checked; the failing step keeps its own, as a fallback
+    for a replay whose loss function cannot run."""
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteGradientError) as info:
+        with Recorder(model, opt, loss_fn=models.mse_loss, out_dir=out_dir, capacity=4, diagnose=False) as rec:
+            for step in range(3):
+                x, y = torch.randn(4, 8), torch.randn(4, 4)
+                if step == 2:
+                    y[1, 0] = float("inf")
+                rec.record((x, y))
+                loss = models.mse_loss(model, (x, y))
+                rec.log_loss(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if step < 2:
+                    assert all(fw.cotangent is None for s in rec.ring.upto(step) for fw in s.forwards)
+    with open_bundle(info.value.bundle_path) as b:
+        assert b.step(2).forwards[0].cotangent is not None
+        assert all(fw.cotangent is None for k in b.steps if k != 2 for fw in b.step(k).forwards)

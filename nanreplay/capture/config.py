@@ -52,8 +52,15 @@ class RecorderConfig:
             diagnosis in the bundle and the exception message.
         copy_batch: ``None`` (auto: keep references, switch to copies once a batch tensor is seen
             reused or modified in place), ``True`` (always copy), ``False`` (never copy).
-        capture_cotangent: keep the gradient w.r.t. the model's outputs, so a model-only replay
-            works without the loss function.
+        capture_cotangent: keep the gradient w.r.t. the model's outputs (the cotangent: as many
+            bytes per step as the model's floating outputs, e.g. 4 x batch x sequence x vocabulary
+            bytes for a float32 language model's logits), so a model-only replay works without the
+            loss function. ``None`` (default): kept in the ring buffer only when the replay will
+            need it, i.e. when the Recorder has no ``loss_fn`` or the step recorded no batch
+            (``record``); with both, the replay runs the loss function, and a step's cotangent is
+            kept only until the step is checked finite (so the failing step's bundle still has it,
+            for a replay whose loss function cannot run, e.g. when only the forward program
+            exported). ``True``: kept for every step in the ring buffer; ``False``: never.
         check_loss: also check the loss given to :meth:`Recorder.log_loss`.
         check_in_optimizer_step: run the check in the optimizer's step pre-hook (default). Turn it
             off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
@@ -121,7 +128,7 @@ class RecorderConfig:
     max_dumps: int = 1
     diagnose: bool = True
     copy_batch: Optional[bool] = None
-    capture_cotangent: bool = True
+    capture_cotangent: Optional[bool] = None
     check_loss: bool = True
     check_in_optimizer_step: bool = True
     origin_hook: bool = True

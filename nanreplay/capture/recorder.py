@@ -299,9 +299,9 @@ class Recorder:
         if self._dump.replaying or self._closed or not torch.is_grad_enabled():
             return
         rec = self._current
-        if rec is None or not rec.forwards or not self.config.capture_cotangent:
+        if rec is None or not rec.forwards or self.config.capture_cotangent is False:
             return
-        keep_cotangent(rec.forwards[-1], output)
+        keep_cotangent(rec.forwards[-1], output)  # auto: kept until the step is known finite (end_step)
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad)
@@ -381,6 +381,9 @@ class Recorder:
         ``self.step + 1``. The optimizer step post-hook calls it."""
         pre = self._update.take() if self._update is not None else None
         rec = self._current
+        if rec is not None and rec.finite and self.config.capture_cotangent is None and self.loss_fn is not None and rec.batches:
+            for fw in rec.forwards:  # a replay runs the loss function: a finite step's cotangent is not needed
+                fw.cotangent = None
         self._actions.verify_skip(self.step)
         self.step += 1
         self.ring.end()

@@ -279,7 +279,9 @@ class _Run:
                     for h in pins:
                         h.remove()
         if mode == "forward-only":
-            self.warnings.append("no cotangent and no loss function: only the forward pass was replayed")
+            self.warnings.append("no cotangent and no loss function: only the forward pass was replayed (a Recorder given a loss "
+                                 "function and record(batch) keeps no cotangent; Recorder(capture_cotangent=True) keeps it, for "
+                                 "model-only replays such as --no-loss-fn)")
 
 
 def _as_health(summary: Optional[dict]) -> Optional[Health]:
