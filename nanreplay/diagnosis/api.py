@@ -25,7 +25,7 @@ import torch
 
 from ..core.allowlist import Allowlist
 from ..core.callables import script_imports
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite, kinds
 from ..core.quiet import quietly
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
@@ -37,7 +37,7 @@ from ..engine.gate import bundle_types, live_optimizer_info, resolved_optimizer_
 from ..engine.state import load_state, recorded_device, replay_subject
 from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import BundleContent
-from ..report.summary import kinds_of, summary_sentence
+from ..report.summary import summary_sentence
 from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
 from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
@@ -74,15 +74,7 @@ def _event_json(e: dict) -> dict:
 
 def _compact(b: dict) -> dict:
     return {"phase": b["phase"], "op": b["op"], "node": b.get("node"), "module": b.get("module"), "source": b.get("source"),
-            "kinds": kinds_of(b.get("output")), "op_index": b.get("op_index")}
-
-
-def _grads_nonfinite(grads: dict[str, torch.Tensor]) -> bool:
-    return any(is_float(g) and not bool(torch.isfinite(g).all()) for g in grads.values())
-
-
-def _products_nonfinite(result: ReplayResult) -> bool:
-    return any(h is not None and not h.finite for h in list(result.losses) + list(result.outputs)) or _grads_nonfinite(result.grads)
+            "kinds": kinds(b.get("output")), "op_index": b.get("op_index")}
 
 
 def cheap_origin(inp: StepInputs) -> bool:
@@ -168,7 +160,7 @@ def diagnose(
         f.weights = weights_evidence(inp, origin["tensor"], is_param=origin.get("kind") == "parameter")
     if counterfactuals and replayed:
         _counterfactuals(f, model, inp, device, say)
-        if (phase == "none" and repro["verdict"] == "not reproduced" and _grads_nonfinite(inp.recorded_grads)
+        if (phase == "none" and repro["verdict"] == "not reproduced" and any_nonfinite(inp.recorded_grads.values())
                 and not (compiled or {}).get("only_under_compile")):
             say("replaying the step again (determinism check)")
             f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
@@ -274,7 +266,7 @@ def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[tor
     for _ in range(times):
         _fresh(model, inp)
         res = run_step(model, dataclasses.replace(inp, recorded_grads={}), ops=False, device=device)
-        n += not _products_nonfinite(res)
+        n += not res.products_nonfinite()
     _fresh(model, inp)
     return n
 

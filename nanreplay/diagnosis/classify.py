@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..report.summary import kinds_of
+from ..core.numerics import kinds
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
 __all__ = ["CAUSES", "Features", "RULES", "classify"]
@@ -215,7 +215,7 @@ def _overflow_evidence(f: Features) -> list[str]:
     dtype = _field(out, "dtype")
     fmax = torch.finfo(getattr(torch, dtype)).max if isinstance(dtype, str) and getattr(torch, dtype, None) is not None and getattr(torch, dtype).is_floating_point else None
     absmax = w.get("absmax")
-    line = f"{b['op']} gives {kinds_of(out)} in {dtype} but is finite in {w.get('dtype')}"
+    line = f"{b['op']} gives {kinds(out)} in {dtype} but is finite in {w.get('dtype')}"
     if absmax is not None and fmax is not None:
         line += (f" (largest magnitude {absmax:.4g}, past the {dtype} maximum {fmax:.4g})" if absmax > fmax
                  else f" (largest output magnitude {absmax:.4g}, within {dtype}'s range: an intermediate of the op overflows)")

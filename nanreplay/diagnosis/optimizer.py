@@ -22,7 +22,7 @@ import torch
 from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite, is_float
 from ..engine.monitors import OpMonitor
 from ..engine.run import StepInputs
 from ..engine.state import optimizer_from_info
@@ -57,10 +57,6 @@ def _step(info: dict, state: Snapshot, grads: dict[str, torch.Tensor], device: O
     else:
         opt.step()
     return opt, params
-
-
-def _nonfinite(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and is_float(t) and t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
 def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], info: Optional[dict], *, device: Optional[torch.device] = None,
@@ -100,10 +96,10 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
         for p in g["params"]:
             f = fqn_of[id(p)]
             group_of[f] = gi
-            keys = [k for k, v in opt.state.get(p, {}).items() if _nonfinite(v)]
+            keys = [k for k, v in opt.state.get(p, {}).items() if any_nonfinite(v)]
             if keys:
                 bad_state[f] = keys
-            if _nonfinite(p.detach()):
+            if any_nonfinite(p.detach()):
                 bad_params.append(f)
     out: dict = {"class": info["class"], "nonfinite": bool(bad_params or bad_state), "params": bad_params[:16], "state": bad_state,
                  "births": [_birth_json(b) for b in mon.births[:8]], "param": None, "state_key": None, "group": None,
@@ -138,7 +134,7 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
             _, params2 = _step(info, state, grads, device, sd2)
         except Exception:
             continue
-        if bool(torch.isfinite(params2[first].detach()).all()):
+        if not any_nonfinite(params2[first].detach()):
             blamed.append(k)
     if blamed and out["state_key"] is None:
         out["state_key"] = blamed[0]
@@ -216,7 +212,7 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
     sd = inp.state.optimizer or {}
     pid = _param_ids(inp.optimizer_info).get(tensor)
     st = (sd.get("state") or {}).get(pid, (sd.get("state") or {}).get(str(pid), {})) if pid is not None else {}
-    keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() and not bool(torch.isfinite(v).all())]
+    keys = [k for k, v in st.items() if any_nonfinite(v)]
     out["state_keys"] = keys
     if keys:
         ev.append(f"optimizer state {', '.join(keys)} of {tensor} is non-finite too")
@@ -236,7 +232,7 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
             elif not math.isfinite(cast):
                 out["hyperparameters"].append(f"{k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}")
                 ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
-    grads_finite = all(not (is_float(g) and not bool(torch.isfinite(g).all())) for g in inp.recorded_grads.values())
+    grads_finite = not any_nonfinite(inp.recorded_grads.values())
     ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
     where = f"the update of step {out['update_step']}" if out["update_step"] is not None else "an earlier optimizer update"
     why = out["hyperparameters"][0] if out["hyperparameters"] else (f"learning rate {out['nonfinite_lr'][1]} at step {out['nonfinite_lr'][0]}"

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite
 from ..core.state import load_buffers
 from .compare import compare_grads
 from .program import ProgramModel, program_loss
@@ -41,7 +41,7 @@ def _nonfinite_parts(result: ReplayResult) -> tuple[list[str], str]:
         parts.append("loss")
     if any(h is not None and not h.finite for h in result.outputs):
         parts.append("outputs")
-    bad_grads = [g for g in result.grads.values() if is_float(g) and not bool(torch.isfinite(g).all())]
+    bad_grads = [g for g in result.grads.values() if any_nonfinite(g)]
     if bad_grads:
         parts.append("gradients")
     healths = [h for h in list(result.losses) + list(result.outputs) if h is not None]

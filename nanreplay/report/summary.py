@@ -14,19 +14,9 @@ dict; nothing is decided here.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
-__all__ = ["summary_sentence", "verdict_phrase", "kinds_of", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
-
-
-def kinds_of(h: Any) -> str:
-    """'NaN', '+Inf', '-Inf' or a combination (``NaN and +Inf``), of a health dict (or an object
-    with ``to_json``); ``non-finite value`` when unknown."""
-    if h is None:
-        return "non-finite value"
-    h = h.to_json() if hasattr(h, "to_json") else h
-    parts = [n for n, k in (("NaN", "nan"), ("+Inf", "posinf"), ("-Inf", "neginf")) if h.get(k)]
-    return " and ".join(parts) or "non-finite value"
+__all__ = ["summary_sentence", "verdict_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[dict]) -> str:
