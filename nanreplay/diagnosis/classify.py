@@ -55,6 +55,7 @@ class Features:
     repeats: int = 0
     batch_size: Optional[int] = None
     evidence: list[str] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)  # replays that raised: {"replay", "error"}
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -170,6 +171,8 @@ def _compiler(f: Features) -> tuple[str, list[str]]:
 
 
 def _unknown(f: Features) -> tuple[str, list[str]]:
+    if f.phase == "none" and f.errors:
+        return f.errors[0]["error"], [f"the {x['replay']} replay raised {x['error']}" for x in f.errors]
     if f.phase == "none":
         return "no non-finite value in the replay", []
     if f.origin.get("loss_replayed") is False:

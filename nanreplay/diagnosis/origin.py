@@ -21,7 +21,7 @@ import torch
 from ..core.numerics import Health, any_nonfinite, kinds
 from ..engine.run import ReplayResult, StepInputs
 
-__all__ = ["Found", "STAGES", "find_origin", "health_json"]
+__all__ = ["Found", "STAGES", "find_origin", "report_origin", "health_json"]
 
 
 @dataclass
@@ -128,11 +128,20 @@ def _modules(c: Context) -> Optional[Found]:
         return Found("forward", {"module": prod["module"], "class": prod["class"], "kind": "producer"})
     if any(h is not None and not h.finite for h in c.result.losses):
         return Found("loss", {"module": None, "class": None, "kind": "outside the model"})
-    bad = next((e for e in c.result.modules.events if e["phase"] == "backward" and e.get("output") and (e["output"]["nan"] or e["output"]["posinf"] or e["output"]["neginf"])), None)
+    bad = _first_nonfinite_gradient(c.result)
     if bad is not None:
         return Found("backward", {"module": bad["module"], "class": c.classes.get(bad["module"]), "kind": "producer",
-                                  "first_nonfinite_gradient": bad.get("param") or f"cotangent at {bad['module'] or '(model output)'}"})
+                                  "first_nonfinite_gradient": _gradient_name(bad)})
     return None
+
+
+def _first_nonfinite_gradient(result: ReplayResult) -> Optional[dict]:
+    """The first module event of the backward pass whose output (a gradient) is non-finite."""
+    return next((e for e in result.modules.events if e["phase"] == "backward" and e.get("output") and kinds(e["output"]) != "finite"), None)
+
+
+def _gradient_name(e: dict) -> str:
+    return e.get("param") or f"cotangent at {e['module'] or '(model output)'}"
 
 
 def _cotangent(c: Context) -> Optional[Found]:
@@ -196,3 +205,23 @@ def find_origin(result: ReplayResult, inp: StepInputs, model: torch.nn.Module, *
             return found
     return None
 
+
+def report_origin(found: Optional[Found], result: ReplayResult, inp: StepInputs, samples: Optional[dict]) -> Optional[dict]:
+    """The report's ``origin`` (``docs/report.md``): the stage's origin with the samples to
+    blame (``samples``, from :func:`nanreplay.diagnosis.samples.samples_for`; an input origin
+    keeps its own rows), the birth's operands, the first non-finite gradient of a backward
+    origin, and the micro-batch only when the step has several and the birth names one."""
+    if found is None:
+        return None
+    origin = dict(found.origin)
+    if samples is not None and found.phase != "input":
+        origin["samples"] = samples["indices"] or None
+    if found.birth is not None:
+        origin["operands"] = found.birth.get("operands")
+    if found.phase == "backward" and "first_nonfinite_gradient" not in origin:
+        bad = _first_nonfinite_gradient(result)
+        if bad is not None:
+            origin["first_nonfinite_gradient"] = _gradient_name(bad)
+    if origin.get("micro_batch") is None or len(inp.record.batches if inp.uses_loss else inp.record.forwards) <= 1:
+        origin.pop("micro_batch", None)
+    return origin

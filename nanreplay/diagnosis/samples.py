@@ -22,9 +22,8 @@ from ..core.batch import batch_coupled, batch_size, rows_of, take_rows
 from ..core.numerics import any_nonfinite, is_float
 from ..core.state import load_buffers
 from ..core.tree import tensor_leaves
-from ..engine.deadline import check_deadline
+from ..engine.deadline import check_deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, run_step
-from ..errors import DiagnosisTimeout
 from ..format.records import StepRecord
 from .origin import Found
 
@@ -229,9 +228,8 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         sub = dataclasses.replace(inp, record=_slice_record(inp.record, idx, size), recorded_grads={})
         try:
             res = run_step(model, sub, ops=False, device=device, lean=True)
-        except DiagnosisTimeout:
-            raise
         except Exception as e:  # e.g. a loss that needs two samples; one sample cannot be judged alone
+            replay_error(e)  # the deadline goes through
             if state["error"] is None:
                 state["error"] = f"the replay of samples {idx[:4]}{'...' if len(idx) > 4 else ''} alone failed: {type(e).__name__}: {str(e)[:160]}"
             return False
