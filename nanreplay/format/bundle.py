@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from .. import __version__
 from ..core.callables import CallablePath, torch_optimizer_class
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
 from ..core.trust import is_trusted, mark_trusted, revoke_trust
+from ..core.version import __version__
 from ..errors import BundleFormatError
 from .container import FlatBundle, read_flat, write_flat
 from .meta import MetaError, validate_step_meta
