@@ -124,8 +124,8 @@ def bisect(
         search.warnings.extend(subject.notes)
         out = _SEARCH[over](search)
         out["model_source"] = subject.source
-        for w in out["warnings"]:
-            logger.warning("bisect: %s", w)
+        for w in out["warnings"]:  # the result carries them; the CLI prints them once (-v logs them too)
+            logger.info("bisect: %s", w)
         return out
     finally:
         if own:
