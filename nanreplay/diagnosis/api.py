@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.allowlist import Allowlist
-from ..core.callables import script_imports
 from ..core.numerics import any_nonfinite, kinds
 from ..core.quiet import quietly
 from ..core.state import load_buffers
@@ -33,9 +32,9 @@ from ..engine.compiled import DEFAULT_BACKEND, compile_check
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
-from ..engine.gate import bundle_types, live_optimizer_info, resolved_optimizer_info
-from ..engine.state import load_state, recorded_device, replay_subject
-from ..format.bundle import Bundle, Types, open_bundle
+from ..engine.gate import live_optimizer_info, resolved_optimizer_info
+from ..engine.state import ReplayRequest, load_state, opened_subject
+from ..format.bundle import Bundle, Types
 from ..format.records import BundleContent
 from ..report.summary import summary_sentence
 from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
@@ -433,18 +432,11 @@ def replay(
         ModelMismatchError: the model does not match the recorded one.
     """
     say = progress or _silent
-    own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
-    try:
-        dev = torch.device(device) if device is not None else recorded_device(b)
-        say("rebuilding the model")
-        with script_imports(import_script):
-            # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
-            subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=dev,
-                                     types=batch_types)
-        b = b.view(types=bundle_types(b, batch_types))
+    say("rebuilding the model")
+    request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
+                            batch_types=batch_types, import_script=import_script)
+    with opened_subject(bundle, request) as (b, subject, dev):
         model, lf = subject.model, subject.loss_fn
-        model = model.to(dev)
         state = b.state()
         rec = b.step(b.failing_step)
         load_state(model, state)
@@ -467,7 +459,4 @@ def replay(
         diag["model_source"] = subject.source
         diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
         return diag
-    finally:
-        if own:
-            b.close()
 
