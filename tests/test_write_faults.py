@@ -161,6 +161,7 @@ def test_without_locks_only_age_decides(tmp_path, monkeypatch):
     assert recent.exists() and not old.exists()
 
 
+@pytest.mark.slow
 def test_two_writers_in_one_directory_do_not_remove_each_others_files(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     script = textwrap.dedent("""
