@@ -68,7 +68,8 @@ def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[to
 
 def any_nonfinite(ts: Union["torch.Tensor", Iterable[Any]]) -> bool:
     """Whether any floating tensor in ``ts`` (one tensor, or an iterable whose non-tensor and
-    integer items are skipped) holds a NaN or Inf; one host read. The one non-finite check of
+    integer items are skipped; anything else, e.g. an optimizer state's ``int`` step, is not a
+    tensor: ``False``) holds a NaN or Inf; one host read. The one non-finite check of
     replay and diagnosis (the recorder's hot path uses :func:`fused_norm`).
 
     >>> any_nonfinite([torch.ones(2), torch.tensor([1.0, float("nan")])]), any_nonfinite(torch.arange(3))
@@ -76,7 +77,7 @@ def any_nonfinite(ts: Union["torch.Tensor", Iterable[Any]]) -> bool:
     """
     import torch
 
-    ts = [ts] if isinstance(ts, torch.Tensor) else ts
+    ts = ts if isinstance(ts, Iterable) and not isinstance(ts, torch.Tensor) else [ts]
     fl = [t for t in ts if isinstance(t, torch.Tensor) and is_float(t) and t.numel()]
     if not fl:
         return False

@@ -206,6 +206,25 @@ def _param_ids(info: Optional[dict]) -> dict[str, int]:
     return {f: i for i, f in enumerate(fqns)}
 
 
+def _hyperparameter_evidence(group: dict, dtype: torch.dtype, found: list[str], ev: list[str]) -> None:
+    """The numeric hyperparameters of a param group that are non-finite, or that become 0 or
+    non-finite once cast to the parameter's ``dtype``: appended to ``found`` (short) and ``ev``."""
+    name = str(dtype).replace("torch.", "")
+    for k, v in group.items():
+        if k == "params" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        cast = float(torch.tensor(float(v), dtype=torch.float64).to(dtype))
+        if not math.isfinite(float(v)):
+            found.append(f"{k}={v!r}")
+            ev.append(f"hyperparameter {k}={v!r} in its param group")
+        elif v != 0 and cast == 0:
+            found.append(f"{k}={v!r} is 0 in {name}")
+            ev.append(f"hyperparameter {k}={v!r} rounds to 0 in {name}, the parameter's dtype")
+        elif not math.isfinite(cast):
+            found.append(f"{k}={v!r} is {cast!r} in {name}")
+            ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {name}, the parameter's dtype")
+
+
 def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
     """Why the step-start tensor ``tensor`` (an FQN) is already non-finite, from the bundle alone.
 
@@ -226,12 +245,10 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
         out["update_step"] = passed[-1].step
         ev.append(f"the last step whose check passed is {passed[-1].step}: its optimizer update made {tensor} non-finite "
                   "(check_update=True catches this at that update)")
-    for r in history:
-        bad = [lr for lr in r.lrs if lr is not None and not math.isfinite(lr)]
-        if bad:
-            out["nonfinite_lr"] = [r.step, repr(bad[0])]
-            ev.append(f"the learning rate was {bad[0]!r} at step {r.step} (recorded in the ring buffer)")
-            break
+    bad_lr = next(((r.step, lr) for r in history for lr in r.lrs if lr is not None and not math.isfinite(lr)), None)
+    if bad_lr is not None:
+        out["nonfinite_lr"] = [bad_lr[0], repr(bad_lr[1])]
+        ev.append(f"the learning rate was {bad_lr[1]!r} at step {bad_lr[0]} (recorded in the ring buffer)")
     sd = inp.state.optimizer or {}
     pid = _param_ids(inp.optimizer_info).get(tensor)
     st = (sd.get("state") or {}).get(pid, (sd.get("state") or {}).get(str(pid), {})) if pid is not None else {}
@@ -242,19 +259,7 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
     param = inp.state.params.get(tensor)
     group = next((g for g in sd.get("param_groups", []) if pid is not None and pid in g.get("params", [])), None)
     if group is not None and param is not None and param.is_floating_point():
-        for k, v in group.items():
-            if k == "params" or isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
-            cast = float(torch.tensor(float(v), dtype=torch.float64).to(param.dtype))
-            if not math.isfinite(float(v)):
-                out["hyperparameters"].append(f"{k}={v!r}")
-                ev.append(f"hyperparameter {k}={v!r} in its param group")
-            elif v != 0 and cast == 0:
-                out["hyperparameters"].append(f"{k}={v!r} is 0 in {str(param.dtype).replace('torch.', '')}")
-                ev.append(f"hyperparameter {k}={v!r} rounds to 0 in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
-            elif not math.isfinite(cast):
-                out["hyperparameters"].append(f"{k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}")
-                ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
+        _hyperparameter_evidence(group, param.dtype, out["hyperparameters"], ev)
     grads_finite = not any_nonfinite(inp.recorded_grads.values())
     ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
     where = f"the update of step {out['update_step']}" if out["update_step"] is not None else "an earlier optimizer update"

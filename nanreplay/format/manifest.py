@@ -337,6 +337,22 @@ def _validate_manifest(path: pathlib.Path, m: dict[str, Any], fmt: str, file_siz
     def invalid(expected: str, found: str) -> BundleFormatError:
         return _error(path, "invalid manifest", expected, found, f"the manifest was hand-edited or damaged; {_REINSTATE}")
 
+    _validate_header(path, m, invalid)
+    entries: dict[str, _Entry] = {}
+    total = 0
+    for key, e in m["tensors"].items():
+        entry = _validate_entry(key, e, fmt, invalid)
+        total += entry.nbytes
+        if total > file_size:
+            raise invalid(
+                f"tensors totalling at most the file size ({file_size} bytes)", "more bytes declared"
+            )
+        entries[key] = entry
+    return entries
+
+
+def _validate_header(path: pathlib.Path, m: dict[str, Any], invalid: Callable[[str, str], BundleFormatError]) -> None:
+    """The manifest's top level: format name and version, its keys, ``meta``, ``writer``, ``tensors``."""
     if m.get("format") != FORMAT_NAME:
         raise invalid(f"'format' to be {FORMAT_NAME!r}", f"{str(m.get('format'))[:100]!r}")
     version = m.get("format_version")
@@ -362,48 +378,39 @@ def _validate_manifest(path: pathlib.Path, m: dict[str, Any], fmt: str, file_siz
     writer = m.get("writer", {})
     if not isinstance(writer, dict) or not all(isinstance(v, str) for v in writer.values()):
         raise invalid("'writer' to be an object of strings", repr(writer)[:200])
-    tensors = m["tensors"]
-    if not isinstance(tensors, dict):
-        raise invalid("'tensors' to be a JSON object", f"a JSON {type(tensors).__name__}")
+    if not isinstance(m["tensors"], dict):
+        raise invalid("'tensors' to be a JSON object", f"a JSON {type(m['tensors']).__name__}")
 
-    entries: dict[str, _Entry] = {}
-    total = 0
-    for key, e in tensors.items():
-        where = f"tensors[{key[:200]!r}]"
-        if key in ("", "__metadata__"):
-            raise invalid("non-empty tensor keys other than '__metadata__'", f"{key!r}")
-        if not isinstance(e, dict):
-            raise invalid(f"{where} to be a JSON object", f"a JSON {type(e).__name__}")
-        fields = {"dtype", "shape", "nbytes", "crc32"} | ({"stored_as"} if fmt == "safetensors" else set())
-        missing, unknown = sorted({"dtype", "shape", "nbytes", "crc32"} - set(e)), sorted(set(e) - fields)
-        if missing or unknown:
-            raise invalid(f"{where} to have the fields {sorted(fields)}", f"missing {missing}, unexpected {[u[:50] for u in unknown[:10]]}")
-        spec = _DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
-        if spec is None:
-            raise invalid(f"{where}['dtype'] to be one of {list(_DTYPES)}", repr(e["dtype"])[:100])
-        shape = e["shape"]
-        if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_int(s) and 0 <= s < 2**62 for s in shape)):
-            raise invalid(f"{where}['shape'] to be a list of at most {_MAX_NDIM} non-negative integers", repr(shape)[:200])
-        nbytes = math.prod(shape) * spec.itemsize
-        if not _is_int(e["nbytes"]) or e["nbytes"] != nbytes:
-            raise invalid(
-                f"{where}['nbytes'] to be prod(shape) * itemsize = {nbytes if nbytes < 10**30 else 'a huge number'} for {spec.name} {shape}",
-                repr(e["nbytes"])[:100],
-            )
-        if not _is_int(e["crc32"]) or not 0 <= e["crc32"] < 2**32:
-            raise invalid(f"{where}['crc32'] to be an integer in [0, 2**32)", repr(e["crc32"])[:100])
-        stored_as = e.get("stored_as")
-        if stored_as is not None and stored_as != "uint8":
-            raise invalid(f"{where}['stored_as'] to be 'uint8' or absent", repr(stored_as)[:100])
-        total += nbytes
-        if total > file_size:
-            break
-        entries[key] = _Entry(spec, tuple(shape), nbytes, e["crc32"], stored_as)
-    if total > file_size:
+
+def _validate_entry(key: str, e: Any, fmt: str, invalid: Callable[[str, str], BundleFormatError]) -> _Entry:
+    """One ``tensors`` entry: its fields, dtype, shape, byte count, CRC and ``stored_as``."""
+    where = f"tensors[{key[:200]!r}]"
+    if key in ("", "__metadata__"):
+        raise invalid("non-empty tensor keys other than '__metadata__'", f"{key!r}")
+    if not isinstance(e, dict):
+        raise invalid(f"{where} to be a JSON object", f"a JSON {type(e).__name__}")
+    fields = {"dtype", "shape", "nbytes", "crc32"} | ({"stored_as"} if fmt == "safetensors" else set())
+    missing, unknown = sorted({"dtype", "shape", "nbytes", "crc32"} - set(e)), sorted(set(e) - fields)
+    if missing or unknown:
+        raise invalid(f"{where} to have the fields {sorted(fields)}", f"missing {missing}, unexpected {[u[:50] for u in unknown[:10]]}")
+    spec = _DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+    if spec is None:
+        raise invalid(f"{where}['dtype'] to be one of {list(_DTYPES)}", repr(e["dtype"])[:100])
+    shape = e["shape"]
+    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_int(s) and 0 <= s < 2**62 for s in shape)):
+        raise invalid(f"{where}['shape'] to be a list of at most {_MAX_NDIM} non-negative integers", repr(shape)[:200])
+    nbytes = math.prod(shape) * spec.itemsize
+    if not _is_int(e["nbytes"]) or e["nbytes"] != nbytes:
         raise invalid(
-            f"tensors totalling at most the file size ({file_size} bytes)", "more bytes declared"
+            f"{where}['nbytes'] to be prod(shape) * itemsize = {nbytes if nbytes < 10**30 else 'a huge number'} for {spec.name} {shape}",
+            repr(e["nbytes"])[:100],
         )
-    return entries
+    if not _is_int(e["crc32"]) or not 0 <= e["crc32"] < 2**32:
+        raise invalid(f"{where}['crc32'] to be an integer in [0, 2**32)", repr(e["crc32"])[:100])
+    stored_as = e.get("stored_as")
+    if stored_as is not None and stored_as != "uint8":
+        raise invalid(f"{where}['stored_as'] to be 'uint8' or absent", repr(stored_as)[:100])
+    return _Entry(spec, tuple(shape), nbytes, e["crc32"], stored_as)
 
 
 class _RawReader:
