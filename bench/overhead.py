@@ -290,7 +290,7 @@ def bench_bundle(args: argparse.Namespace) -> dict:
     import safetensors.torch
 
     from nanreplay.format.bundle import write_bundle
-    from nanreplay.format.container import _fsync, _fsync_dir
+    from nanreplay.format.atomic import _fsync, _fsync_dir
 
     width = int((args.bundle_mb * 2**20 / 4 / 6) ** 0.5)
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """The ``nanreplay`` command line.
 
-Exit codes (stable, for scripts):
+Exit codes (stable, for scripts; :data:`EXIT_CODES` names them, :data:`ERROR_EXITS` maps the
+library's exceptions to them, and ``tests/test_cli.py`` checks this table against both):
 
 ====  =========================================================================
 0     success; for ``replay`` and ``report``: the failure was reproduced
@@ -43,42 +44,71 @@ from typing import Any, Callable, Optional
 
 import click
 
+from .errors import BundleFormatError, MissingExtraError, ModelMismatchError, ReplayError, UntrustedBundleError
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND, EXIT_UNTRUSTED = 0, 1, 2, 3, 4, 5, 6, 7
+
+#: every exit code and what it says, in short (the module docstring's table says it in full)
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_ERROR: "an unexpected error",
+    EXIT_USAGE: "usage error",
+    EXIT_NOT_REPRODUCED: "the failure was not reproduced",
+    EXIT_BAD_BUNDLE: "the bundle is missing or unreadable",
+    EXIT_REPLAY: "the model, loss function or factory does not fit, or replay cannot run",
+    EXIT_NOT_FOUND: "bisect named no culprit",
+    EXIT_UNTRUSTED: "refused: the bundle is not trusted",
+}
 
 logger = logging.getLogger(__name__)
 
 
 class CLIError(click.ClickException):
-    """A ClickException with our exit code and a hint line."""
+    """A ClickException that exits with ``code``, one of :data:`EXIT_CODES`; click prints
+    ``Error: <message>``."""
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.exit_code = code
 
 
-def _guard(fn: Callable[[], Any]) -> Any:
-    """Map library errors to clean messages and fixed exit codes, never a traceback."""
-    from .errors import BundleFormatError, ModelMismatchError, ReplayError, UntrustedBundleError
+def _described(e: Any) -> str:
+    return e.describe(cli=True)
 
+
+#: exception type -> exit code and message; :func:`_guard` takes the first row the exception is an
+#: instance of (anything else is a bug: exit 1)
+ERROR_EXITS: tuple[tuple[type[BaseException], int, Callable[[Any], str]], ...] = (
+    (FileNotFoundError, EXIT_BAD_BUNDLE, str),
+    (IsADirectoryError, EXIT_BAD_BUNDLE, lambda e: f"{e}: expected a bundle file (.h5 or .safetensors), found a directory."),
+    (BundleFormatError, EXIT_BAD_BUNDLE, _described),
+    (UntrustedBundleError, EXIT_UNTRUSTED, _described),
+    (ModelMismatchError, EXIT_REPLAY, _described),
+    (ReplayError, EXIT_REPLAY, _described),
+    (MissingExtraError, EXIT_USAGE, str),  # the report extra (matplotlib) is not installed
+    (PermissionError, EXIT_BAD_BUNDLE, lambda e: f"{e}; check the file's permissions"),
+    # user code (a model factory, a loss function) tried to end the process
+    (SystemExit, EXIT_REPLAY, lambda e: f"the code being replayed called sys.exit({e.code!r}); replay cannot finish"),
+)
+
+
+def _exit_for(e: BaseException) -> Optional[CLIError]:
+    """The :class:`CLIError` of ``e`` by :data:`ERROR_EXITS`, or ``None`` when no row matches."""
+    return next((CLIError(message(e), code) for kind, code, message in ERROR_EXITS if isinstance(e, kind)), None)
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    """Map library errors to clean messages and fixed exit codes (:data:`ERROR_EXITS`), never a
+    traceback; anything else is a bug (exit 1)."""
     try:
         return fn()
-    except FileNotFoundError as e:
-        raise CLIError(str(e), EXIT_BAD_BUNDLE) from e
-    except IsADirectoryError as e:
-        raise CLIError(f"{e}: expected a bundle file (.h5 or .safetensors), found a directory.", EXIT_BAD_BUNDLE) from e
-    except BundleFormatError as e:
-        raise CLIError(e.describe(cli=True), EXIT_BAD_BUNDLE) from e
-    except UntrustedBundleError as e:
-        raise CLIError(e.describe(cli=True), EXIT_UNTRUSTED) from e
-    except (ModelMismatchError, ReplayError) as e:
-        raise CLIError(e.describe(cli=True), EXIT_REPLAY) from e
-    except PermissionError as e:
-        raise CLIError(f"{e}; check the file's permissions", EXIT_BAD_BUNDLE) from e
-    except SystemExit as e:  # user code (a model factory, a loss function) tried to end the process
-        raise CLIError(f"the code being replayed called sys.exit({e.code!r}); replay cannot finish", EXIT_REPLAY) from e
     except click.ClickException:
         raise
-    except Exception as e:  # a bug in nanreplay or in the replayed code: one line, the traceback with -v
+    except (Exception, SystemExit) as e:
+        mapped = _exit_for(e)
+        if mapped is not None:
+            raise mapped from e
+        # a bug in nanreplay or in the replayed code: one line, the traceback with -v
         logger.info("unexpected error", exc_info=True)
         raise CLIError(f"unexpected error: {type(e).__name__}: {e} (a bug: please report it; run with -v for the traceback)", EXIT_ERROR) from e
 
@@ -87,7 +117,6 @@ def _import_types(paths: tuple[str, ...]) -> list[type]:
     """The batch types named with --batch-type (user-named code: imported)."""
     from .core.callables import import_callable
     from .core.tree import accepted_types
-    from .errors import ReplayError
 
     out = []
     for p in paths:
@@ -550,13 +579,9 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
 
 def _require_report_extra() -> None:
     """Exit 2 with the extra to install when matplotlib is missing."""
-    from .errors import MissingExtraError
     from .report.plots import require_matplotlib
 
-    try:
-        require_matplotlib()
-    except MissingExtraError as e:
-        raise CLIError(str(e), EXIT_USAGE) from e
+    _guard(require_matplotlib)
 
 
 def _bundle_meta(bundle: Path) -> dict:

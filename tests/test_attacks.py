@@ -122,6 +122,7 @@ def test_an_untrusted_optimizer_class_is_never_imported_and_bisect_over_steps_re
     assert f"optimizer class '{PROBE}:Opt'" in output
 
 
+@pytest.mark.slow
 def test_inspect_bounds_memory_on_a_sparse_huge_tensor(attacks):
     """1 GiB declared in a few KiB on disk: inspect verifies it in 8 MiB chunks (the old reader
     held two copies: 8.6 GB for a 4 GiB tensor)."""
@@ -136,6 +137,7 @@ def test_inspect_bounds_memory_on_a_sparse_huge_tensor(attacks):
     assert rss_kib - baseline_kib < 64 * 1024, f"peak RSS {rss_kib / 1024:.0f} MiB, {baseline_kib / 1024:.0f} MiB for a small bundle"
 
 
+@pytest.mark.slow
 def test_the_attack_index_matches_what_the_script_writes(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "attacks" / "make_attacks.py"), str(tmp_path)], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})

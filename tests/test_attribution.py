@@ -206,6 +206,33 @@ def test_nan_learning_rate_is_an_optimizer_update(out_dir):
         assert diag.get("samples") is None
 
 
+def test_an_optimizer_replay_that_raises_is_an_error_not_a_finite_update(out_dir, monkeypatch):
+    """The NaN-learning-rate bundle, but the optimizer replay raises: the diagnosis says which
+    replay failed and why, and never that the replay produced no non-finite value."""
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = (torch.randn(8, 8), torch.randn(8, 4))
+    with Recorder(model, opt, loss_fn=models.mse_loss, out_dir=out_dir, model_factory=models.make_mlp, check_update=True) as rec:
+        _train(model, opt, rec, 2, batch, models.mse_loss)
+        opt.param_groups[0]["lr"] = float("nan")
+        with pytest.raises(NonFiniteGradientError) as info:
+            _train(model, opt, rec, 1, batch, models.mse_loss)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the optimizer cannot be rebuilt here")
+
+    monkeypatch.setattr("nanreplay.diagnosis.optimizer.optimizer_from_info", broken)
+    diag = replay(info.value.bundle_path)
+    assert diag["phase"] == "none"
+    assert diag["errors"] == [{"replay": "optimizer update", "error": "RuntimeError: the optimizer cannot be rebuilt here"}]
+    assert diag["optimizer"] is None and diag["classification"]["cause"] == "unknown"
+    assert diag["classification"]["detail"] == "RuntimeError: the optimizer cannot be rebuilt here"
+    assert "the optimizer update replay failed: RuntimeError: the optimizer cannot be rebuilt here" in diag["warnings"]
+    assert diag["summary"].startswith(f"step {diag['step']}: the optimizer update replay failed, so the origin is unknown; cause: unknown (RuntimeError")
+    assert "no non-finite value" not in diag["summary"] + diag["cause"]
+    _strict_json(diag)
+
+
 def test_adam_eps_zero_names_the_second_moment(out_dir):
     """Resuming with eps=0: a weight whose gradient has always been 0 has a zero second moment,
     and its update is 0 / (sqrt(0) + 0) = NaN."""

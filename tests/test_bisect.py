@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 
 import pytest
@@ -178,7 +179,7 @@ def test_samples_names_the_poisoned_sample(tmp_path):
     assert res["warnings"] == []
 
 
-def test_samples_cotangent_mode_and_batchnorm_warning(tmp_path):
+def test_samples_cotangent_mode_and_batchnorm_warning(tmp_path, caplog):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 4)
@@ -187,7 +188,10 @@ def test_samples_cotangent_mode_and_batchnorm_warning(tmp_path):
         model(x).pow(2).mean().backward()
         with pytest.raises(NonFiniteGradientError) as info:
             opt.step()
-    res = bisect(info.value.bundle_path, over="samples", model=torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)))
+    with caplog.at_level(logging.INFO, logger="nanreplay"):
+        res = bisect(info.value.bundle_path, over="samples", model=torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)))
+    # the warnings are the result's, printed once by the CLI: the library logs them below WARNING
+    assert not [r for r in caplog.records if r.name.startswith("nanreplay.search") and r.levelno >= logging.WARNING]
     assert res["details"]["mode"] == "cotangent"
     assert any("batch-coupled" in w and "(1)" in w for w in res["warnings"])
     # BatchNorm spread the NaN over the batch, so the recorded cotangent is NaN for every row

@@ -125,3 +125,49 @@ def test_digits_failure_is_batch_level_not_blamed_on_samples(digits_bundle):
     assert diag["samples"]["indices"] == []
     assert "samples [" not in diag["summary"]
     assert not any("no sample alone" in w for w in diag["samples"]["warnings"])  # the two verdicts exclude each other
+
+
+def test_the_exit_code_table_of_the_docstring_is_the_code_table():
+    """The module docstring's table lists exactly the codes of EXIT_CODES, and every code the
+    exception table maps to is one of them."""
+    import re
+
+    from nanreplay import cli
+
+    documented = [int(m) for m in re.findall(r"^(\d+)\s{2,}\S", cli.__doc__, flags=re.M)]
+    assert documented == sorted(cli.EXIT_CODES)
+    assert {code for _, code, _ in cli.ERROR_EXITS} <= set(cli.EXIT_CODES)
+
+
+@pytest.mark.parametrize("make, code", [
+    (lambda: FileNotFoundError("x.h5: no such bundle file"), 4),
+    (lambda: IsADirectoryError("bundles/"), 4),
+    (lambda: PermissionError("x.h5"), 4),
+    (lambda: SystemExit(3), 5),
+    (lambda: RuntimeError("boom"), 1),
+])
+def test_guard_maps_each_exception_by_the_table(make, code):
+    import click
+
+    from nanreplay import cli
+
+    def fail():
+        raise make()
+
+    with pytest.raises(click.ClickException) as info:
+        cli._guard(fail)
+    assert info.value.exit_code == code
+
+
+def test_guard_maps_the_library_errors_by_the_table():
+    import click
+
+    from nanreplay import cli
+    from nanreplay.errors import BundleFormatError, MissingExtraError, ModelMismatchError, ReplayError, UntrustedBundleError
+
+    cases = {BundleFormatError("bad"): 4, UntrustedBundleError("x.h5", {"model factory": ["m:f"]}): 7, ModelMismatchError("mismatch"): 5,
+             ReplayError("cannot"): 5, MissingExtraError("pip install 'nanreplay[report]'", extra="report"): 2}
+    for err, code in cases.items():
+        with pytest.raises(click.ClickException) as info:
+            cli._guard(lambda err=err: (_ for _ in ()).throw(err))
+        assert info.value.exit_code == code, err

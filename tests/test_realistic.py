@@ -147,6 +147,7 @@ def test_transformer_padded_batches_no_false_alarm_and_same_training(out_dir):
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_transformer_fully_padded_sequence_nan_in_attention_pooling(out_dir):
     with pytest.raises(NonFiniteGradientError) as info:
         _train_transformer(out_dir, bad_step=4)
@@ -193,6 +194,7 @@ def _train_lm(out_dir, factory, *, loss_fn=rm.lm_loss, bad_step=-1, recorder=Tru
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [rm.make_lstm_lm, rm.make_gru_lm], ids=["lstm", "gru"])
 def test_tied_lm_empty_target_batch_is_born_in_the_loss(out_dir, factory):
     _assert_same_state(_state(_train_lm(out_dir, factory, steps=3)), _state(_train_lm(out_dir, factory, steps=3, recorder=False)))
@@ -406,6 +408,7 @@ def _train_with_validation(out_dir, how, *, use_loss_fn=True, bad_step=-1, recor
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["no_grad", "inference_mode", "forgot no_grad"])
 def test_validation_between_steps_is_not_part_of_a_step(out_dir, how):
     _assert_same_state(_state(_train_with_validation(out_dir, how, steps=3)), _state(_train_with_validation(out_dir, how, steps=3, recorder=False)))
@@ -453,6 +456,7 @@ def _train_skipping(out_dir, *, recorder: bool, bad_steps=(3, 6), steps=9):
             rec.close()
 
 
+@pytest.mark.slow
 def test_skip_leaves_no_trace_of_the_skipped_steps(out_dir):
     model, opt, rec = _train_skipping(out_dir, recorder=True)
     reference, _, _ = _train_skipping(out_dir, recorder=False)
@@ -482,6 +486,7 @@ def _cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_cli_round_trip(transformer_bundle):
     r = _cli("inspect", transformer_bundle)
     assert r.exit_code == 0, r.output

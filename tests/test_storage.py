@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanreplay.format import container as storage
+from nanreplay.format import atomic, hdf5, manifest
 from nanreplay.errors import BundleFormatError
 from nanreplay.format.container import (
     FORMAT_NAME,
@@ -142,7 +142,7 @@ def test_unknown_extension_is_a_value_error_naming_the_accepted_ones(tmp_path, n
 
 def test_every_dtype_round_trips_bit_exactly(tmp_path, ext):
     tensors = special_values()
-    assert {str(t.dtype).removeprefix("torch.") for t in tensors.values()} == set(storage._DTYPES)
+    assert {str(t.dtype).removeprefix("torch.") for t in tensors.values()} == set(manifest._DTYPES)
     path = write_flat(tmp_path / f"all.{ext}", tensors, {})
     with read_flat(path) as b:
         assert b.keys() == sorted(tensors)
@@ -303,7 +303,7 @@ def test_a_failing_write_leaves_neither_a_file_nor_a_partial(tmp_path, ext, monk
         assert path.stat().st_size > 0  # the data had been written to the temporary file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage, "_fsync", disk_full)
+    monkeypatch.setattr(atomic, "_fsync", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         write_flat(tmp_path / f"a.{ext}", {"w": torch.zeros(100)}, {})
     assert list(tmp_path.iterdir()) == []
@@ -311,7 +311,7 @@ def test_a_failing_write_leaves_neither_a_file_nor_a_partial(tmp_path, ext, monk
 
 def test_a_failing_write_keeps_the_previous_bundle(tmp_path, ext, monkeypatch):
     path = write_flat(tmp_path / f"a.{ext}", {"w": torch.zeros(2)}, {"v": "old"})
-    monkeypatch.setattr(storage, "_fsync", lambda p: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(atomic, "_fsync", lambda p: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         write_flat(path, {"w": torch.ones(2)}, {"v": "new"})
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
@@ -650,7 +650,7 @@ def test_a_version_1_hdf5_file_still_reads_bit_exactly(tmp_path):
         manifest = json.loads(src["__manifest__"][()].tobytes())
         manifest["format_version"] = 1
         for key, entry in manifest["tensors"].items():
-            name = storage._h5_name(key)
+            name = hdf5._h5_name(key)
             dst.create_dataset(f"tensors/{name}", data=src["tensors"][name][()], track_times=False).attrs["torch_dtype"] = entry["dtype"]
         dst.create_dataset("__manifest__", data=np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8), track_times=False)
     assert v1.read_bytes()[8] == 0  # superblock version 0, as the version-1 writer produced

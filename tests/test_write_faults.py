@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanreplay.format import container
+from nanreplay.format import atomic
 from nanreplay.format.container import STALE_PARTIAL_SECONDS, read_flat, write_flat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,8 +115,8 @@ def _partial(directory: Path, age: float, name: str = "nanreplay-step3.h5") -> P
 def test_a_killed_dump_leaves_a_partial_that_the_next_write_removes(tmp_path):
     script = textwrap.dedent("""
         import sys, time, torch
-        from nanreplay.format import container
-        container._fsync = lambda path: (print("writing", flush=True), time.sleep(60))  # killed here
+        from nanreplay.format import atomic, container
+        atomic._fsync = lambda path: (print("writing", flush=True), time.sleep(60))  # killed here
         container.write_flat(sys.argv[1], {"w": torch.zeros(1000)}, {})
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -154,13 +154,14 @@ def test_only_our_own_dead_and_not_too_young_partials_are_removed(tmp_path):
 
 
 def test_without_locks_only_age_decides(tmp_path, monkeypatch):
-    monkeypatch.setattr(container, "_writer_gone", lambda path, st: None)  # a filesystem without locks
+    monkeypatch.setattr(atomic, "_writer_gone", lambda path, st: None)  # a filesystem without locks
     recent = _partial(tmp_path, age=600)
     old = _partial(tmp_path, age=STALE_PARTIAL_SECONDS + 60)
     write_flat(tmp_path / "new.h5", {"w": torch.zeros(2)}, {})
     assert recent.exists() and not old.exists()
 
 
+@pytest.mark.slow
 def test_two_writers_in_one_directory_do_not_remove_each_others_files(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     script = textwrap.dedent("""

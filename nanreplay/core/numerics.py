@@ -7,6 +7,10 @@ the 2-norm of the per-tensor norms. A NaN or Inf anywhere makes the total non-fi
 read of one scalar answers "is any gradient non-finite" and yields the grad norm for free.
 The total can also be non-finite when every value is finite but the norm overflows float32
 (|g| around 1e19 and up); :func:`count_nonfinite` tells the two apart on the slow path.
+
+One definition each: :func:`any_nonfinite` is the yes/no check of replay and diagnosis,
+:func:`kinds` names the kinds of non-finite values a health holds. Torch is imported by the
+functions that need it, so ``report`` (no torch) can use :func:`kinds` and :class:`Health`.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "any_nonfinite", "as_real"]
+__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "any_nonfinite", "kinds", "as_real"]
 
 
 def is_float(t: torch.Tensor) -> bool:
@@ -30,6 +35,8 @@ def as_real(t: torch.Tensor) -> torch.Tensor:
     """A complex tensor as a real one with a trailing dimension of 2 (real, imaginary), its
     conjugate or negative view resolved first; any other tensor unchanged. NaN/Inf counts and
     comparisons of complex tensors go through it."""
+    import torch
+
     if t.is_complex():
         return torch.view_as_real(t.resolve_conj().resolve_neg())
     return t
@@ -40,6 +47,8 @@ def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[to
     first tensor's device, computed with one ``_foreach_norm`` per (device, dtype) group and no
     host sync. Returns ``None`` for an empty sequence.
     """
+    import torch
+
     if not tensors:
         return None
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
@@ -57,20 +66,46 @@ def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[to
     return torch.linalg.vector_norm(torch.cat(norms), ord)
 
 
-def any_nonfinite(ts: Sequence[torch.Tensor]) -> bool:
-    """Whether any floating tensor in ``ts`` holds a NaN or Inf; one host read. The one
-    non-finite check of replay and diagnosis (the recorder's hot path uses :func:`fused_norm`)."""
-    ts = [ts] if isinstance(ts, torch.Tensor) else ts
-    fl = [t for t in ts if is_float(t) and t.numel()]
+def any_nonfinite(ts: Union["torch.Tensor", Iterable[Any]]) -> bool:
+    """Whether any floating tensor in ``ts`` (one tensor, or an iterable whose non-tensor and
+    integer items are skipped; anything else, e.g. an optimizer state's ``int`` step, is not a
+    tensor: ``False``) holds a NaN or Inf; one host read. The one non-finite check of
+    replay and diagnosis (the recorder's hot path uses :func:`fused_norm`).
+
+    >>> any_nonfinite([torch.ones(2), torch.tensor([1.0, float("nan")])]), any_nonfinite(torch.arange(3))
+    (True, False)
+    """
+    import torch
+
+    ts = ts if isinstance(ts, Iterable) and not isinstance(ts, torch.Tensor) else [ts]
+    fl = [t for t in ts if isinstance(t, torch.Tensor) and is_float(t) and t.numel()]
     if not fl:
         return False
     if len(fl) == 1:
         return not bool(torch.isfinite(fl[0]).all())
-    return not bool(torch.stack([torch.isfinite(t).all() for t in fl]).all())
+    dev = fl[0].device
+    return not bool(torch.stack([torch.isfinite(t).all().to(dev) for t in fl]).all())
+
+
+def kinds(h: Any) -> str:
+    """The kinds of non-finite values a :class:`Health` (or its JSON dict) counts: ``'NaN'``,
+    ``'+Inf'``, ``'-Inf'`` or a combination such as ``'NaN and -Inf'``; ``'finite'`` when it
+    counts none; ``'non-finite value'`` when unknown (``None``).
+
+    >>> kinds({"nan": 2, "posinf": 0, "neginf": 1}), kinds({"nan": 0}), kinds(None)
+    ('NaN and -Inf', 'finite', 'non-finite value')
+    """
+    if h is None:
+        return "non-finite value"
+    h = h.to_json() if hasattr(h, "to_json") else h
+    parts = [n for n, k in (("NaN", "nan"), ("+Inf", "posinf"), ("-Inf", "neginf")) if h.get(k)]
+    return " and ".join(parts) if parts else "finite"
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     """(NaN count, +Inf count, -Inf count) of one tensor; syncs. Zero for non-float dtypes."""
+    import torch
+
     if not is_float(t) or t.numel() == 0:
         return 0, 0, 0
     t = as_real(t)
@@ -111,9 +146,8 @@ class Health:
         return self.nonfinite == 0
 
     def kinds(self) -> str:
-        """'NaN', '+Inf', '-Inf' or a combination such as 'NaN and -Inf'."""
-        parts = [n for n, c in (("NaN", self.nan), ("+Inf", self.posinf), ("-Inf", self.neginf)) if c]
-        return " and ".join(parts) if parts else "finite"
+        """'NaN', '+Inf', '-Inf' or a combination such as 'NaN and -Inf' (:func:`kinds`)."""
+        return kinds(self)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -124,6 +158,8 @@ def tensor_health(tensors: Iterable[torch.Tensor]) -> Optional[Health]:
     are none. Syncs the device: for replay and reports, never for the training hot path. A finite
     tensor costs one ``isfinite().all()``, one ``aminmax`` and one float64 ``sum``; only
     non-finite ones pay for the NaN/Inf counts and the masked copy of the finite values."""
+    import torch
+
     ts = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and is_float(t)]
     if not ts:
         return None

@@ -24,24 +24,23 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.allowlist import Allowlist
-from ..core.callables import script_imports
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite, kinds
 from ..core.quiet import quietly
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import DEFAULT_BACKEND, compile_check
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
-from ..engine.deadline import deadline
+from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
-from ..engine.gate import bundle_types, live_optimizer_info, resolved_optimizer_info
-from ..engine.state import load_state, recorded_device, replay_subject
-from ..format.bundle import Bundle, Types, open_bundle
+from ..engine.gate import live_optimizer_info, resolved_optimizer_info
+from ..engine.state import ReplayRequest, load_state, opened_subject
+from ..format.bundle import Bundle, Types
 from ..format.records import BundleContent
-from ..report.summary import kinds_of, summary_sentence
+from ..report.summary import summary_sentence
 from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
 from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
-from .origin import find_origin, health_json
+from .origin import Found, find_origin, health_json, report_origin
 from .samples import samples_for, step_batch_size
 from .timeline import health_table, report_facts
 
@@ -74,15 +73,7 @@ def _event_json(e: dict) -> dict:
 
 def _compact(b: dict) -> dict:
     return {"phase": b["phase"], "op": b["op"], "node": b.get("node"), "module": b.get("module"), "source": b.get("source"),
-            "kinds": kinds_of(b.get("output")), "op_index": b.get("op_index")}
-
-
-def _grads_nonfinite(grads: dict[str, torch.Tensor]) -> bool:
-    return any(is_float(g) and not bool(torch.isfinite(g).all()) for g in grads.values())
-
-
-def _products_nonfinite(result: ReplayResult) -> bool:
-    return any(h is not None and not h.finite for h in list(result.losses) + list(result.outputs)) or _grads_nonfinite(result.grads)
+            "kinds": kinds(b.get("output")), "op_index": b.get("op_index")}
 
 
 def cheap_origin(inp: StepInputs) -> bool:
@@ -130,6 +121,12 @@ def diagnose(
 ) -> dict:
     """Turn one replay into the diagnosis dict (fields in ``docs/report.md``).
 
+    The stages, in order: the reproduction verdict, the origin (:func:`find_origin`, which may
+    replay the optimizer update), the facts the cause rules read (:class:`Features`), the
+    counterfactual replays, the cause (:func:`classify`), the samples (:func:`samples_for`), the
+    report's origin (:func:`report_origin`), the dict. A replay that raises is reported in
+    ``errors`` and ``warnings``, never taken for a finite one.
+
     Args:
         result: the replay of the step (:func:`~nanreplay.engine.run.run_step`).
         inp: what the replay ran on; ``model`` holds the step-start weights.
@@ -143,63 +140,80 @@ def diagnose(
             decides the ``compiler`` cause when only the compiled replay is non-finite.
     """
     say = progress or _silent
-    if replayed:
-        repro = compare_grads(inp.recorded_grads, result.grads)
-        compare_loss(repro, inp.record.loss, result.loss_values)
-    else:
-        repro = {"verdict": "not replayed", "max_abs_diff": None, "detail": "the recorded data shows the cause; nanreplay replay verifies it"}
-    cache: dict[str, Any] = {}
-
-    def optimizer_replay() -> Optional[dict]:
-        if "opt" not in cache:
-            say("replaying the optimizer update")
-            cache["opt"] = replay_optimizer_update(inp.state, inp.recorded_grads, inp.optimizer_info, device=device, allow=inp.allow)
-        return cache["opt"]
-
-    found = find_origin(result, inp, model, optimizer_replay=optimizer_replay)
-    phase = found.phase if found is not None else "none"
-    origin = dict(found.origin) if found is not None else None
-    history = grad_norm_history(inp.history, inp.record.step) if inp.history else None
-    birth = found.birth if found is not None else None
-    f = Features(phase=phase, origin=origin or {}, birth=birth, history=history,
-                 optimizer=found.extra.get("optimizer") if found is not None else None,
-                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")), compiled=compiled)
-    if phase == "weights" and origin is not None:
-        f.weights = weights_evidence(inp, origin["tensor"], is_param=origin.get("kind") == "parameter")
+    repro = _reproduction(result, inp, replayed)
+    errors: list[dict] = []
+    found = find_origin(result, inp, model, optimizer_replay=_optimizer_replay(inp, device, say, errors))
+    f = _features(found, inp, compiled, errors)
     if counterfactuals and replayed:
         _counterfactuals(f, model, inp, device, say)
-        if (phase == "none" and repro["verdict"] == "not reproduced" and _grads_nonfinite(inp.recorded_grads)
-                and not (compiled or {}).get("only_under_compile")):
-            say("replaying the step again (determinism check)")
-            f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
-            f.transient = f.repeats == 3
-            repro["repeats"] = f.repeats
+        _determinism(f, repro, model, inp, device, say)
     cls = classify(f)
     smp = None
     if found is not None:
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
-        if smp is not None and phase != "input":
-            origin["samples"] = smp["indices"] or None
+    diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
+    diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
+    diag["summary"] = summary_sentence(diag)
+    return diag
+
+
+def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> dict:
+    """The reproduction verdict: the replayed gradients and loss against the recorded ones."""
+    if not replayed:
+        return {"verdict": "not replayed", "max_abs_diff": None, "detail": "the recorded data shows the cause; nanreplay replay verifies it"}
+    repro = compare_grads(inp.recorded_grads, result.grads)
+    compare_loss(repro, inp.record.loss, result.loss_values)
+    return repro
+
+
+def _optimizer_replay(inp: StepInputs, device: Optional[torch.device], say: Progress, errors: list[dict]) -> Callable[[], Optional[dict]]:
+    """The optimizer-update replay as the origin stage asks for it: run once, on demand; a
+    replay that raised is added to ``errors``."""
+    cache: dict[str, Optional[dict]] = {}
+
+    def run() -> Optional[dict]:
+        if "opt" not in cache:
+            say("replaying the optimizer update")
+            res = replay_optimizer_update(inp.state, inp.recorded_grads, inp.optimizer_info, device=device, allow=inp.allow)
+            if res is not None and res.get("error"):
+                errors.append({"replay": "optimizer update", "error": res["error"]})
+            cache["opt"] = res
+        return cache["opt"]
+
+    return run
+
+
+def _features(found: Optional[Found], inp: StepInputs, compiled: Optional[dict], errors: list[dict]) -> Features:
+    """The facts the cause rules (:data:`~nanreplay.diagnosis.classify.RULES`) read, from the
+    origin and the bundle."""
+    if found is None:
+        return Features(phase="none", origin={}, history=_history(inp), batch_size=step_batch_size(inp.record, inp.uses_loss, None),
+                        compiled=compiled, errors=errors)
+    birth = found.birth
+    f = Features(phase=found.phase, origin=found.origin, birth=birth, history=_history(inp), optimizer=found.extra.get("optimizer"),
+                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")), compiled=compiled, errors=errors)
+    if found.phase == "weights":
+        f.weights = weights_evidence(inp, found.origin["tensor"], is_param=found.origin.get("kind") == "parameter")
+    return f
+
+
+def _history(inp: StepInputs) -> Optional[dict]:
+    return grad_norm_history(inp.history, inp.record.step) if inp.history else None
+
+
+def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dict, repro: dict, smp: Optional[dict],
+                    origin: Optional[dict]) -> dict:
+    """The diagnosis dict (``docs/report.md``) but its summary and report facts."""
     births = list(result.births) + list((f.optimizer or {}).get("births") or [])
-    ob = birth
+    ob = f.birth
     chain = [_compact(b) for b in births if ob is None or b["op_index"] <= ob["op_index"]]
-    if origin is not None and birth is not None:
-        origin["operands"] = birth.get("operands")
-    if origin is not None and phase == "backward" and "first_nonfinite_gradient" not in origin:
-        bad = next((e for e in result.modules.events if e["phase"] == "backward" and e.get("output")
-                    and (e["output"]["nan"] or e["output"]["posinf"] or e["output"]["neginf"])), None)
-        if bad is not None:
-            origin["first_nonfinite_gradient"] = bad.get("param") or f"cotangent at {bad['module'] or '(model output)'}"
-    if origin is not None and origin.get("micro_batch") is None:
-        origin.pop("micro_batch", None)
-    if origin is not None and len(inp.record.batches if inp.uses_loss else inp.record.forwards) <= 1:
-        origin.pop("micro_batch", None)
     forward_finite = bool(result.outputs) and all(h is not None and h.finite for h in result.outputs)
-    diag = {
+    ops = result.ops
+    return {
         "step": inp.record.step,
-        "phase": phase,
+        "phase": f.phase,
         "origin": origin,
-        "cause": _phase_sentence(phase, result, forward_finite, f),
+        "cause": _phase_sentence(f.phase, result, forward_finite, f),
         "classification": {k: v for k, v in cls.items() if k != "rule"},
         "summary": "",
         "mode": result.mode,
@@ -207,23 +221,22 @@ def diagnose(
         "forward_finite": forward_finite,
         "chain": chain[:16],
         "births": [_event_json(b) for b in births[:16]],
-        "allowed_births": len(result.ops.allowed) if result.ops is not None else None,
-        "allowlist": result.ops.allow.to_json() if result.ops is not None else None,
-        "propagated_ops": result.ops.propagated if result.ops is not None else None,
+        "allowed_births": len(ops.allowed) if ops is not None else None,
+        "allowlist": ops.allow.to_json() if ops is not None else None,
+        "propagated_ops": ops.propagated if ops is not None else None,
         "samples": smp,
         "optimizer": f.optimizer,
-        "history": history,
+        "history": f.history,
         "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
         "loss": [health_json(h) for h in result.losses],
         "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed},
-        "warnings": list(result.warnings) + list((smp or {}).get("warnings", [])),
-        "compile": compiled,
+        "warnings": (list(result.warnings) + list((smp or {}).get("warnings", []))
+                     + [f"the {e['replay']} replay failed: {e['error']}" for e in f.errors]),
+        "errors": list(f.errors),
+        "compile": f.compiled,
     }
-    diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
-    diag["summary"] = summary_sentence(diag)
-    return diag
 
 
 def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: Features) -> str:
@@ -233,6 +246,8 @@ def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: F
         return ("the model's forward pass is finite; " if forward_finite else "") + PHASE_SENTENCES["loss"]
     if phase == "optimizer" and f.optimizer:
         return f.optimizer.get("detail") or PHASE_SENTENCES["optimizer"]
+    if phase == "none" and f.errors:
+        return f"the {f.errors[0]['replay']} replay failed ({f.errors[0]['error']}): where the non-finite value is born is unknown"
     return PHASE_SENTENCES.get(phase, PHASE_SENTENCES["none"])
 
 
@@ -243,15 +258,14 @@ def _fresh(model: torch.nn.Module, inp: StepInputs) -> None:
 
 def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
     """The float64 replay first (a zero that is a rounding is an underflow, whoever carried it);
-    then, if the zero is real, the perturbed-weights replay (does the batch or the weights decide it?)."""
+    then, if the zero is real, the perturbed-weights replay (does the batch or the weights decide it?).
+    A counterfactual that cannot run (an op without a float64 kernel) is absent, its error in ``f.errors``."""
     if needs_wide_replay(f):
         say("replaying the step in float64 (is the zero an underflow?)")
         try:
             f.wide_finite = not replay_wide(model, inp, device=device)
-        except Exception as e:  # an op without a float64 kernel: the counterfactual is simply absent
-            if type(e).__name__ == "DiagnosisTimeout":
-                raise
-            logger.info("nanreplay: the float64 replay could not run (%s: %s)", type(e).__name__, e)
+        except Exception as e:
+            f.errors.append({"replay": "float64", "error": replay_error(e)})
         finally:
             _fresh(model, inp)
     if f.wide_finite is not True and needs_perturbed_replay(f):
@@ -260,12 +274,21 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             sig = birth_signature(f.birth or {})
             watch = frozenset({sig[1]}) if sig[1] else None  # only the origin's op is checked: one plain replay's cost
             f.persists_perturbed = sig in replay_perturbed(model, inp, device=device, watch=watch)
-        except Exception as e:  # a replay that cannot run: the counterfactual is simply absent
-            if type(e).__name__ == "DiagnosisTimeout":
-                raise
-            logger.info("nanreplay: the perturbed replay could not run (%s: %s)", type(e).__name__, e)
+        except Exception as e:
+            f.errors.append({"replay": "perturbed-weights", "error": replay_error(e)})
         finally:
             _fresh(model, inp)
+
+
+def _determinism(f: Features, repro: dict, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
+    """No birth, recorded gradients non-finite, replay not reproduced (and not a compiler
+    difference): replay twice more; all finite is a transient fault."""
+    if (f.phase == "none" and repro["verdict"] == "not reproduced" and any_nonfinite(inp.recorded_grads.values())
+            and not (f.compiled or {}).get("only_under_compile")):
+        say("replaying the step again (determinism check)")
+        f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
+        f.transient = f.repeats == 3
+        repro["repeats"] = f.repeats
 
 
 def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], times: int) -> int:
@@ -274,7 +297,7 @@ def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[tor
     for _ in range(times):
         _fresh(model, inp)
         res = run_step(model, dataclasses.replace(inp, recorded_grads={}), ops=False, device=device)
-        n += not _products_nonfinite(res)
+        n += not res.products_nonfinite()
     _fresh(model, inp)
     return n
 
@@ -409,18 +432,11 @@ def replay(
         ModelMismatchError: the model does not match the recorded one.
     """
     say = progress or _silent
-    own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
-    try:
-        dev = torch.device(device) if device is not None else recorded_device(b)
-        say("rebuilding the model")
-        with script_imports(import_script):
-            # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
-            subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=dev,
-                                     types=batch_types)
-        b = b.view(types=bundle_types(b, batch_types))
+    say("rebuilding the model")
+    request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
+                            batch_types=batch_types, import_script=import_script)
+    with opened_subject(bundle, request) as (b, subject, dev):
         model, lf = subject.model, subject.loss_fn
-        model = model.to(dev)
         state = b.state()
         rec = b.step(b.failing_step)
         load_state(model, state)
@@ -443,7 +459,4 @@ def replay(
         diag["model_source"] = subject.source
         diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
         return diag
-    finally:
-        if own:
-            b.close()
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..report.summary import kinds_of
+from ..core.numerics import kinds
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
 __all__ = ["CAUSES", "Features", "RULES", "classify"]
@@ -55,6 +55,7 @@ class Features:
     repeats: int = 0
     batch_size: Optional[int] = None
     evidence: list[str] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)  # replays that raised: {"replay", "error"}
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -170,6 +171,8 @@ def _compiler(f: Features) -> tuple[str, list[str]]:
 
 
 def _unknown(f: Features) -> tuple[str, list[str]]:
+    if f.phase == "none" and f.errors:
+        return f.errors[0]["error"], [f"the {x['replay']} replay raised {x['error']}" for x in f.errors]
     if f.phase == "none":
         return "no non-finite value in the replay", []
     if f.origin.get("loss_replayed") is False:
@@ -215,7 +218,7 @@ def _overflow_evidence(f: Features) -> list[str]:
     dtype = _field(out, "dtype")
     fmax = torch.finfo(getattr(torch, dtype)).max if isinstance(dtype, str) and getattr(torch, dtype, None) is not None and getattr(torch, dtype).is_floating_point else None
     absmax = w.get("absmax")
-    line = f"{b['op']} gives {kinds_of(out)} in {dtype} but is finite in {w.get('dtype')}"
+    line = f"{b['op']} gives {kinds(out)} in {dtype} but is finite in {w.get('dtype')}"
     if absmax is not None and fmax is not None:
         line += (f" (largest magnitude {absmax:.4g}, past the {dtype} maximum {fmax:.4g})" if absmax > fmax
                  else f" (largest output magnitude {absmax:.4g}, within {dtype}'s range: an intermediate of the op overflows)")
@@ -253,38 +256,63 @@ def _underflow(f: Features) -> tuple[str, list[str]]:
     return detail, _op_evidence(f) + [f"the step replayed in float64 (every down-cast kept wide) is finite: {why}"]
 
 
+def _masked_detail(f: Features, b: dict, op: dict, src: str) -> str:
+    m = (b.get("operands") or {}).get("masked_rows") or {}
+    rows = m.get("rows")
+    mask = ", ".join(p[len("batch:"):] for p in op.get("masked_by") or [] if p.startswith("batch:"))
+    return (f"{m.get('count', '?')} row(s) of the {b['op']} input have every position masked (-Inf)"
+            + (f", in sample(s) {rows}" if rows else "") + f": the mask comes from {mask or src}")
+
+
+def _ignored_detail(f: Features, b: dict, op: dict, src: str) -> str:
+    tgt = next((o for o in (b.get("operands") or {}).get("tensors", []) if o.get("name") == "target"), {})
+    scal = (b.get("operands") or {}).get("scalars") or {}
+    return (f"every target of {', '.join(sources(tgt)['batch']) or 'the batch'} is ignore_index ({scal.get('ignore_index')}): "
+            "the mean is over 0 targets")
+
+
+def _empty_detail(f: Features, b: dict, op: dict, src: str) -> str:
+    return f"{b['op']} over an empty selection (0 elements): the selection comes from {src}"
+
+
+def _count_detail(f: Features, b: dict, op: dict, src: str) -> str:
+    if b["op"].strip("_") not in ("std", "var", "std_mean", "var_mean"):
+        return f"{explanation(b)}: the values come from {src}"
+    n_in = op.get("numel") or 0
+    n_out = _field(b.get("output"), "numel") or 1
+    per = n_in // max(n_out, 1) if n_in else 0
+    scal = (b.get("operands") or {}).get("scalars") or {}
+    corr = scal.get("correction", scal.get("unbiased"))
+    return (f"{b['op']} with correction {1 if corr in (None, True) else corr} over {per} element(s) per output"
+            + (f" (a batch of {f.batch_size})" if f.batch_size is not None and per <= 1 else "") + f": the values come from {src}")
+
+
+def _zero_detail(f: Features, b: dict, op: dict, src: str) -> Optional[str]:
+    if not op.get("zeros"):
+        return None
+    name = "divisor" if op.get("name") == "other" and b["op"].strip("_") == "div" else f"operand {op.get('name') or ''}".strip()
+    carried = f"derives from {src} and stays 0 with the weights perturbed" if f.sources["weights"] else f"derives only from {src}"
+    return f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and {carried}: this batch makes it 0"
+
+
+#: how the batch's part is said, by the domain kind of the birth op (a row answering ``None``
+#: falls back to the op's explanation)
+BATCH_DETAILS: dict[str, Callable[[Features, dict, dict, str], Optional[str]]] = {
+    "masked": _masked_detail,
+    "ignored": _ignored_detail,
+    "empty": _empty_detail,
+    "count": _count_detail,
+    "zero": _zero_detail,
+    "negative": _zero_detail,
+}
+
+
 def _batch_detail(f: Features) -> str:
     b = f.birth or {}
-    op = f.operand or {}
-    kind = f.domain_kind
     src = describe_sources(f.sources)
-    scal = (b.get("operands") or {}).get("scalars") or {}
-    if kind == "masked":
-        m = (b.get("operands") or {}).get("masked_rows") or {}
-        rows = m.get("rows")
-        mask = ", ".join(p[len("batch:"):] for p in op.get("masked_by") or [] if p.startswith("batch:"))
-        return (f"{m.get('count', '?')} row(s) of the {b['op']} input have every position masked (-Inf)"
-                + (f", in sample(s) {rows}" if rows else "") + f": the mask comes from {mask or src}")
-    if kind == "ignored":
-        tgt = next((o for o in (b.get("operands") or {}).get("tensors", []) if o.get("name") == "target"), {})
-        return (f"every target of {', '.join(sources(tgt)['batch']) or 'the batch'} is ignore_index ({scal.get('ignore_index')}): "
-                "the mean is over 0 targets")
-    if kind == "empty":
-        return f"{b['op']} over an empty selection (0 elements): the selection comes from {src}"
-    if kind == "count":
-        n_in = op.get("numel") or 0
-        n_out = _field(b.get("output"), "numel") or 1
-        per = n_in // max(n_out, 1) if n_in else 0
-        corr = scal.get("correction", scal.get("unbiased"))
-        if b["op"].strip("_") in ("std", "var", "std_mean", "var_mean"):
-            return (f"{b['op']} with correction {1 if corr in (None, True) else corr} over {per} element(s) per output"
-                    + (f" (a batch of {f.batch_size})" if f.batch_size is not None and per <= 1 else "") + f": the values come from {src}")
-        return f"{explanation(b)}: the values come from {src}"
-    if kind in ("zero", "negative") and op.get("zeros"):
-        name = "divisor" if op.get("name") == "other" and b["op"].strip("_") == "div" else f"operand {op.get('name') or ''}".strip()
-        carried = f"derives from {src} and stays 0 with the weights perturbed" if f.sources["weights"] else f"derives only from {src}"
-        return f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and {carried}: this batch makes it 0"
-    return f"{explanation(b) or b.get('op')} on values from {src}"
+    detail = BATCH_DETAILS.get(f.domain_kind or "")
+    said = detail(f, b, f.operand or {}, src) if detail is not None else None
+    return said if said is not None else f"{explanation(b) or b.get('op')} on values from {src}"
 
 
 def _bad_input(f: Features) -> tuple[str, list[str]]:

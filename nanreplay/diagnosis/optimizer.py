@@ -22,11 +22,11 @@ import torch
 from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite, is_float
+from ..engine.deadline import replay_error
 from ..engine.monitors import OpMonitor
 from ..engine.run import StepInputs
 from ..engine.state import optimizer_from_info
-from ..errors import DiagnosisTimeout
 from ..format.records import Snapshot
 from .evidence import DOMAIN
 
@@ -59,10 +59,6 @@ def _step(info: dict, state: Snapshot, grads: dict[str, torch.Tensor], device: O
     return opt, params
 
 
-def _nonfinite(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and is_float(t) and t.numel() > 0 and not bool(torch.isfinite(t).all())
-
-
 def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], info: Optional[dict], *, device: Optional[torch.device] = None,
                             allow: Optional[Allowlist] = None) -> Optional[dict]:
     """Replay ``optimizer.step()`` from the bundle's pre-step state and recorded gradients.
@@ -73,12 +69,14 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
         info: the bundle's ``meta["optimizer"]``: ``class`` (import path), ``param_groups_fqns``.
 
     Returns:
-        ``None`` when the optimizer cannot be rebuilt (no state, no class), else a dict:
+        ``None`` when the optimizer cannot be rebuilt (no state, no class); when the replay
+        raised, ``{"nonfinite": False, "error": "Type: message", "class"}`` (the diagnosis
+        reports the error, never a finite update); else a dict:
         ``nonfinite`` (bool), ``param`` (first non-finite parameter FQN), ``state_key`` (the
         optimizer state key at fault), ``params`` (every non-finite parameter, up to 16),
         ``state`` (FQN -> non-finite state keys), ``group`` (param group index),
         ``hyperparameters`` (that group's scalar settings), ``births`` (op births during the
-        step), ``detail`` and ``evidence`` (strings), ``class``.
+        step), ``detail`` and ``evidence`` (strings), ``class``, ``error`` (``None``).
     """
     if state.optimizer is None or not info or not info.get("class") or not info.get("param_groups_fqns"):
         return None
@@ -87,76 +85,31 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
     mon.run_phase = "optimizer"
     try:
         opt, params = _step(info, state, grads, device, sd, mon)
-    except DiagnosisTimeout:
-        raise
     except Exception as e:
-        logger.warning("nanreplay: could not replay the optimizer update: %s: %s", type(e).__name__, e)
-        return {"nonfinite": False, "error": f"{type(e).__name__}: {e}"}
-    fqn_of = {id(p): f for f, p in params.items()}
-    bad_params: list[str] = []
-    bad_state: dict[str, list[str]] = {}
-    group_of: dict[str, int] = {}
-    for gi, g in enumerate(opt.param_groups):
-        for p in g["params"]:
-            f = fqn_of[id(p)]
-            group_of[f] = gi
-            keys = [k for k, v in opt.state.get(p, {}).items() if _nonfinite(v)]
-            if keys:
-                bad_state[f] = keys
-            if _nonfinite(p.detach()):
-                bad_params.append(f)
+        error = replay_error(e)
+        logger.warning("nanreplay: could not replay the optimizer update: %s", error)
+        return {"class": info["class"], "nonfinite": False, "error": error}
+    bad_params, bad_state, group_of = _nonfinite_after(opt, params)
     out: dict = {"class": info["class"], "nonfinite": bool(bad_params or bad_state), "params": bad_params[:16], "state": bad_state,
                  "births": [_birth_json(b) for b in mon.births[:8]], "param": None, "state_key": None, "group": None,
-                 "hyperparameters": None, "detail": None, "evidence": []}
+                 "hyperparameters": None, "detail": None, "evidence": [], "error": None}
     if not out["nonfinite"]:
         return out
     first = bad_params[0] if bad_params else next(iter(bad_state))
     gi = group_of[first]
     hp = {k: v for k, v in sd["param_groups"][gi].items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
-    out.update(param=first, group=gi, hyperparameters={k: (_json_hyper(v)) for k, v in hp.items()})
-    ev = out["evidence"]
+    out.update(param=first, group=gi, hyperparameters={k: _json_hyper(v) for k, v in hp.items()})
     bad_hp = [k for k, v in hp.items() if isinstance(v, float) and not math.isfinite(v)]
     zero_hp = [k for k, v in hp.items() if isinstance(v, float) and v == 0.0 and k not in ("weight_decay", "momentum", "dampening")]
-    for k in bad_hp:
-        ev.append(f"{k}={hp[k]} in param group {gi}")
+    ev = out["evidence"]
+    ev.extend(f"{k}={hp[k]} in param group {gi}" for k in bad_hp)
     if bad_state.get(first):
         out["state_key"] = bad_state[first][0]
         ev.append(f"optimizer state {', '.join(bad_state[first])} of {first} becomes non-finite")
-    # counterfactual: which state tensor, zero where the update became non-finite, makes the
-    # update finite when its zeros are replaced by the dtype's smallest normal value
-    p_new = params[first].detach()
-    mask = ~torch.isfinite(p_new)
-    pid = sd["param_groups"][gi]["params"][info["param_groups_fqns"][gi].index(first)]
-    pre = sd["state"].get(pid, {})
-    zero_keys = [k for k, v in pre.items() if isinstance(v, torch.Tensor) and is_float(v) and v.shape == p_new.shape and bool((v.to(mask.device)[mask] == 0).any())]
-    blamed = []
-    for k in zero_keys:
-        sd2 = copy.deepcopy(sd)
-        v = sd2["state"][pid][k]
-        sd2["state"][pid][k] = torch.where(v == 0, torch.full_like(v, torch.finfo(v.dtype).tiny), v)
-        try:
-            _, params2 = _step(info, state, grads, device, sd2)
-        except Exception:
-            continue
-        if bool(torch.isfinite(params2[first].detach()).all()):
-            blamed.append(k)
-    if blamed and out["state_key"] is None:
-        out["state_key"] = blamed[0]
-        ev.append(f"{blamed[0]} of {first} is 0 where the update became non-finite; with those zeros replaced by a tiny positive value the update is finite")
-    elif zero_keys:
-        ev.append(f"state {', '.join(zero_keys)} of {first} is 0 where the update became non-finite")
-    else:  # first step: no pre-step state to vary; name the post-step state that is 0 there
-        p_obj = params[first]
-        post_zero = [k for k, v in opt.state.get(p_obj, {}).items() if isinstance(v, torch.Tensor) and v.shape == p_new.shape and bool((v[mask] == 0).any())]
-        if post_zero:
-            out["zero_state"] = post_zero
-            ev.append(f"state {', '.join(post_zero)} of {first} is 0 after the step where the update became non-finite (first step: no earlier state)")
+    _zero_state_evidence(out, opt, params, info, state, grads, device, sd)
     if zero_hp:
         ev.append(f"zero-valued hyperparameters in param group {gi}: {', '.join(f'{k}=0' for k in zero_hp)}")
-    for b in mon.births[:1]:
-        d = DOMAIN.get(b["op"].replace("_foreach_", "").replace("addcdiv", "div").strip("_"))
-        dom = d.forward if d is not None else None
-        ev.append(f"first non-finite value born in op {b['op']} of {info['class']}.step" + (f" ({dom})" if dom else ""))
+    ev.extend(_birth_evidence(b, info["class"]) for b in mon.births[:1])
     if bad_hp:
         out["detail"] = f"{bad_hp[0]}={hp[bad_hp[0]]} in param group {gi} makes the update of {first} non-finite"
     elif out["state_key"]:
@@ -165,6 +118,72 @@ def replay_optimizer_update(state: Snapshot, grads: dict[str, torch.Tensor], inf
     else:
         out["detail"] = f"the update of {first} is non-finite although its gradient is finite"
     return out
+
+
+def _nonfinite_after(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, list[str]], dict[str, int]]:
+    """After the replayed step: the non-finite parameters (FQNs, in param-group order), the
+    non-finite optimizer state keys of each parameter, and each parameter's param group index."""
+    fqn_of = {id(p): f for f, p in params.items()}
+    bad_params: list[str] = []
+    bad_state: dict[str, list[str]] = {}
+    group_of: dict[str, int] = {}
+    for gi, g in enumerate(opt.param_groups):
+        for p in g["params"]:
+            f = fqn_of[id(p)]
+            group_of[f] = gi
+            keys = [k for k, v in opt.state.get(p, {}).items() if any_nonfinite(v)]
+            if keys:
+                bad_state[f] = keys
+            if any_nonfinite(p.detach()):
+                bad_params.append(f)
+    return bad_params, bad_state, group_of
+
+
+def _zero_state_evidence(out: dict, opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], info: dict, state: Snapshot,
+                         grads: dict[str, torch.Tensor], device: Optional[torch.device], sd: dict) -> None:
+    """The counterfactual on the pre-step state of ``out["param"]``: which state tensor, zero
+    where the update became non-finite, makes the update finite when its zeros are replaced by
+    the dtype's smallest normal value; on a first step (no pre-step state), the post-step state
+    that is 0 there. Adds to ``out["evidence"]``, may set ``state_key`` and ``zero_state``."""
+    first, gi, ev = out["param"], out["group"], out["evidence"]
+    p_new = params[first].detach()
+    mask = ~torch.isfinite(p_new)
+    pid = sd["param_groups"][gi]["params"][info["param_groups_fqns"][gi].index(first)]
+    pre = sd["state"].get(pid, {})
+    zero_keys = [k for k, v in pre.items() if isinstance(v, torch.Tensor) and is_float(v) and v.shape == p_new.shape and bool((v.to(mask.device)[mask] == 0).any())]
+    blamed = [k for k in zero_keys if _finite_without_zeros(k, pid, first, info, state, grads, device, sd)]
+    if blamed and out["state_key"] is None:
+        out["state_key"] = blamed[0]
+        ev.append(f"{blamed[0]} of {first} is 0 where the update became non-finite; with those zeros replaced by a tiny positive value the update is finite")
+    elif zero_keys:
+        ev.append(f"state {', '.join(zero_keys)} of {first} is 0 where the update became non-finite")
+    else:  # first step: no pre-step state to vary; name the post-step state that is 0 there
+        post_zero = [k for k, v in opt.state.get(params[first], {}).items() if isinstance(v, torch.Tensor) and v.shape == p_new.shape and bool((v[mask] == 0).any())]
+        if post_zero:
+            out["zero_state"] = post_zero
+            ev.append(f"state {', '.join(post_zero)} of {first} is 0 after the step where the update became non-finite (first step: no earlier state)")
+
+
+def _finite_without_zeros(key: str, pid: Any, fqn: str, info: dict, state: Snapshot, grads: dict[str, torch.Tensor],
+                          device: Optional[torch.device], sd: dict) -> bool:
+    """Whether the update of ``fqn`` is finite once the zeros of its pre-step state ``key`` are
+    replaced by the dtype's smallest normal value (a replay that fails answers no)."""
+    sd2 = copy.deepcopy(sd)
+    v = sd2["state"][pid][key]
+    sd2["state"][pid][key] = torch.where(v == 0, torch.full_like(v, torch.finfo(v.dtype).tiny), v)
+    try:
+        _, params2 = _step(info, state, grads, device, sd2)
+    except Exception as e:
+        logger.info("nanreplay: the optimizer replay without zeros in %s failed: %s", key, replay_error(e))
+        return False
+    return not any_nonfinite(params2[fqn].detach())
+
+
+def _birth_evidence(b: dict, cls: str) -> str:
+    """The evidence line of the first op birth in the optimizer step, with its domain."""
+    d = DOMAIN.get(b["op"].replace("_foreach_", "").replace("addcdiv", "div").strip("_"))
+    dom = d.forward if d is not None else None
+    return f"first non-finite value born in op {b['op']} of {cls}.step" + (f" ({dom})" if dom else "")
 
 
 def _json_hyper(v: Any) -> Any:
@@ -187,6 +206,25 @@ def _param_ids(info: Optional[dict]) -> dict[str, int]:
     return {f: i for i, f in enumerate(fqns)}
 
 
+def _hyperparameter_evidence(group: dict, dtype: torch.dtype, found: list[str], ev: list[str]) -> None:
+    """The numeric hyperparameters of a param group that are non-finite, or that become 0 or
+    non-finite once cast to the parameter's ``dtype``: appended to ``found`` (short) and ``ev``."""
+    name = str(dtype).replace("torch.", "")
+    for k, v in group.items():
+        if k == "params" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        cast = float(torch.tensor(float(v), dtype=torch.float64).to(dtype))
+        if not math.isfinite(float(v)):
+            found.append(f"{k}={v!r}")
+            ev.append(f"hyperparameter {k}={v!r} in its param group")
+        elif v != 0 and cast == 0:
+            found.append(f"{k}={v!r} is 0 in {name}")
+            ev.append(f"hyperparameter {k}={v!r} rounds to 0 in {name}, the parameter's dtype")
+        elif not math.isfinite(cast):
+            found.append(f"{k}={v!r} is {cast!r} in {name}")
+            ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {name}, the parameter's dtype")
+
+
 def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
     """Why the step-start tensor ``tensor`` (an FQN) is already non-finite, from the bundle alone.
 
@@ -207,36 +245,22 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
         out["update_step"] = passed[-1].step
         ev.append(f"the last step whose check passed is {passed[-1].step}: its optimizer update made {tensor} non-finite "
                   "(check_update=True catches this at that update)")
-    for r in history:
-        bad = [lr for lr in r.lrs if lr is not None and not math.isfinite(lr)]
-        if bad:
-            out["nonfinite_lr"] = [r.step, repr(bad[0])]
-            ev.append(f"the learning rate was {bad[0]!r} at step {r.step} (recorded in the ring buffer)")
-            break
+    bad_lr = next(((r.step, lr) for r in history for lr in r.lrs if lr is not None and not math.isfinite(lr)), None)
+    if bad_lr is not None:
+        out["nonfinite_lr"] = [bad_lr[0], repr(bad_lr[1])]
+        ev.append(f"the learning rate was {bad_lr[1]!r} at step {bad_lr[0]} (recorded in the ring buffer)")
     sd = inp.state.optimizer or {}
     pid = _param_ids(inp.optimizer_info).get(tensor)
     st = (sd.get("state") or {}).get(pid, (sd.get("state") or {}).get(str(pid), {})) if pid is not None else {}
-    keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() and not bool(torch.isfinite(v).all())]
+    keys = [k for k, v in st.items() if any_nonfinite(v)]
     out["state_keys"] = keys
     if keys:
         ev.append(f"optimizer state {', '.join(keys)} of {tensor} is non-finite too")
     param = inp.state.params.get(tensor)
     group = next((g for g in sd.get("param_groups", []) if pid is not None and pid in g.get("params", [])), None)
     if group is not None and param is not None and param.is_floating_point():
-        for k, v in group.items():
-            if k == "params" or isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
-            cast = float(torch.tensor(float(v), dtype=torch.float64).to(param.dtype))
-            if not math.isfinite(float(v)):
-                out["hyperparameters"].append(f"{k}={v!r}")
-                ev.append(f"hyperparameter {k}={v!r} in its param group")
-            elif v != 0 and cast == 0:
-                out["hyperparameters"].append(f"{k}={v!r} is 0 in {str(param.dtype).replace('torch.', '')}")
-                ev.append(f"hyperparameter {k}={v!r} rounds to 0 in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
-            elif not math.isfinite(cast):
-                out["hyperparameters"].append(f"{k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}")
-                ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {str(param.dtype).replace('torch.', '')}, the parameter's dtype")
-    grads_finite = all(not (is_float(g) and not bool(torch.isfinite(g).all())) for g in inp.recorded_grads.values())
+        _hyperparameter_evidence(group, param.dtype, out["hyperparameters"], ev)
+    grads_finite = not any_nonfinite(inp.recorded_grads.values())
     ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
     where = f"the update of step {out['update_step']}" if out["update_step"] is not None else "an earlier optimizer update"
     why = out["hyperparameters"][0] if out["hyperparameters"] else (f"learning rate {out['nonfinite_lr'][1]} at step {out['nonfinite_lr'][0]}"

@@ -18,11 +18,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.numerics import Health, is_float
+from ..core.numerics import Health, any_nonfinite, kinds
 from ..engine.run import ReplayResult, StepInputs
-from ..report.summary import kinds_of
 
-__all__ = ["Found", "STAGES", "find_origin", "health_json"]
+__all__ = ["Found", "STAGES", "find_origin", "report_origin", "health_json"]
 
 
 @dataclass
@@ -86,7 +85,7 @@ def origin_of_birth(b: dict, classes: dict[str, str]) -> dict:
     return {
         "module": module, "class": classes.get(module) if module is not None else None, "kind": "producer",
         "op": b["op"], "aten": b.get("aten"), "op_index": b.get("op_index"), "node": b.get("node"), "forward_op": b.get("forward_op"),
-        "source": b.get("source"), "nonfinite": kinds_of(out_h), "dtype": getattr(out_h, "dtype", None), "shape": getattr(out_h, "shape", None),
+        "source": b.get("source"), "nonfinite": kinds(out_h), "dtype": getattr(out_h, "dtype", None), "shape": getattr(out_h, "shape", None),
         "inputs": health_json(in_h), "output": health_json(out_h), "micro_batch": b.get("micro_batch"),
     }
 
@@ -114,7 +113,7 @@ def _any_birth(c: Context) -> Optional[Found]:
     """The products are non-finite but no birth's values traceably reach them (a path the taint
     lost, e.g. an op that rebuilt a tensor from a non-finite one): the first birth."""
     births = c.result.births
-    if c.result.ops is None or not births or not _products_nonfinite(c.result):
+    if c.result.ops is None or not births or not c.result.products_nonfinite():
         return None
     return Found(births[0]["phase"], origin_of_birth(births[0], c.classes), birth=births[0])
 
@@ -129,11 +128,20 @@ def _modules(c: Context) -> Optional[Found]:
         return Found("forward", {"module": prod["module"], "class": prod["class"], "kind": "producer"})
     if any(h is not None and not h.finite for h in c.result.losses):
         return Found("loss", {"module": None, "class": None, "kind": "outside the model"})
-    bad = next((e for e in c.result.modules.events if e["phase"] == "backward" and e.get("output") and (e["output"]["nan"] or e["output"]["posinf"] or e["output"]["neginf"])), None)
+    bad = _first_nonfinite_gradient(c.result)
     if bad is not None:
         return Found("backward", {"module": bad["module"], "class": c.classes.get(bad["module"]), "kind": "producer",
-                                  "first_nonfinite_gradient": bad.get("param") or f"cotangent at {bad['module'] or '(model output)'}"})
+                                  "first_nonfinite_gradient": _gradient_name(bad)})
     return None
+
+
+def _first_nonfinite_gradient(result: ReplayResult) -> Optional[dict]:
+    """The first module event of the backward pass whose output (a gradient) is non-finite."""
+    return next((e for e in result.modules.events if e["phase"] == "backward" and e.get("output") and kinds(e["output"]) != "finite"), None)
+
+
+def _gradient_name(e: dict) -> str:
+    return e.get("param") or f"cotangent at {e['module'] or '(model output)'}"
 
 
 def _cotangent(c: Context) -> Optional[Found]:
@@ -152,7 +160,7 @@ def _explosion(c: Context) -> Optional[Found]:
     gn = reason.get("grad_norm")
     overflowed = bool(reason.get("explosion")) or (gn is not None and math.isinf(float(gn)))
     local = (reason.get("distributed") or {}).get("grads") == "local"  # DDP: the norm is of reduced grads, these are local
-    if not grads or not overflowed or local or not _grads_finite(grads):
+    if not grads or not overflowed or local or any_nonfinite(grads.values()):
         return None
     fqn, g = max(grads.items(), key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
     owner = fqn.rpartition(".")[0]
@@ -162,7 +170,7 @@ def _explosion(c: Context) -> Optional[Found]:
 
 def _optimizer(c: Context) -> Optional[Found]:
     grads = c.inp.recorded_grads
-    if not grads or not _grads_finite(grads) or _products_nonfinite(c.result):
+    if not grads or any_nonfinite(grads.values()) or c.result.products_nonfinite():
         return None
     res = c.optimizer_replay()
     if not res or not res.get("nonfinite"):
@@ -198,10 +206,22 @@ def find_origin(result: ReplayResult, inp: StepInputs, model: torch.nn.Module, *
     return None
 
 
-def _grads_finite(grads: dict[str, torch.Tensor]) -> bool:
-    return all(not (is_float(g) and not bool(torch.isfinite(g).all())) for g in grads.values())
-
-
-def _products_nonfinite(result: ReplayResult) -> bool:
-    hs = [h for h in list(result.losses) + list(result.outputs) if h is not None]
-    return any(not h.finite for h in hs) or not _grads_finite(result.grads)
+def report_origin(found: Optional[Found], result: ReplayResult, inp: StepInputs, samples: Optional[dict]) -> Optional[dict]:
+    """The report's ``origin`` (``docs/report.md``): the stage's origin with the samples to
+    blame (``samples``, from :func:`nanreplay.diagnosis.samples.samples_for`; an input origin
+    keeps its own rows), the birth's operands, the first non-finite gradient of a backward
+    origin, and the micro-batch only when the step has several and the birth names one."""
+    if found is None:
+        return None
+    origin = dict(found.origin)
+    if samples is not None and found.phase != "input":
+        origin["samples"] = samples["indices"] or None
+    if found.birth is not None:
+        origin["operands"] = found.birth.get("operands")
+    if found.phase == "backward" and "first_nonfinite_gradient" not in origin:
+        bad = _first_nonfinite_gradient(result)
+        if bad is not None:
+            origin["first_nonfinite_gradient"] = _gradient_name(bad)
+    if origin.get("micro_batch") is None or len(inp.record.batches if inp.uses_loss else inp.record.forwards) <= 1:
+        origin.pop("micro_batch", None)
+    return origin

@@ -19,12 +19,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..core.batch import batch_coupled, batch_size, rows_of, take_rows
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite, is_float
 from ..core.state import load_buffers
 from ..core.tree import tensor_leaves
-from ..engine.deadline import check_deadline
+from ..engine.deadline import check_deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, run_step
-from ..errors import DiagnosisTimeout
 from ..format.records import StepRecord
 from .origin import Found
 
@@ -229,14 +228,13 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         sub = dataclasses.replace(inp, record=_slice_record(inp.record, idx, size), recorded_grads={})
         try:
             res = run_step(model, sub, ops=False, device=device, lean=True)
-        except DiagnosisTimeout:
-            raise
         except Exception as e:  # e.g. a loss that needs two samples; one sample cannot be judged alone
+            replay_error(e)  # the deadline goes through
             if state["error"] is None:
                 state["error"] = f"the replay of samples {idx[:4]}{'...' if len(idx) > 4 else ''} alone failed: {type(e).__name__}: {str(e)[:160]}"
             return False
         if phase == "backward":
-            return any(is_float(g) and not bool(torch.isfinite(g).all()) for g in res.grads.values())
+            return any_nonfinite(res.grads.values())
         return any(h is not None and not h.finite for h in list(res.outputs) + list(res.losses))
 
     def search(idx: list[int], known_bad: bool) -> list[int]:

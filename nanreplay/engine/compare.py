@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..core.jsonable import fnum
-from ..core.numerics import as_real, is_float
+from ..core.numerics import any_nonfinite, as_real, is_float
 
 __all__ = ["VERDICTS", "compare_grads", "common_factor", "compare_loss"]
 
@@ -36,16 +36,16 @@ def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
         if g is None:
             missing.append(name)
             exact = False
-            if is_float(r) and not bool(torch.isfinite(r).all()):
+            if any_nonfinite(r):
                 rec_bad.add(name)  # a non-finite gradient the replay never produced is not reproduced
             continue
         r = r.to(g.device)
         if not is_float(r):
             continue
         r, g = as_real(r), as_real(g)
-        if not torch.isfinite(r).all():
+        if any_nonfinite(r):
             rec_bad.add(name)
-        if not torch.isfinite(g).all():
+        if any_nonfinite(g):
             rep_bad.add(name)
         same_pattern = (
             torch.equal(torch.isnan(r), torch.isnan(g)) and torch.equal(torch.isposinf(r), torch.isposinf(g)) and torch.equal(torch.isneginf(r), torch.isneginf(g))
@@ -117,7 +117,7 @@ def common_factor(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
                 best, c = abs(float(g.reshape(-1)[i])), float(r.reshape(-1)[i] / g.reshape(-1)[i])
     if c is None:
         all_nan = all(bool(torch.isnan(r).all()) for r, _ in pairs)
-        some_bad = any(not bool(torch.isfinite(g).all()) for _, g in pairs)
+        some_bad = any_nonfinite([g for _, g in pairs])
         return math.nan if all_nan and some_bad else None
     if usable < 2 or c == 1.0:
         return None

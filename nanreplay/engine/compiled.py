@@ -19,9 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite
 from ..core.state import load_buffers
 from .compare import compare_grads
+from .deadline import replay_error
 from .program import ProgramModel, program_loss
 from .run import ReplayResult, StepInputs, run_step
 
@@ -41,7 +42,7 @@ def _nonfinite_parts(result: ReplayResult) -> tuple[list[str], str]:
         parts.append("loss")
     if any(h is not None and not h.finite for h in result.outputs):
         parts.append("outputs")
-    bad_grads = [g for g in result.grads.values() if is_float(g) and not bool(torch.isfinite(g).all())]
+    bad_grads = [g for g in result.grads.values() if any_nonfinite(g)]
     if bad_grads:
         parts.append("gradients")
     healths = [h for h in list(result.losses) + list(result.outputs) if h is not None]
@@ -95,8 +96,7 @@ def compile_check(model: torch.nn.Module, inp: StepInputs, *, backend: str = DEF
         else:
             res = run_step(model, inp, ops=False, device=device, monitors=False, runner=torch.compile(model, backend=backend))
     except Exception as e:  # noqa: BLE001 - a backend that cannot compile this model is a finding, not a crash
-        if type(e).__name__ == "DiagnosisTimeout":
-            raise
+        replay_error(e)  # the deadline goes through
         logger.info("nanreplay: the compiled replay (backend %s) failed", backend, exc_info=True)
         out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
         return out

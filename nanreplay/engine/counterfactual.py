@@ -91,7 +91,7 @@ def replay_wide(model: torch.nn.Module, inp: StepInputs, *, device: Optional[tor
     with _params_as(model, _wide, buffers=True), torch.autocast(device.type if device is not None else "cpu", enabled=False), _KeepWide(), \
             widened_inputs():
         res = run_step(model, sub, ops=False, device=device)
-        bad = _products_nonfinite(res)
+        bad = res.products_nonfinite()
     return bad
 
 
@@ -127,9 +127,3 @@ def birth_signature(b: dict) -> tuple:
     """What identifies a birth across replays: phase, op, autograd node, module."""
     return (b.get("phase"), b.get("op"), b.get("node"), b.get("module"))
 
-
-def _products_nonfinite(res: Any) -> bool:
-    hs = [h for h in list(res.losses) + list(res.outputs) if h is not None]
-    if any(not h.finite for h in hs):
-        return True
-    return any((g.is_floating_point() or g.is_complex()) and not bool(torch.isfinite(g).all()) for g in res.grads.values())

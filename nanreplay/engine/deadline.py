@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 from ..errors import DiagnosisTimeout
 
-__all__ = ["deadline", "check_deadline"]
+__all__ = ["deadline", "check_deadline", "replay_error"]
 
 _DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("nanreplay_deadline", default=None)
 
@@ -34,3 +34,18 @@ def check_deadline() -> None:
     if d is not None and time.monotonic() > d[0]:
         raise DiagnosisTimeout(f"the diagnosis ran past its limit of {d[1]:g} s (diagnose_timeout); the bundle holds everything "
                                "needed to run it again: nanreplay replay BUNDLE")
+
+
+def replay_error(e: BaseException) -> str:
+    """What a replay that raised ``e`` reports, ``"Type: message"``; a
+    :class:`~nanreplay.errors.DiagnosisTimeout` is raised again instead. The one guard that lets
+    the deadline through every ``except Exception`` of a replay the diagnosis can do without::
+
+        try:
+            res = run_step(...)
+        except Exception as e:
+            error = replay_error(e)
+    """
+    if isinstance(e, DiagnosisTimeout):
+        raise e
+    return f"{type(e).__name__}: {e}"

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.numerics import is_float
+from ..core.numerics import any_nonfinite, is_float
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
     ts = [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor) and is_float(t)]
     if not ts:
         return None
-    finite = all(bool(torch.isfinite(t).all()) for t in ts)
+    finite = not any_nonfinite(ts)
     fin = [t[torch.isfinite(t)] for t in ts]
     absmax = max((float(t.abs().max()) for t in fin if t.numel()), default=None)
     return {"dtype": str(ts[0].dtype).replace("torch.", ""), "finite": finite, "absmax": absmax}

@@ -22,7 +22,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
 from ..core.batch import batch_size, rows_of
-from ..core.numerics import Health, is_float, tensor_health
+from ..core.numerics import Health, any_nonfinite, is_float, tensor_health
 from ..core.rng import ReplayRNG
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
 from ..errors import ReplayError
@@ -90,6 +90,11 @@ class ReplayResult:
     @property
     def births(self) -> list[dict]:
         return self.ops.births if self.ops is not None else []
+
+    def products_nonfinite(self) -> bool:
+        """Whether what the step produced (its losses, model outputs or gradients) holds a
+        non-finite value."""
+        return any(h is not None and not h.finite for h in list(self.losses) + list(self.outputs)) or any_nonfinite(self.grads.values())
 
 
 @contextlib.contextmanager

@@ -7,18 +7,20 @@ trust rule of :mod:`nanreplay.engine.gate`: the caller named it, or the bundle i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from ..core.callables import import_callable
+from ..core.callables import import_callable, script_imports
 from ..core.state import load_buffers
 from ..errors import ModelMismatchError, ReplayError, UntrustedBundleError
-from ..format.bundle import Bundle, Types
+from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import Snapshot
-from .gate import recorded_callable, require_trust, resolve_optimizer
+from .gate import bundle_types, recorded_callable, require_trust, resolve_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -295,3 +297,56 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
         notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
                      "the recorded model factory rebuilds the model")
     return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters", notes)
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What :func:`nanreplay.replay` and :func:`nanreplay.bisect` replay a bundle with: the
+    options they share (each documented there), one object for :func:`opened_subject`.
+
+    Attributes:
+        model, model_factory: the user's model, or the function that builds it (else the
+            embedded program, else the recorded factory; :func:`replay_subject`).
+        loss_fn, use_loss_fn: the user's loss function; ``use_loss_fn=False`` drives backward
+            with the recorded cotangent.
+        device: where to replay (default :func:`recorded_device`).
+        trust: trust the bundle for this call. batch_types: types to rebuild typed batch nodes as.
+        import_script: allow importing a factory or loss function from a script.
+    """
+
+    model: Optional[torch.nn.Module] = None
+    model_factory: Union[str, Callable, None] = None
+    loss_fn: Union[str, Callable, None] = None
+    use_loss_fn: bool = True
+    device: Union[str, torch.device, None] = None
+    trust: bool = False
+    batch_types: Types = None
+    import_script: bool = False
+
+
+@contextlib.contextmanager
+def opened_subject(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, optimizer: bool = False
+                   ) -> Iterator[tuple[Bundle, Subject, torch.device]]:
+    """Open ``bundle`` for a replay: a path is opened (and closed on exit), an open
+    :class:`~nanreplay.format.bundle.Bundle` is viewed (and left open); the model source is
+    chosen by :func:`replay_subject` under the trust rule (``optimizer``: the caller also
+    rebuilds the recorded optimizer) and the model moved to the device.
+
+    Yields:
+        the bundle (trusted per ``request.trust``, reading ``request.batch_types`` and the
+        recorded ones), the :class:`Subject`, the device.
+    """
+    own = not isinstance(bundle, Bundle)
+    b = open_bundle(bundle, trust=request.trust) if own else bundle.view(trust=request.trust)
+    try:
+        dev = torch.device(request.device) if request.device is not None else recorded_device(b)
+        with script_imports(request.import_script):
+            # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
+            subject = replay_subject(b, model=request.model, model_factory=request.model_factory, loss_fn=request.loss_fn,
+                                     use_loss_fn=request.use_loss_fn, device=dev, types=request.batch_types, optimizer=optimizer)
+        b = b.view(types=bundle_types(b, request.batch_types))
+        subject.model = subject.model.to(dev)
+        yield b, subject, dev
+    finally:
+        if own:
+            b.close()

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from .. import __version__
 from ..core.callables import CallablePath, torch_optimizer_class
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
 from ..core.trust import is_trusted, mark_trusted, revoke_trust
+from ..core.version import __version__
 from ..errors import BundleFormatError
 from .container import FlatBundle, read_flat, write_flat
 from .meta import MetaError, validate_step_meta
@@ -103,53 +103,7 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
     """
     replaced = _trusted_digest(path)
     tensors: dict[str, torch.Tensor] = {}
-    steps_meta = []
-    for rec in content.steps:
-        p = f"steps/{rec.step}/"
-        rng_t, rng_m = rec.rng.to_flat(f"{p}rng/")
-        tensors.update(rng_t)
-        fwds = []
-        for i, fw in enumerate(rec.forwards):
-            t, im = tree_to_flat(fw.inputs, f"{p}forward/{i}/inputs/")
-            tensors.update(t)
-            cm = None
-            if fw.cotangent is not None:
-                t, cm = tree_to_flat(fw.cotangent, f"{p}forward/{i}/cotangent/")
-                tensors.update(t)
-            rm = None
-            if fw.rng is not None:
-                t, rm = fw.rng.to_flat(f"{p}forward/{i}/rng/")
-                tensors.update(t)
-            fwds.append({"inputs": im, "cotangent": cm, "rng": rm})
-        batches = []
-        for i, b in enumerate(rec.batches):
-            t, bm = tree_to_flat(b, f"{p}batch/{i}/")
-            tensors.update(t)
-            batches.append(bm)
-        bufm = None
-        if rec.buffers is not None:
-            bufm = list(rec.buffers)
-            for k, v in rec.buffers.items():
-                tensors[f"{p}buffers/{k}"] = v
-        snapm = _snapshot_to_flat(rec.snapshot, f"{p}snapshot/", tensors) if rec.snapshot is not None else None
-        steps_meta.append(
-            {
-                "step": rec.step,
-                "rng": rng_m,
-                "forwards": fwds,
-                "batches": batches,
-                "training": rec.training,
-                "lrs": [fnum(x) for x in rec.lrs],
-                "loss": fnum(rec.loss),
-                "grad_norm": fnum(rec.grad_norm),
-                "finite": rec.finite,
-                "buffers": bufm,
-                "snapshot": snapm,
-                "autocast": rec.autocast,
-                "scaler_skipped": rec.scaler_skipped,
-                "stale_inputs": rec.stale_inputs,
-            }
-        )
+    steps_meta = [_step_to_flat(rec, tensors) for rec in content.steps]
     state_meta = _snapshot_to_flat(content.state, "state/", tensors)
     for k, g in content.grads.items():
         tensors[f"grads/{k}"] = g
@@ -183,6 +137,54 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
         with contextlib.suppress(OSError):
             revoke_trust(replaced)
     return written
+
+
+def _step_to_flat(rec: StepRecord, tensors: dict[str, torch.Tensor]) -> dict:
+    """One step record's tensors into ``tensors`` (keys under ``steps/<step>/``); returns its
+    ``meta["steps"]`` entry."""
+    p = f"steps/{rec.step}/"
+    rng_t, rng_m = rec.rng.to_flat(f"{p}rng/")
+    tensors.update(rng_t)
+    fwds = []
+    for i, fw in enumerate(rec.forwards):
+        t, im = tree_to_flat(fw.inputs, f"{p}forward/{i}/inputs/")
+        tensors.update(t)
+        cm = None
+        if fw.cotangent is not None:
+            t, cm = tree_to_flat(fw.cotangent, f"{p}forward/{i}/cotangent/")
+            tensors.update(t)
+        rm = None
+        if fw.rng is not None:
+            t, rm = fw.rng.to_flat(f"{p}forward/{i}/rng/")
+            tensors.update(t)
+        fwds.append({"inputs": im, "cotangent": cm, "rng": rm})
+    batches = []
+    for i, b in enumerate(rec.batches):
+        t, bm = tree_to_flat(b, f"{p}batch/{i}/")
+        tensors.update(t)
+        batches.append(bm)
+    bufm = None
+    if rec.buffers is not None:
+        bufm = list(rec.buffers)
+        for k, v in rec.buffers.items():
+            tensors[f"{p}buffers/{k}"] = v
+    snapm = _snapshot_to_flat(rec.snapshot, f"{p}snapshot/", tensors) if rec.snapshot is not None else None
+    return {
+        "step": rec.step,
+        "rng": rng_m,
+        "forwards": fwds,
+        "batches": batches,
+        "training": rec.training,
+        "lrs": [fnum(x) for x in rec.lrs],
+        "loss": fnum(rec.loss),
+        "grad_norm": fnum(rec.grad_norm),
+        "finite": rec.finite,
+        "buffers": bufm,
+        "snapshot": snapm,
+        "autocast": rec.autocast,
+        "scaler_skipped": rec.scaler_skipped,
+        "stale_inputs": rec.stale_inputs,
+    }
 
 
 def _trusted_digest(path: str | Path) -> Optional[bytes]:

@@ -321,6 +321,20 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
         raise MetaError("meta.created_unix", "a number", _show(m["created_unix"]))
     if m.get("environment") is not None:
         c.obj(m["environment"], "meta.environment")
+    _check_reason(c, m)
+    c.integer(m.get("rank"), "meta.rank", null=True)
+    c.integer(m.get("world_size"), "meta.world_size", 1 if m.get("world_size") is not None else 0, null=True)
+
+    params_info = _check_model(c, m)
+    groups = _check_optimizer(c, m)
+    _check_code_and_options(c, m)
+    _check_state_and_grads(c, m, groups, params_info)
+    _check_steps(c, m, failing, groups, params_info)
+    return c.facts
+
+
+def _check_reason(c: _Checker, m: dict) -> None:
+    """``meta.reason`` (why the step was dumped, the GradScaler's view) and the ranks of ``meta.distributed``."""
     reason = c.obj(m.get("reason") or {}, "meta.reason")
     for name in ("nonfinite_grad", "nonfinite_loss", "nonfinite_update"):
         c.boolean(reason.get(name), f"meta.reason.{name}")
@@ -346,9 +360,10 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
             c.string(d.get("origin_method"), f"{where}.origin_method", null=True)
             if d.get("grads") not in (None, "local", "reduced"):
                 raise MetaError(f"{where}.grads", "'local', 'reduced' or null", _show(d.get("grads")))
-    c.integer(m.get("rank"), "meta.rank", null=True)
-    c.integer(m.get("world_size"), "meta.world_size", 1 if m.get("world_size") is not None else 0, null=True)
 
+
+def _check_model(c: _Checker, m: dict) -> Any:
+    """``meta.model``; returns what ``meta.model.params`` says of each parameter."""
     model = c.obj(m.get("model") or {}, "meta.model")
     c.string(model.get("class"), "meta.model.class", null=True)
     params_info = c.tensors_info(model.get("params", {}), "meta.model.params")
@@ -356,7 +371,11 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
     for i, row in enumerate(c.array(model.get("modules", []), "meta.model.modules", 10_000_000)):
         if not (isinstance(row, list) and len(row) == 2 and all(isinstance(x, str) and len(x) <= MAX_NAME for x in row)):
             raise MetaError(f"meta.model.modules[{i}]", "[fqn, class name]", _show(row))
+    return params_info
 
+
+def _check_optimizer(c: _Checker, m: dict) -> Optional[list]:
+    """``meta.optimizer``; returns its param groups' FQNs (``None`` when not recorded)."""
     opt = c.obj(m.get("optimizer") or {}, "meta.optimizer")
     c.string(opt.get("class"), "meta.optimizer.class", null=True)
     groups = None
@@ -366,7 +385,12 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
             c.names(g, f"meta.optimizer.param_groups_fqns[{i}]")
     if opt.get("defaults") is not None:
         c.obj(opt["defaults"], "meta.optimizer.defaults")
+    return groups
 
+
+def _check_code_and_options(c: _Checker, m: dict) -> None:
+    """The code the bundle names (factory, loss function, ``model_init``), the replay options,
+    the Lightning entry and the stored diagnosis."""
     c.string(m.get("model_factory"), "meta.model_factory", null=True)
     c.string(m.get("loss_fn"), "meta.loss_fn", null=True)
     if m.get("model_init") is not None:
@@ -387,6 +411,10 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
         c.obj(d, "meta.diagnosis")
         c.string(d.get("summary"), "meta.diagnosis.summary", null=True, max_len=1 << 20)
 
+
+def _check_state_and_grads(c: _Checker, m: dict, groups: Optional[list], params_info: Any) -> None:
+    """``meta.state`` (every optimizer parameter among its params) and ``meta.grads`` (each of
+    its parameter's shape)."""
     state_params = c.snapshot(m["state"], "meta.state", "state/", groups, params_info)
     if groups is not None:
         known = set(state_params)
@@ -400,6 +428,10 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
         want = shapes.get(k)
         if want is not None and want[1] != shape:
             raise MetaError("meta.grads", f"gradient {k[:200]!r} of the parameter's shape {list(want[1])}", f"{list(shape)}")
+
+
+def _check_steps(c: _Checker, m: dict, failing: int, groups: Optional[list], params_info: Any) -> None:
+    """``meta.steps``: each step once, the failing one among them."""
     held = set()
     for i, s in enumerate(c.array(m["steps"], "meta.steps")):
         k = c.step(s, f"meta.steps[{i}]", groups, params_info)
@@ -408,4 +440,3 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
         held.add(k)
     if held and failing not in held:
         raise MetaError("meta.failing_step", f"one of the steps held {sorted(held)[:8]}", str(failing))
-    return c.facts

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any, Optional, Sequence
 
+from ..core.jsonable import unfnum
 from ..errors import MissingExtraError
 
 __all__ = ["require_matplotlib", "timeline_svg", "modules_svg", "samples_svg", "trials_svg", "bisect_steps_svg", "moves_svg", "COLORS"]
@@ -50,12 +51,12 @@ def require_matplotlib() -> Any:
 
 
 def _num(x: Any) -> Optional[float]:
-    """A diagnosis number as a float: ``"nan"``/``"inf"``/``"-inf"`` strings become floats,
-    ``None`` stays ``None``."""
-    if x is None or isinstance(x, bool):
+    """A diagnosis number as a float (:func:`~nanreplay.core.jsonable.unfnum`); anything that is
+    not a number a diagnosis writes (a bool, other text) is ``None``: a plot leaves it out."""
+    if isinstance(x, bool):
         return None
     try:
-        return float(x)
+        return unfnum(x)
     except (TypeError, ValueError):
         return None
 

@@ -14,19 +14,9 @@ dict; nothing is decided here.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
-__all__ = ["summary_sentence", "verdict_phrase", "kinds_of", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
-
-
-def kinds_of(h: Any) -> str:
-    """'NaN', '+Inf', '-Inf' or a combination (``NaN and +Inf``), of a health dict (or an object
-    with ``to_json``); ``non-finite value`` when unknown."""
-    if h is None:
-        return "non-finite value"
-    h = h.to_json() if hasattr(h, "to_json") else h
-    parts = [n for n, k in (("NaN", "nan"), ("+Inf", "posinf"), ("-Inf", "neginf")) if h.get(k)]
-    return " and ".join(parts) or "non-finite value"
+__all__ = ["summary_sentence", "verdict_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[dict]) -> str:
@@ -55,6 +45,7 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
     ("none", "compiled only"): ("step {step}: {compiled_kinds} only under torch.compile (backend {backend}): the step replayed eagerly "
                                 "is finite, replayed compiled its {compiled_parts} are not{compiled_vs_recording}"),
     ("none", "transient"): "step {step}: the recorded gradients are non-finite, but {repeats} replays of the step are finite",
+    ("none", "replay failed"): "step {step}: the {failed_replay} replay failed, so the origin is unknown",
     ("none", None): "step {step}: the replay produced no non-finite value",
 }
 
@@ -63,6 +54,7 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
 HEAD_KINDS: tuple[tuple[str, str], ...] = (
     ("compiled_only", "compiled only"),
     ("transient", "transient"),
+    ("replay_failed", "replay failed"),
 )
 
 #: what the reproduction verdict adds, by head kind (the verdict is the eager replay's)
@@ -128,6 +120,8 @@ def _fields(diag: dict) -> dict:
         "forward_finite": bool(diag.get("forward_finite")),
         "transient": (diag.get("classification") or {}).get("cause") == "transient",
         "compiled_only": bool(comp.get("only_under_compile")) and diag.get("phase") in (None, "none"),
+        "replay_failed": bool(diag.get("errors")) and diag.get("phase") in (None, "none"),
+        "failed_replay": (diag.get("errors") or [{}])[0].get("replay"),
         "backend": comp.get("backend"),
         "compiled_kinds": comp.get("compiled_kinds") or "non-finite values",
         "compiled_parts": " and ".join(comp.get("compiled_nonfinite") or []) or "results",

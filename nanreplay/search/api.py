@@ -25,9 +25,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..core.quiet import quietly
-from ..engine.state import recorded_device, replay_subject
-from ..engine.gate import bundle_types
-from ..format.bundle import Bundle, Types, open_bundle
+from ..engine.state import ReplayRequest, opened_subject
+from ..format.bundle import Bundle, Types
 from .common import STATUSES, Runner, Search
 from .ddmin import ddmin
 from .layers import bisect_layers
@@ -111,22 +110,13 @@ def bisect(
         raise ValueError(f"max_replays must be >= 1, got {max_replays}")
     if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a multiple of the median of earlier steps), got {threshold}")
-    own = not isinstance(bundle, Bundle)
-    b = open_bundle(bundle, trust=trust) if own else bundle.view(trust=trust)
-    try:
-        dev = torch.device(device) if device is not None else recorded_device(b)
-        # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
-        subject = replay_subject(b, model=model, model_factory=model_factory, loss_fn=loss_fn, device=dev,
-                                 types=batch_types, optimizer=over == "steps")
-        b = b.view(types=bundle_types(b, batch_types))
-        search = Search(over=over, bundle=b, model=subject.model.to(dev), loss_fn=subject.loss_fn, device=dev, runner=Runner(max_replays, progress),
+    request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, batch_types=batch_types)
+    with opened_subject(bundle, request, optimizer=over == "steps") as (b, subject, dev):
+        search = Search(over=over, bundle=b, model=subject.model, loss_fn=subject.loss_fn, device=dev, runner=Runner(max_replays, progress),
                         failing=b.step(b.failing_step), state=b.state(), threshold=threshold)
         search.warnings.extend(subject.notes)
         out = _SEARCH[over](search)
         out["model_source"] = subject.source
-        for w in out["warnings"]:
-            logger.warning("bisect: %s", w)
+        for w in out["warnings"]:  # the result carries them; the CLI prints them once (-v logs them too)
+            logger.info("bisect: %s", w)
         return out
-    finally:
-        if own:
-            b.close()

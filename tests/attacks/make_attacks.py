@@ -306,7 +306,7 @@ def h5_v1_corrupt_vlen_attribute(ctx: Ctx) -> Path:
     returned). The reader never reads attributes."""
     import h5py
 
-    from nanreplay.format.container import _h5_name
+    from nanreplay.format.hdf5 import _h5_name
 
     p = ctx.out / f"{ctx.name}.h5"
     with h5py.File(ctx.base["h5"], "r") as src, h5py.File(p, "w", libver="earliest") as dst:
