@@ -11,11 +11,13 @@ Every function takes plain dicts (the diagnosis dict, a bisect result) and retur
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from ..core.inert import inert_tree
 from ..errors import MissingExtraError
 
 __all__ = ["require_matplotlib", "timeline_svg", "modules_svg", "samples_svg", "trials_svg", "bisect_steps_svg", "moves_svg", "COLORS"]
@@ -58,6 +60,18 @@ def _num(x: Any) -> Optional[float]:
         return float(x)
     except (TypeError, ValueError):
         return None
+
+
+def _plain_text(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Draw bundle strings as plain text: mathtext off (a ``$`` in a module name, ``a$x^{$b``,
+    shows as written instead of being parsed as TeX, which raised ValueError), and control
+    characters in the labels shown as escapes (:func:`~nanreplay.core.inert.inert`)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with require_matplotlib().rc_context({"text.parse_math": False}):
+            return fn(*inert_tree(args), **inert_tree(kwargs))
+
+    return wrapper
 
 
 def _figure(w: float, h: float) -> Any:
@@ -121,6 +135,7 @@ def _series_axis(ax: Any, steps: Sequence[int], vals: Sequence[Any], *, label: s
     _style(ax)
 
 
+@_plain_text
 def timeline_svg(timeline: Sequence[dict], *, history: Optional[dict] = None) -> str:
     """Loss, grad norm and learning rates over the ring buffer's steps (log scales where the values
     allow), the failing step marked by a dashed red line and its non-finite values by red crosses.
@@ -178,6 +193,7 @@ def _fraction(h: Optional[dict], key: str) -> float:
     return h.get(key, 0) / h["numel"]
 
 
+@_plain_text
 def modules_svg(modules: Sequence[dict], *, origin: Optional[dict] = None, phase: str = "", loss: Sequence[Optional[dict]] = (),
                 max_labels: int = 90) -> str:
     """The forward pass, module by module in execution order: a bar per module call with the
@@ -303,6 +319,7 @@ def _short(n: int) -> str:
     return str(n) if n < 1000 else (f"{n / 1000:.0f}k" if n < 10**6 else f"{n / 10**6:.0f}M")
 
 
+@_plain_text
 def samples_svg(diag: dict) -> Optional[str]:
     """Which rows of the batch carry non-finite values: one line per batch leaf (``batch_leaves``),
     per birth whose output has the batch's rows, and for the per-sample replay; one column per
@@ -363,6 +380,7 @@ def samples_svg(diag: dict) -> Optional[str]:
     return _svg(fig, "samples")
 
 
+@_plain_text
 def trials_svg(trials: Sequence[dict]) -> str:
     """The replays a bisect search ran, in order: a red cell for a non-finite replay, green for a
     finite one (from the result's ``trials``)."""
@@ -389,6 +407,7 @@ def trials_svg(trials: Sequence[dict]) -> str:
     return _svg(fig, "trials")
 
 
+@_plain_text
 def bisect_steps_svg(timeline: Sequence[dict]) -> str:
     """``bisect --over steps``: replayed and recorded loss, grad norm and update norm per step."""
     require_matplotlib()
@@ -416,6 +435,7 @@ def bisect_steps_svg(timeline: Sequence[dict]) -> str:
     return _svg(fig, "bisect-steps")
 
 
+@_plain_text
 def moves_svg(moves: Sequence[dict], culprits: Sequence[str]) -> str:
     """``bisect --over layers``: the layers whose weights moved most (relative change, log
     scale), the culprits in red."""
