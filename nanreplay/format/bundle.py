@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..core.callables import CallablePath, torch_optimizer_class
+from ..core.callables import CallablePath, model_init_names, torch_optimizer_class
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
@@ -278,15 +278,15 @@ class Bundle:
 
     def named_code(self) -> dict[str, list[str]]:
         """Everything this bundle names that replay would import, by kind (nothing is imported):
-        ``model factory``, ``model class (model_init)``, ``loss function``, ``optimizer class``
+        ``model factory``, ``model class (model_init)`` and every import path inside its JSON
+        arguments (``imported by the model class (model_init.kwargs.model_class)``: nanreplay's
+        own ``model_from_config`` imports the class its ``model_class`` names), ``loss function``, ``optimizer class``
         (only when it is not a ``torch.optim`` optimizer, which is looked up without importing
         anything) and ``batch types``."""
         out: dict[str, list[str]] = {}
         if self.model_factory:
             out["model factory"] = [self.model_factory]
-        init = self.meta.get("model_init")
-        if init:
-            out["model class (model_init)"] = [init["class"]]
+        out.update(model_init_names(self.meta.get("model_init")))
         if self.loss_fn:
             out["loss function"] = [self.loss_fn]
         opt = (self.meta.get("optimizer") or {}).get("class")
