@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import ast
 import json
-import re
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from helpers import assert_inert_page, raw_controls
 from nanreplay import open_bundle, replay
 from nanreplay.cli import main
 from nanreplay.core.inert import inert, inert_name, inert_tree
@@ -45,38 +44,6 @@ def _hostile(obj, payload):
     return obj
 
 
-class _Crawl(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.tags: list[tuple[str, dict]] = []
-        self.scripts: list[str] = []
-        self._in_script = False
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-        self._in_script = tag == "script"
-
-    def handle_endtag(self, tag):
-        self._in_script = False
-
-    def handle_data(self, data):
-        if self._in_script:
-            self.scripts.append(data)
-
-
-def _assert_inert_page(page: str) -> _Crawl:
-    crawl = _Crawl()
-    crawl.feed(page)
-    metas = [a for t, a in crawl.tags if t == "meta"]
-    assert [a.get("http-equiv") for a in metas if "http-equiv" in a] == ["Content-Security-Policy"], metas
-    assert not any(t in ("img", "iframe", "object", "embed", "base", "link", "form", "a") for t, _ in crawl.tags)
-    assert all(a.get("type") == "application/json" for t, a in crawl.tags if t == "script")
-    for tag, attrs in crawl.tags:
-        assert not [k for k in attrs if k.startswith("on")], (tag, attrs)
-    assert "attacker.example/\">" not in page and "<script>alert" not in page
-    return crawl
-
-
 @pytest.fixture(scope="module")
 def diagnosis(tmp_path_factory):
     import scenarios
@@ -97,7 +64,7 @@ def test_the_page_shows_every_hostile_string_as_text(diagnosis, payload):
     bad = _hostile(diag, payload)
     bad.update(propagated_ops=payload, allowed_births=payload, allowlist=[payload])
     page = render_html(bad, meta=meta, bundle_name=payload)
-    crawl = _assert_inert_page(page)
+    crawl = assert_inert_page(page)
     assert payload in crawl.scripts[0] or json.loads(crawl.scripts[0])["propagated_ops"] == payload
 
 
@@ -129,18 +96,12 @@ def test_bisect_page_escapes_the_result():
            "culprits": [{"layer": payload, "relative_change": 1.0}], "warnings": [payload], "bundle": payload,
            "trials": [{"replay": 1, "varied": payload, "nonfinite": True, "loss": payload, "grad_norm": None}],
            "details": {"verification": payload, "largest_moves": [{"layer": payload, "relative_change": 2.0, "max_abs_diff": 1.0}]}}
-    _assert_inert_page(render_bisect_html(res))
+    assert_inert_page(render_bisect_html(res))
 
 
 # ---------------------------------------------------------------------------------------------
 # the terminal
 # ---------------------------------------------------------------------------------------------
-def _raw_controls(text: str) -> list[str]:
-    """Control characters in ``text`` other than newline, tab and nanreplay's own SGR styles."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    return [c for c in text if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F or c == "\u202e"]
-
-
 def test_inert_escapes_controls_and_keeps_newlines_and_tabs():
     assert inert("a\r\x1b[2Jb\x08\x7f\x9b\u202e\n\tc") == "a\\r\\x1b[2Jb\\b\\x7f\\x9b\\u202e\n\tc"
     assert inert_name("evil:run\rtorch.nn:Linear\n") == "evil:run\\rtorch.nn:Linear\\n"
@@ -153,7 +114,7 @@ def test_inert_escapes_controls_and_keeps_newlines_and_tabs():
 def test_the_text_report_shows_controls_as_escapes(diagnosis, color):
     _, diag = diagnosis
     text = render_report(_hostile(diag, TERMINAL_PAYLOAD), color=color)
-    assert not _raw_controls(text)
+    assert not raw_controls(text)
     assert "evil:run\\rtorch.nn:Linear\\x1b]0;owned\\x07" in text
 
 
@@ -182,7 +143,7 @@ def hostile_bundle(diagnosis, tmp_path_factory):
 def test_inspect_shows_bundle_strings_escaped_piped_or_not(hostile_bundle, color):
     r = CliRunner().invoke(main, ["inspect", str(hostile_bundle), color], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert not _raw_controls(r.output), [c for c in _raw_controls(r.output)]
+    assert not raw_controls(r.output), [c for c in raw_controls(r.output)]
     # the review line: the name escaped, the real name visible before the \r
     assert "code it names: model factory evil:run\\rtorch.nn:Linear\\x1b]0;owned\\x07\\x1b[2J\\b\\x7f\\x9b31m\\u202e" in r.output
 
@@ -190,7 +151,7 @@ def test_inspect_shows_bundle_strings_escaped_piped_or_not(hostile_bundle, color
 def test_inspect_json_stays_json_and_round_trips_the_strings(hostile_bundle):
     r = CliRunner().invoke(main, ["inspect", "--json", str(hostile_bundle)], catch_exceptions=False)
     assert r.exit_code == 0
-    assert not _raw_controls(r.output)
+    assert not raw_controls(r.output)
     info = json.loads(r.output)
     assert info["model_factory"] == TERMINAL_PAYLOAD
 
@@ -198,17 +159,17 @@ def test_inspect_json_stays_json_and_round_trips_the_strings(hostile_bundle):
 def test_replay_refusal_and_report_no_replay_are_inert(hostile_bundle, tmp_path):
     pytest.importorskip("matplotlib")
     r = CliRunner().invoke(main, ["replay", str(hostile_bundle)], catch_exceptions=False)
-    assert r.exit_code == 7 and not _raw_controls(r.output), r.output
+    assert r.exit_code == 7 and not raw_controls(r.output), r.output
     assert "evil:run\\rtorch.nn:Linear" in r.output
     r = CliRunner().invoke(main, ["report", "--no-replay", str(hostile_bundle), "-o", str(tmp_path / "r.html"), "--color"], catch_exceptions=False)
-    assert r.exit_code in (0, 3) and not _raw_controls(r.output), r.output
-    _assert_inert_page((tmp_path / "r.html").read_text())
+    assert r.exit_code in (0, 3) and not raw_controls(r.output), r.output
+    assert_inert_page((tmp_path / "r.html").read_text())
 
 
 def test_trust_review_line_is_escaped(hostile_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("NANREPLAY_HOME", str(tmp_path / "home"))
     r = CliRunner().invoke(main, ["trust", str(hostile_bundle)], catch_exceptions=False)
-    assert r.exit_code == 0 and not _raw_controls(r.output), r.output
+    assert r.exit_code == 0 and not raw_controls(r.output), r.output
     assert "model factory evil:run\\rtorch.nn:Linear" in r.output
 
 
@@ -218,7 +179,7 @@ def test_log_lines_are_inert(caplog):
     from nanreplay.cli import _InertFormatter
 
     rec = logging.LogRecord("nanreplay.x", logging.WARNING, __file__, 1, "batch type %s is not rebuilt", (TERMINAL_PAYLOAD,), None)
-    assert not _raw_controls(_InertFormatter("%(message)s").format(rec))
+    assert not raw_controls(_InertFormatter("%(message)s").format(rec))
 
 
 def test_report_no_replay_of_a_malformed_stored_diagnosis_exits_4(diagnosis, tmp_path):
