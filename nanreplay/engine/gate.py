@@ -50,11 +50,11 @@ def require_trust(b: Bundle, *, model: bool, loss: bool, types: Types = None, op
     code = b.named_code()
     if not model:
         if "model factory" in code:
-            needed["model factory"] = code["model factory"]
+            needed.update({k: code[k] for k in ("model factory", "model factory imported from") if k in code})
         else:  # the model_init class and every name its JSON arguments hold (model_from_config imports model_class)
             needed.update(model_init_names(b.meta.get("model_init")))
     if not loss and "loss function" in code:
-        needed["loss function"] = code["loss function"]
+        needed.update({k: code[k] for k in ("loss function", "loss function imported from") if k in code})
     if optimizer and "optimizer class" in code:
         needed["optimizer class"] = code["optimizer class"]
     covered = accepted_types(types)

@@ -196,6 +196,14 @@ def _trusted_digest(path: str | Path) -> Optional[bytes]:
         return None
 
 
+def _import_root(kind: str, path: str) -> dict[str, list[str]]:
+    """``{"<kind> imported from": [root]}`` when the recorded callable ``path`` carries the
+    ``sys.path`` directory its module was imported from when recording (replay adds it to
+    ``sys.path`` when the module does not import without it, so it decides which file runs)."""
+    root = getattr(path, "root", None)
+    return {f"{kind} imported from": [root]} if root else {}
+
+
 class Bundle:
     """A read-only view of a bundle file; open it with :func:`open_bundle`.
 
@@ -278,7 +286,9 @@ class Bundle:
 
     def named_code(self) -> dict[str, list[str]]:
         """Everything this bundle names that replay would import, by kind (nothing is imported):
-        ``model factory``, ``model class (model_init)`` and every import path inside its JSON
+        ``model factory`` (and ``model factory imported from``, the recorded directory replay puts
+        on ``sys.path`` when the module does not import otherwise; the same for the loss
+        function), ``model class (model_init)`` and every import path inside its JSON
         arguments (``imported by the model class (model_init.kwargs.model_class)``: nanreplay's
         own ``model_from_config`` imports the class its ``model_class`` names), ``loss function``, ``optimizer class``
         (only when it is not a ``torch.optim`` optimizer, which is looked up without importing
@@ -286,9 +296,11 @@ class Bundle:
         out: dict[str, list[str]] = {}
         if self.model_factory:
             out["model factory"] = [self.model_factory]
+            out.update(_import_root("model factory", self.model_factory))
         out.update(model_init_names(self.meta.get("model_init")))
         if self.loss_fn:
             out["loss function"] = [self.loss_fn]
+            out.update(_import_root("loss function", self.loss_fn))
         opt = (self.meta.get("optimizer") or {}).get("class")
         if opt and torch_optimizer_class(opt) is None:
             out["optimizer class"] = [opt]
