@@ -195,3 +195,27 @@ def test_report_no_replay_of_a_malformed_stored_diagnosis_exits_4(diagnosis, tmp
     r = CliRunner().invoke(main, ["report", "--no-replay", str(bad), "-o", str(tmp_path / "r.html")], catch_exceptions=False)
     assert r.exit_code == 4, r.output
     assert "the stored diagnosis is malformed" in r.output and "without --no-replay" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_the_hostile_page_stays_put_in_headless_chromium(diagnosis, tmp_path):
+    """The attack of issue 18: a stored <meta http-equiv="refresh"> sent Chromium to another site.
+    The escaped page makes no request but its own file and its inline images."""
+    from browser import load_page, missing_reason
+
+    why = missing_reason()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("matplotlib")
+    from nanreplay.report.html import render_html
+
+    _, diag = diagnosis
+    bad = _hostile(diag, HTML_PAYLOADS[0])
+    bad.update(propagated_ops=HTML_PAYLOADS[0], allowed_births=HTML_PAYLOADS[0])
+    out = tmp_path / "hostile.html"
+    out.write_text(render_html(bad), encoding="utf-8")
+    page = load_page(out)
+    uri = out.resolve().as_uri()
+    assert not [r for r in page.requests if r["url"].split(":")[0] not in ("file", "data", "chrome")], page.requests
+    assert all(r["document"] == uri for r in page.requests if r["url"].startswith(("file", "data"))), page.requests
+    assert HTML_PAYLOADS[0] in page.text  # shown as text
