@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any, Callable, Optional, Sequence
 
-from ..core.inert import inert_tree
+from ..core.inert import inert
 from ..errors import MissingExtraError
 
 __all__ = ["require_matplotlib", "timeline_svg", "modules_svg", "samples_svg", "trials_svg", "bisect_steps_svg", "moves_svg", "COLORS"]
@@ -63,15 +63,29 @@ def _num(x: Any) -> Optional[float]:
 
 
 def _plain_text(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Draw bundle strings as plain text: mathtext off (a ``$`` in a module name, ``a$x^{$b``,
-    shows as written instead of being parsed as TeX, which raised ValueError), and control
-    characters in the labels shown as escapes (:func:`~nanreplay.core.inert.inert`)."""
+    """Draw bundle strings as plain text: every string of the arguments (module names, layer
+    names, phases) has its control characters shown as escapes (:func:`~nanreplay.core.inert.inert`)
+    and its ``$`` escaped, so that a module named ``a$x^{$b`` shows as written instead of being
+    parsed as mathtext (which raised ValueError). matplotlib's own labels (``10^{-2}`` ticks of a
+    log scale) keep their mathtext."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with require_matplotlib().rc_context({"text.parse_math": False}):
-            return fn(*inert_tree(args), **inert_tree(kwargs))
+        return fn(*_labels(args), **_labels(kwargs))
 
     return wrapper
+
+
+def _labels(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, str):
+        return inert(obj).replace("$", "\\$")
+    if depth > 200:
+        return obj
+    if isinstance(obj, dict):
+        return {_labels(k, depth + 1): _labels(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_labels(v, depth + 1) for v in obj]
+        return tuple(items) if type(obj) is tuple else items
+    return obj
 
 
 def _figure(w: float, h: float) -> Any:
