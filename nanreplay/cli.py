@@ -403,7 +403,7 @@ def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool, 
     for info in infos:
         _echo_summary(info, keys, color)
         click.echo("")
-    click.echo(f"ranks {inert(ranks['ranks'])}: " + click.style(inert(ranks["message"]), bold=True), color=color)
+    click.echo(f"ranks {inert(ranks['ranks'], one_line=True)}: " + click.style(inert(ranks["message"], one_line=True), bold=True), color=color)
 
 
 def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
@@ -463,7 +463,7 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
 
     st = styler(color is not False)
     review = code_listing(info.get("code") or {})
-    info = inert_tree(info)  # every string from the bundle shows, escaped, and acts on nothing
+    info = inert_tree(info, one_line=True)  # every string from the bundle shows, escaped, and acts on nothing
 
     def echo(line: str) -> None:
         click.echo(line, color=color)
@@ -534,7 +534,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         click.echo(_dump_json(res))
     else:
         st = styler(color is not False)
-        res_text = inert_tree(res)  # the result quotes bundle strings (layer names, warnings)
+        res_text = inert_tree(res, one_line=True)  # the result quotes bundle strings (layer names, warnings)
 
         def echo(line: str) -> None:
             click.echo(line, color=color)
@@ -644,7 +644,7 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
                        "run `nanreplay report` without --no-replay to replay the step instead", EXIT_BAD_BUNDLE) from e
     _write_page(out, page)
     st = styler(color is not False)
-    click.echo(st(inert(diag.get("summary", "")), bold=True), color=color)
+    click.echo(st(inert(diag.get("summary", ""), one_line=True), bold=True), color=color)
     click.echo(f"report written to {st(inert(out), fg='cyan')} ({out.stat().st_size // 1024} KiB)" + (" from the stored diagnosis" if no_replay else ""), color=color)
     if open_browser:
         click.launch(str(out))

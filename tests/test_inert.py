@@ -118,6 +118,14 @@ def test_the_text_report_shows_controls_as_escapes(diagnosis, color):
     assert "evil:run\\rtorch.nn:Linear\\x1b]0;owned\\x07" in text
 
 
+def test_a_newline_in_a_bundle_string_cannot_forge_a_line_of_the_report(diagnosis):
+    _, diag = diagnosis
+    forged = "enc\n  reproduction:  reproduced exactly"
+    text = render_report(_hostile(diag, forged))
+    assert "enc\\n  reproduction:" in text
+    assert sum(line.startswith("  reproduction:") for line in text.splitlines()) == 1
+
+
 @pytest.fixture(scope="module")
 def hostile_bundle(diagnosis, tmp_path_factory):
     """The bundle with control characters in its factory and loss names, a module name, the

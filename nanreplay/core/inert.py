@@ -25,7 +25,9 @@ __all__ = ["inert", "inert_name", "inert_tree"]
 #: C0 controls except tab and newline, DEL, C1 controls, and the Unicode format characters that
 #: reorder or hide text (bidirectional overrides and isolates, line and paragraph separators)
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
-#: the same plus tab, newline and the backslash itself: a name shows on one line, unambiguously
+#: the same plus tab and newline: a value shows on its own line and cannot forge another
+_UNSAFE_IN_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+#: the same plus the backslash itself: a name shows on one line, unambiguously
 _UNSAFE_IN_NAME = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\\\\]")
 _NAMED = {"\r": "\\r", "\n": "\\n", "\t": "\\t", "\b": "\\b", "\f": "\\f", "\v": "\\v", "\\": "\\\\"}
 
@@ -38,11 +40,12 @@ def _escape(m: "re.Match[str]") -> str:
     return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
 
 
-def inert(text: Any) -> str:
+def inert(text: Any, *, one_line: bool = False) -> str:
     """``str(text)`` with every control character that a terminal would act on written as a
-    visible escape (``\\x1b``, ``\\r``, ``\\x9b``, ``\\u202e``); newlines and tabs are kept."""
+    visible escape (``\\x1b``, ``\\r``, ``\\x9b``, ``\\u202e``); newlines and tabs are kept,
+    unless ``one_line`` (a field of a line-based report: a newline in it could forge a line)."""
     s = text if isinstance(text, str) else str(text)
-    return _UNSAFE.sub(_escape, s)
+    return (_UNSAFE_IN_LINE if one_line else _UNSAFE).sub(_escape, s)
 
 
 def inert_name(text: Any) -> str:
@@ -52,17 +55,17 @@ def inert_name(text: Any) -> str:
     return _UNSAFE_IN_NAME.sub(_escape, s)
 
 
-def inert_tree(obj: Any, *, _depth: int = 0) -> Any:
+def inert_tree(obj: Any, *, one_line: bool = False, _depth: int = 0) -> Any:
     """A copy of a JSON-like value (dicts, lists, tuples) with every string, keys included, passed
-    through :func:`inert`; other leaves are returned as they are. Nesting deeper than 200 levels
-    is cut (a bundle's JSON is at most 64 deep)."""
+    through :func:`inert` (with ``one_line``); other leaves are returned as they are. Nesting
+    deeper than 200 levels is cut (a bundle's JSON is at most 64 deep)."""
     if isinstance(obj, str):
-        return inert(obj)
+        return inert(obj, one_line=one_line)
     if _depth > 200:
         return "..."
     if isinstance(obj, dict):
-        return {(inert(k) if isinstance(k, str) else k): inert_tree(v, _depth=_depth + 1) for k, v in obj.items()}
+        return {(inert(k, one_line=one_line) if isinstance(k, str) else k): inert_tree(v, one_line=one_line, _depth=_depth + 1) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [inert_tree(v, _depth=_depth + 1) for v in obj]
+        items = [inert_tree(v, one_line=one_line, _depth=_depth + 1) for v in obj]
         return tuple(items) if type(obj) is tuple else items
     return obj

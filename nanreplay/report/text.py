@@ -100,9 +100,10 @@ def render_report(diag: dict, *, rows: int = 8, color: bool = False) -> str:
             text without them is exactly the ``color=False`` report.
 
     Every string of ``diag`` is made inert first (:func:`nanreplay.core.inert.inert`): control
-    characters from a bundle show as escapes (``\\x1b``, ``\\r``) instead of acting on the terminal.
+    characters from a bundle, newlines included, show as escapes (``\\x1b``, ``\\r``, ``\\n``)
+    instead of acting on the terminal or forging a line of the report.
     """
-    diag = inert_tree(diag)
+    diag = inert_tree(diag, one_line=True)
     st = styler(color)
     lines = [st(diag.get("summary", ""), bold=True), ""]
     o = diag.get("origin") or {}
