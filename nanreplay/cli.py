@@ -451,7 +451,7 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
         }
 
 
-def code_listing(code: dict) -> str:
+def _code_listing(code: dict) -> str:
     """The review line of what a bundle names (``Bundle.named_code()``): ``model factory a:b;
     loss function c:d``, every name escaped by :func:`~nanreplay.core.inert.inert_name` (a ``\\r``
     in a name shows as ``\\r`` and cannot hide the text before it); empty when it names nothing."""
@@ -462,7 +462,7 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     from .report.text import styler
 
     st = styler(color is not False)
-    review = code_listing(info.get("code") or {})
+    review = _code_listing(info.get("code") or {})
     info = inert_tree(info, one_line=True)  # every string from the bundle shows, escaped, and acts on nothing
 
     def echo(line: str) -> None:
@@ -672,7 +672,7 @@ def trust(bundles: tuple[Path, ...], revoke: bool) -> None:
             click.echo(f"{inert(b)}: {'no longer trusted' if was else 'was not trusted'}")
             continue
         code = _guard(lambda b=b: trust_bundle(b))
-        click.echo(f"{inert(b)}: trusted; replay may now run {code_listing(code) or 'no code'}")
+        click.echo(f"{inert(b)}: trusted; replay may now run {_code_listing(code) or 'no code'}")
 
 
 if __name__ == "__main__":  # pragma: no cover

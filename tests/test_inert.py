@@ -227,3 +227,19 @@ def test_the_hostile_page_stays_put_in_headless_chromium(diagnosis, tmp_path):
     assert not [r for r in page.requests if r["url"].split(":")[0] not in ("file", "data", "chrome")], page.requests
     assert all(r["document"] == uri for r in page.requests if r["url"].startswith(("file", "data"))), page.requests
     assert HTML_PAYLOADS[0] in page.text  # shown as text
+
+
+def test_model_init_names_lists_every_import_path_in_its_arguments():
+    from nanreplay.core.callables import model_init_names
+
+    init = {"class": "nanreplay.integrations.transformers:model_from_config",
+            "kwargs": {"model_class": "evil.Thing", "config": {"act": "os:system", "url": "https://x", "n": 3, "files": ["/tmp/e.py:make"],
+                                                              "odd\nkey": "pkg.mod:Cls"}}}
+    assert model_init_names(init) == {
+        "model class (model_init)": ["nanreplay.integrations.transformers:model_from_config"],
+        "imported by the model class (model_init.kwargs.model_class)": ["evil.Thing"],  # whatever its shape: the builder imports it
+        "imported by the model class (model_init.kwargs.config.act)": ["os:system"],
+        "imported by the model class (model_init.kwargs.config.files[0])": ["/tmp/e.py:make"],
+        'imported by the model class (model_init.kwargs.config["odd\\nkey"])': ["pkg.mod:Cls"],
+    }
+    assert model_init_names(None) == {} and model_init_names({"class": "a:B"}) == {"model class (model_init)": ["a:B"]}

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -194,16 +195,16 @@ def import_paths_in(obj: Any, where: str = "") -> dict[str, list[str]]:
     name (``Bundle.named_code``)."""
     found: dict[str, list[str]] = {}
     stack: list[tuple[str, Any, bool]] = [(where, obj, False)]
-    seen = 0
-    while stack and seen < 1_000_000:
+    while stack:  # every node: the manifest's size bounds the walk, and a review must not skip any
         path, node, is_class = stack.pop()
-        seen += 1
         if isinstance(node, str):
             if is_class or looks_like_import_path(node):
                 found.setdefault(path, []).append(node)
         elif isinstance(node, dict):
             for k, v in reversed(list(node.items())):
-                stack.append((f"{path}.{k}" if path else str(k), v, k in _CLASS_KEYS))
+                key = str(k)
+                step = f".{key}" if key.isidentifier() and key.isascii() else f"[{json.dumps(key)}]"  # a key cannot break the line
+                stack.append(((path + step).lstrip("."), v, key in _CLASS_KEYS))
         elif isinstance(node, (list, tuple)):
             for i in reversed(range(len(node))):
                 stack.append((f"{path}[{i}]", node[i], is_class))
