@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import click
 
 from .errors import BundleFormatError, MissingExtraError, ModelMismatchError, ReplayError, UntrustedBundleError
+from .core.inert import inert, inert_name, inert_tree
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND, EXIT_UNTRUSTED = 0, 1, 2, 3, 4, 5, 6, 7
 
@@ -65,10 +66,11 @@ logger = logging.getLogger(__name__)
 
 class CLIError(click.ClickException):
     """A ClickException that exits with ``code``, one of :data:`EXIT_CODES`; click prints
-    ``Error: <message>``."""
+    ``Error: <message>``. The message is made inert (``core.inert``): a bundle string it quotes
+    cannot act on the terminal."""
 
     def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
+        super().__init__(inert(message))
         self.exit_code = code
 
 
@@ -302,7 +304,7 @@ class _Status:
         i = 0
         while not self._stop.is_set():
             self._shown = True
-            sys.stderr.write(f"\r{self._FRAMES[i % 4]} {self.message} ({time.monotonic() - self._t0:.0f} s)\x1b[K")
+            sys.stderr.write(f"\r{self._FRAMES[i % 4]} {inert_name(self.message)} ({time.monotonic() - self._t0:.0f} s)\x1b[K")
             sys.stderr.flush()
             i += 1
             self._stop.wait(self.interval)
@@ -347,7 +349,16 @@ def main(verbose: int) -> None:
     A Recorder in the training loop writes a bundle on the first non-finite gradient;
     these commands inspect and replay it.
     """
-    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_InertFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), handlers=[handler])
+
+
+class _InertFormatter(logging.Formatter):
+    """Log lines quote bundle strings (names, paths): made inert before they reach the terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return inert(super().format(record))
 
 
 @main.command()
@@ -420,7 +431,7 @@ def inspect(bundles: tuple[Path, ...], keys: bool, verify: bool, as_json: bool, 
     for info in infos:
         _echo_summary(info, keys, color)
         click.echo("")
-    click.echo(f"ranks {ranks['ranks']}: " + click.style(ranks["message"], bold=True), color=color)
+    click.echo(f"ranks {inert(ranks['ranks'], one_line=True)}: " + click.style(inert(ranks["message"], one_line=True), bold=True), color=color)
 
 
 def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
@@ -468,10 +479,19 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
         }
 
 
+def _code_listing(code: dict) -> str:
+    """The review line of what a bundle names (``Bundle.named_code()``): ``model factory a:b;
+    loss function c:d``, every name escaped by :func:`~nanreplay.core.inert.inert_name` (a ``\\r``
+    in a name shows as ``\\r`` and cannot hide the text before it); empty when it names nothing."""
+    return "; ".join(f"{inert_name(kind)} " + ", ".join(inert_name(n) for n in names) for kind, names in code.items())
+
+
 def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     from .report.text import styler
 
     st = styler(color is not False)
+    review = _code_listing(info.get("code") or {})
+    info = inert_tree(info, one_line=True)  # every string from the bundle shows, escaped, and acts on nothing
 
     def echo(line: str) -> None:
         click.echo(line, color=color)
@@ -493,10 +513,8 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     d = info.get("diagnosis")
     none = f"(none: {info['diagnosis_error']})" if info.get("diagnosis_error") else "(none)"
     echo(f"  stored diagnosis: {st((d or {}).get('summary') or none, bold=bool(d))}")
-    code = info.get("code") or {}
-    listing = "; ".join(f"{kind} {', '.join(names)}" for kind, names in code.items()) or "none"
     trusted = "trusted (replay runs it)" if info.get("trusted") else st("NOT trusted (replay refuses it; `nanreplay trust` after review)", fg="yellow")
-    echo(f"  code it names: {listing}   {trusted if code else ''}".rstrip())
+    echo(f"  code it names: {review or 'none'}   {trusted if review else ''}".rstrip())
     if keys and info["keys"]:
         echo("  tensors:")
         for k, v in info["keys"].items():
@@ -544,17 +562,18 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         click.echo(_dump_json(res))
     else:
         st = styler(color is not False)
+        res_text = inert_tree(res, one_line=True)  # the result quotes bundle strings (layer names, warnings)
 
         def echo(line: str) -> None:
             click.echo(line, color=color)
 
-        echo(st(res["answer"], bold=True))
+        echo(st(res_text["answer"], bold=True))
         echo("")
-        echo(f"  status:   {st(res['status'], fg='green' if res['status'] == 'found' else 'red', bold=True)}")
-        echo(f"  replays:  {res['replays']} (max {res['max_replays']}) on {res['device']}")
-        for c in res["culprits"]:
+        echo(f"  status:   {st(res_text['status'], fg='green' if res_text['status'] == 'found' else 'red', bold=True)}")
+        echo(f"  replays:  {res_text['replays']} (max {res_text['max_replays']}) on {res_text['device']}")
+        for c in res_text["culprits"]:
             echo("  culprit:  " + st(", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))), fg="red"))
-        d = res["details"]
+        d = res_text["details"]
         if d.get("verification"):
             echo(f"  replay:   {d['verification']}")
         for row in d.get("timeline", []):
@@ -564,7 +583,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
             )
         for r in d.get("largest_moves", [])[:5]:
             echo(f"    moved {r['layer'] or '(root)':<28} relative change {r['relative_change']!s:<12.12} max |change| {r['max_abs_diff']}")
-        for w in res["warnings"]:
+        for w in res_text["warnings"]:
             echo(f"  {st('warning:', fg='yellow')}  {w}")
     if html is not None:
         from .report.html import render_bisect_html
@@ -572,7 +591,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         out = Path(html) if html else bundle.with_name(f"{bundle.stem}-bisect-{over}.html")
         meta = _guard(lambda: _bundle_meta(bundle))
         _write_page(out, render_bisect_html(res, meta=meta))
-        click.echo(f"bisect page written to {out}", err=as_json)
+        click.echo(f"bisect page written to {inert(out)}", err=as_json)
     if res["status"] != "found":
         sys.exit(EXIT_NOT_FOUND)
 
@@ -640,10 +659,17 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
                                    trust=trust, batch_types=_import_types(batch_types))
         meta = _guard(lambda: _bundle_meta(bundle))
     out = output if output is not None else bundle.with_suffix(".html")
-    _write_page(out, render_html(diag, meta=meta, bundle_name=bundle.name))
+    try:
+        page = render_html(diag, meta=meta, bundle_name=bundle.name)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+        if not no_replay:
+            raise
+        raise CLIError(f"{bundle}: the stored diagnosis is malformed: expected the fields of docs/report.md, found {type(e).__name__}: {e}; "
+                       "run `nanreplay report` without --no-replay to replay the step instead", EXIT_BAD_BUNDLE) from e
+    _write_page(out, page)
     st = styler(color is not False)
-    click.echo(st(diag.get("summary", ""), bold=True), color=color)
-    click.echo(f"report written to {st(str(out), fg='cyan')} ({out.stat().st_size // 1024} KiB)" + (" from the stored diagnosis" if no_replay else ""), color=color)
+    click.echo(st(inert(diag.get("summary", ""), one_line=True), bold=True), color=color)
+    click.echo(f"report written to {st(inert(out), fg='cyan')} ({out.stat().st_size // 1024} KiB)" + (" from the stored diagnosis" if no_replay else ""), color=color)
     if open_browser:
         click.launch(str(out))
     if (diag.get("reproduction") or {}).get("verdict") == "not reproduced":
@@ -667,11 +693,10 @@ def trust(bundles: tuple[Path, ...], revoke: bool) -> None:
     for b in bundles:
         if revoke:
             was = _guard(lambda b=b: untrust_bundle(b))
-            click.echo(f"{b}: {'no longer trusted' if was else 'was not trusted'}")
+            click.echo(f"{inert(b)}: {'no longer trusted' if was else 'was not trusted'}")
             continue
         code = _guard(lambda b=b: trust_bundle(b))
-        listing = "; ".join(f"{kind} {', '.join(names)}" for kind, names in code.items()) or "no code"
-        click.echo(f"{b}: trusted; replay may now run {listing}")
+        click.echo(f"{inert(b)}: trusted; replay may now run {_code_listing(code) or 'no code'}")
 
 
 if __name__ == "__main__":  # pragma: no cover

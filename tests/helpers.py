@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import time
+from html.parser import HTMLParser
 from typing import Callable
 
 import pytest
@@ -41,3 +43,44 @@ def run_ranks(worker: Callable, args: tuple, nprocs: int, timeout_s: float, why:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+class _Crawl(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict]] = []
+        self.scripts: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag):
+        self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script:
+            self.scripts.append(data)
+
+
+def assert_inert_page(page: str) -> _Crawl:
+    """Parse ``page`` and fail if anything from a bundle became markup: a second ``<meta
+    http-equiv>`` (the CSP is the only one), an element that loads or navigates, a script that is
+    not JSON data, an event-handler attribute. Returns the crawl (tags, script texts)."""
+    crawl = _Crawl()
+    crawl.feed(page)
+    metas = [a for t, a in crawl.tags if t == "meta"]
+    assert [a.get("http-equiv") for a in metas if "http-equiv" in a] == ["Content-Security-Policy"], metas
+    assert not any(t in ("img", "iframe", "object", "embed", "base", "link", "form", "a") for t, _ in crawl.tags)
+    assert all(a.get("type") == "application/json" for t, a in crawl.tags if t == "script")
+    for tag, attrs in crawl.tags:
+        assert not [k for k in attrs if k.startswith("on")], (tag, attrs)
+    assert "attacker.example/\">" not in page and "<script>alert" not in page
+    return crawl
+
+
+def raw_controls(text: str) -> list[str]:
+    """Control characters in ``text`` other than newline, tab and nanreplay's own SGR styles."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return [c for c in text if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F or c == "\u202e"]

@@ -9,11 +9,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from click.testing import CliRunner
 
 from attacks.make_attacks import ATTACKS, PROBE, USER_CODE, build_all
+from helpers import assert_inert_page, raw_controls
 from nanreplay import BundleFormatError, open_bundle
 from nanreplay.cli import main
 
@@ -38,12 +40,12 @@ def _cli(*args: str) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-def _cli_subprocess(*args: str, timeout: float = 600) -> tuple[int, str, int]:
+def _cli_subprocess(*args: str, timeout: float = 600, env: Optional[dict] = None) -> tuple[int, str, int]:
     """Run the CLI in a child process; returns (exit code, output, peak RSS in KiB of the child)."""
     code = ("import resource, sys, runpy; sys.argv = ['nanreplay'] + sys.argv[1:]\n"
             "try:\n    runpy.run_module('nanreplay.cli', run_name='__main__')\n"
             "finally:\n    sys.stderr.write(f'\\nmaxrss={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}\\n')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
     rss = int(re.findall(r"maxrss=(\d+)", r.stderr)[-1]) if "maxrss=" in r.stderr else 0
     return r.returncode, r.stdout + r.stderr, rss
@@ -104,6 +106,26 @@ def test_replay_gives_the_expected_exit_code(attacks, name, run):
     assert code == want, output
     assert says in output
     assert "Traceback" not in output
+    assert not list(out.glob("PWNED-*"))
+
+
+@pytest.mark.parametrize("name, run", [(a.name, i) for a in ATTACKS for i in range(len(a.commands))])
+def test_other_commands_give_the_expected_exit_code_and_keep_bundle_strings_inert(attacks, name, run, tmp_path):
+    """inspect, trust and report --no-replay in a child process writing to a pipe, under a time
+    limit, with a trust store of their own (a trust here must not reach the other tests)."""
+    out, files = attacks
+    command, args, want, says = BY_NAME[name].commands[run]
+    extra: tuple = ()
+    if command == "report":
+        pytest.importorskip("matplotlib")
+        extra = ("-o", tmp_path / "page.html")
+    code, output, _ = _cli_subprocess(command, files[name], *args, *extra, timeout=120, env={"NANREPLAY_HOME": str(tmp_path / "home")})
+    assert code == want, output
+    assert says in output, output
+    assert "Traceback" not in output
+    assert not raw_controls(output), raw_controls(output)
+    if command == "report":
+        assert_inert_page((tmp_path / "page.html").read_text(encoding="utf-8"))
     assert not list(out.glob("PWNED-*"))
 
 

@@ -171,8 +171,19 @@ def test_replay_inside_the_running_script_uses_its_module(tmp_path):
 
 def test_script_runs_code_reads_the_top_level(tmp_path):
     f = tmp_path / "s.py"
-    f.write_text('"""doc"""\nimport torch\nX = torch.zeros(2)\ndef f():\n    pass\nif __name__ == "__main__":\n    f()\n')
+    f.write_text('"""doc"""\nimport torch\nX = (2, [3])\nsq = lambda x: torch.sqrt(x)\ndef f(a=1):\n    torch.zeros(2)\n'
+                 'class C:\n    n = 3\n    def m(self):\n        print(1)\nif __name__ == "__main__":\n    f()\n')
     assert script_runs_code(f) is None
+    # any call at import counts: an assignment, a decorator, a default, a class body, a comprehension (issue 18)
+    for code, line in [("import torch\n_ = torch.zeros(2)\n", "line 2: _ = torch.zeros(2)"),
+                       ("import os\n_ = os.system('touch x')\n", "line 2: _ = os.system('touch x')"),
+                       ("import dataclasses\n@dataclasses.dataclass\nclass B:\n    x: int = 0\n", "line 2: @dataclasses.dataclass"),
+                       ("def f(a=open('x')):\n    pass\n", "line 1: def f(a=open('x')):"),
+                       ("class K:\n    y = print('hi')\n", "line 2:     y = print('hi')".replace("    ", "", 1)),
+                       ("xs = [i for i in range(3)]\n", "line 1: xs = [i for i in range(3)]"),
+                       ("class M(metaclass=Meta):\n    pass\n", "line 1: class M(metaclass=Meta):")]:
+        f.write_text(code)
+        assert script_runs_code(f) == line, code
     f.write_text("import torch\ndef f():\n    pass\nf()\n")
     assert script_runs_code(f) == "line 4: f()"
     f.write_text("for i in range(3):\n    pass\n")

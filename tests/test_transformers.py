@@ -108,8 +108,11 @@ def test_the_recorded_model_init_rebuilds_the_model_without_a_program():
     init = {"class": "nanreplay.integrations.transformers:model_from_config",
             "kwargs": {"model_class": "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel", "config": _config().to_dict()}}
     assert isinstance(build_from_init(init, trusted=True), transformers.GPT2LMHeadModel)
-    with pytest.raises(UntrustedBundleError):
+    with pytest.raises(UntrustedBundleError) as e:
         build_from_init(init, trusted=False)
+    # the refusal lists the class model_from_config would import, not only model_from_config (issue 18)
+    assert e.value.names == {"model class (model_init)": [init["class"]],
+                             "imported by the model class (model_init.kwargs.model_class)": [init["kwargs"]["model_class"]]}
     with pytest.raises(Exception, match="not a torch.nn.Module subclass"):
         build_from_init({"class": "nanreplay.integrations.transformers:hf_loss", "kwargs": {}}, trusted=True)
 

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,12 +97,14 @@ def test_an_untrusted_bundle_is_refused_with_what_it_names_and_nothing_runs(home
     monkeypatch.setattr("nanreplay.core.callables.importlib.import_module", lambda name: imported.append(name) or pytest.fail(f"imported {name}"))
     with pytest.raises(UntrustedBundleError) as e:
         replay(path)
-    assert e.value.names == {"model factory": ["models:make_nested"], "loss function": ["models:mean_loss"]}
+    here = str(Path(models.__file__).resolve().parent)  # where models was imported from when recording: replay may add it to sys.path
+    assert e.value.names == {"model factory": ["models:make_nested"], "model factory imported from": [here],
+                             "loss function": ["models:mean_loss"], "loss function imported from": [here]}
     assert "trust=True" in str(e.value) and "nanreplay.trust_bundle" in str(e.value)
     assert imported == []
     code, output = _cli("replay", path)
     assert code == 7
-    assert "model factory 'models:make_nested'; loss function 'models:mean_loss'" in output
+    assert f"model factory 'models:make_nested'; model factory imported from {here!r}; loss function 'models:mean_loss'" in output
     assert f"nanreplay trust {path}" in output and "--trust" in output
     assert "Traceback" not in output
 
@@ -147,7 +150,9 @@ def test_inspect_says_what_a_bundle_names_and_whether_it_is_trusted(home, out_di
     path = _stranger(_record(out_dir), tmp_path)
     code, output = _cli("inspect", "--no-keys", path)
     assert code == 0
-    assert "code it names: model factory models:make_nested; loss function models:mean_loss   NOT trusted" in output
+    here = str(Path(models.__file__).resolve().parent)
+    assert (f"code it names: model factory models:make_nested; model factory imported from {here}; loss function models:mean_loss; "
+            f"loss function imported from {here}   NOT trusted") in output
     info = json.loads(_cli("inspect", "--json", path)[1])
     assert info["trusted"] is False and info["code"]["loss function"] == ["models:mean_loss"]
 

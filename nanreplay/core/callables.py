@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -36,6 +37,9 @@ __all__ = [
     "CallablePath",
     "callable_path",
     "import_callable",
+    "import_paths_in",
+    "model_init_names",
+    "looks_like_import_path",
     "script_imports",
     "script_runs_code",
     "torch_optimizer_class",
@@ -165,6 +169,66 @@ def torch_optimizer_class(path: Any) -> Optional[type]:
     return cls
 
 
+def looks_like_import_path(text: Any) -> bool:
+    """Whether ``text`` has the shape :func:`import_callable` imports: ``pkg.module:qual.name``
+    or ``path/to/file.py:qualname`` (nothing is imported; a string that merely looks like one
+    counts, since a review must rather show too much than too little)."""
+    if not isinstance(text, str):
+        return False
+    mod, sep, qual = text.rpartition(":")
+    if not sep or not mod or not qual or not all(p.isidentifier() for p in qual.split(".")):
+        return False
+    if mod.endswith(".py") or "/" in mod or "\\" in mod:
+        return True
+    return all(p.isidentifier() for p in mod.split("."))
+
+
+#: keys whose string value a builder imports whatever its shape (``model_from_config``'s class)
+_CLASS_KEYS = frozenset({"model_class"})
+
+
+def import_paths_in(obj: Any, where: str = "") -> dict[str, list[str]]:
+    """Every string inside the JSON value ``obj`` that a builder could import: those shaped like
+    an import path (:func:`looks_like_import_path`) and the value of a ``model_class`` key, by
+    their JSON path (``where.kwargs.model_class``, ``where.items[2]``), in document order.
+    Nothing is imported. Used to list, for review, what a bundle's ``model_init`` arguments
+    name (``Bundle.named_code``)."""
+    found: dict[str, list[str]] = {}
+    stack: list[tuple[str, Any, bool]] = [(where, obj, False)]
+    while stack:  # every node: the manifest's size bounds the walk, and a review must not skip any
+        path, node, is_class = stack.pop()
+        if isinstance(node, str):
+            if is_class or looks_like_import_path(node):
+                found.setdefault(path, []).append(node)
+        elif isinstance(node, dict):
+            for k, v in reversed(list(node.items())):
+                key = str(k)
+                step = f".{key}" if key.isidentifier() and key.isascii() else f"[{json.dumps(key)}]"  # a key cannot break the line
+                stack.append(((path + step).lstrip("."), v, key in _CLASS_KEYS))
+        elif isinstance(node, (list, tuple)):
+            for i in reversed(range(len(node))):
+                stack.append((f"{path}[{i}]", node[i], is_class))
+    return found
+
+
+#: the kind of what a ``model_init`` entry names, as a review and a refusal list it
+MODEL_INIT_KIND = "model class (model_init)"
+
+
+def model_init_names(init: Any) -> dict[str, list[str]]:
+    """What building a bundle's ``model_init`` entry (``{"class": ..., "kwargs": {...}}``) would
+    import, by kind: the class, then every import path in its arguments, e.g.
+    ``{"model class (model_init)": ["nanreplay.integrations.transformers:model_from_config"],
+    "imported by the model class (model_init.kwargs.model_class)": ["pkg.models:Net"]}``."""
+    if not isinstance(init, dict) or not init.get("class"):
+        return {}
+    out = {MODEL_INIT_KIND: [init["class"]]}
+    kwargs = init.get("kwargs") or {}
+    for where, names in import_paths_in(kwargs, "model_init.kwargs").items():
+        out[f"imported by the model class ({where})"] = names
+    return out
+
+
 def _importable_by_name(mod: str) -> bool:
     if mod == "__main__" or mod.startswith("nanreplay_user_"):
         return False
@@ -175,26 +239,79 @@ def _importable_by_name(mod: str) -> bool:
 
 
 def script_runs_code(file: str | Path) -> Optional[str]:
-    """Why importing the script ``file`` would run more than definitions (``"line 12: for ..."``,
-    the first top-level statement that loops, calls, opens a ``with`` or ``try`` block, or
-    branches on anything but ``__name__ == "__main__"``), or ``None`` when it only defines,
-    imports and assigns. Unparseable files count as running code."""
+    """Why importing the script ``file`` would run more than definitions (``"line 12: _ =
+    setup()"``), or ``None`` when its top level only imports modules, defines functions and
+    classes and assigns values computed without a call. Code runs at import when a top-level
+    statement calls anything (:func:`_call_at_import`: ``_ = call()``, a decorator, a default
+    argument, a base class, a class body, a comprehension), loops, opens a ``with`` or ``try``
+    block, or branches on anything but ``__name__ == "__main__"``. Unparseable files count as
+    running code."""
     try:
         src = Path(file).read_text(encoding="utf-8")
         tree = ast.parse(src, filename=str(file))
     except (OSError, SyntaxError, ValueError) as e:
         return f"it cannot be parsed ({type(e).__name__})"
-    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Pass)
+    lazy = any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names) for n in tree.body)
     for node in tree.body:
-        if isinstance(node, quiet):
-            continue
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # a docstring
         if isinstance(node, ast.If) and _is_main_guard(node.test):
             continue
-        line = ast.get_source_segment(src, node) or type(node).__name__
-        return f"line {node.lineno}: {line.splitlines()[0][:80]}"
+        culprit = _runs_at_import(node, lazy_annotations=lazy)
+        if culprit is None:
+            continue
+        lines = src.splitlines()
+        line = lines[culprit.lineno - 1].strip() if 0 < culprit.lineno <= len(lines) else type(culprit).__name__
+        return f"line {culprit.lineno}: {line[:80]}"
     return None
+
+
+def _calls(nodes: Any) -> Optional[ast.AST]:
+    """The first call among the expressions ``nodes`` (``None`` entries skipped) that runs when
+    they are evaluated: lambda bodies are not evaluated, comprehensions are."""
+    todo = [n for n in (nodes if isinstance(nodes, list) else [nodes]) if n is not None]
+    while todo:
+        n = todo.pop(0)
+        if isinstance(n, ast.Call):
+            return n
+        if isinstance(n, ast.Lambda):
+            todo.extend(n.args.defaults + [d for d in n.args.kw_defaults if d is not None])
+            continue
+        todo.extend(ast.iter_child_nodes(n))
+    return None
+
+
+def _runs_at_import(node: ast.stmt, *, lazy_annotations: bool) -> Optional[ast.AST]:
+    """The part of the top-level (or class-body) statement ``node`` that runs code when the
+    module is imported, or ``None`` when it only defines, imports or assigns without a call."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
+        return None
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+        return None  # a docstring
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if node.decorator_list:
+            return node.decorator_list[0]  # a decorator is called at import
+        a = node.args
+        annotations = [] if lazy_annotations else [x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x is not None] + [node.returns]
+        return _calls(a.defaults + [d for d in a.kw_defaults if d is not None] + annotations)
+    if isinstance(node, ast.ClassDef):
+        if node.decorator_list:
+            return node.decorator_list[0]
+        if any(k.arg == "metaclass" for k in node.keywords):
+            return node  # the metaclass is called at import
+        found = _calls(node.bases + [k.value for k in node.keywords])
+        if found is not None:
+            return found
+        for stmt in node.body:  # a class body runs at import
+            found = _runs_at_import(stmt, lazy_annotations=lazy_annotations)
+            if found is not None:
+                return found
+        return None
+    if isinstance(node, ast.Assign):
+        return _calls(node.targets + [node.value])
+    if isinstance(node, ast.AugAssign):
+        return _calls([node.target, node.value])
+    if isinstance(node, ast.AnnAssign):
+        return _calls([node.target, node.value] + ([] if lazy_annotations else [node.annotation]))
+    return node  # loops, with, try, if, expressions, raise, del...
 
 
 def _is_main_guard(test: ast.expr) -> bool:
@@ -221,7 +338,7 @@ def _check_script(path: str, file: Path, *, recorded_main: bool) -> Optional[Any
         what = "the training script (__main__) when recording" if recorded_main else "a script"
         raise ReplayError(
             f"{path!r} lives in {file}, {what}, and importing it runs its code "
-            f"({why}), which would start the training again. Fix: replay from the bundle's embedded program (replay "
+            f"({why}), which would start the training again (or run whatever else it calls). Fix: replay from the bundle's embedded program (replay "
             f"uses it when the bundle has one), pass --model-factory / --loss-fn naming a module without side effects, "
             f"put the script's training under `if __name__ == \"__main__\":`, or pass --import-script to import it anyway"
         )

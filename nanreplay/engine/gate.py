@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ..core.callables import import_callable, torch_optimizer_class
+from ..core.callables import import_callable, model_init_names, torch_optimizer_class
 from ..core.tree import accepted_types
 from ..errors import ReplayError, UntrustedBundleError
 from ..format.bundle import Bundle, Types
@@ -49,12 +49,12 @@ def require_trust(b: Bundle, *, model: bool, loss: bool, types: Types = None, op
     needed: dict[str, list[str]] = {}
     code = b.named_code()
     if not model:
-        for kind in ("model factory", "model class (model_init)"):
-            if kind in code:
-                needed[kind] = code[kind]
-                break
+        if "model factory" in code:
+            needed.update({k: code[k] for k in ("model factory", "model factory imported from") if k in code})
+        else:  # the model_init class and every name its JSON arguments hold (model_from_config imports model_class)
+            needed.update(model_init_names(b.meta.get("model_init")))
     if not loss and "loss function" in code:
-        needed["loss function"] = code["loss function"]
+        needed.update({k: code[k] for k in ("loss function", "loss function imported from") if k in code})
     if optimizer and "optimizer class" in code:
         needed["optimizer class"] = code["optimizer class"]
     covered = accepted_types(types)

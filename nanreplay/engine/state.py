@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from ..core.callables import import_callable, script_imports
+from ..core.callables import import_callable, model_init_names, script_imports
 from ..core.state import load_buffers
 from ..errors import ModelMismatchError, ReplayError, UntrustedBundleError
 from ..format.bundle import Bundle, Types, open_bundle
@@ -80,7 +80,7 @@ def build_from_init(init: Any, *, trusted: bool = False, source: str = "the bund
         raise ReplayError(f"the bundle's model_init is {init!r}; expected {{'class': 'pkg.mod:Class', 'kwargs': {{...}}}}: pass --model-factory")
     # --- trust rule (nanreplay.engine.gate): a bundle-named class runs only for a trusted bundle ---
     if not trusted:
-        raise UntrustedBundleError(source, {"model class (model_init)": [init["class"]]})
+        raise UntrustedBundleError(source, model_init_names(init))
     cls = import_callable(init["class"])
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)) and init["class"] not in MODEL_BUILDERS:
         raise ReplayError(f"{source}: model_init names {init['class']!r}, a {type(cls).__name__}, not a torch.nn.Module subclass; pass --model-factory")

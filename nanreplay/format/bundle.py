@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from ..core.callables import CallablePath, torch_optimizer_class
+from ..core.callables import CallablePath, model_init_names, torch_optimizer_class
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
@@ -199,6 +199,14 @@ def _trusted_digest(path: str | Path) -> Optional[bytes]:
         return None
 
 
+def _import_root(kind: str, path: str) -> dict[str, list[str]]:
+    """``{"<kind> imported from": [root]}`` when the recorded callable ``path`` carries the
+    ``sys.path`` directory its module was imported from when recording (replay adds it to
+    ``sys.path`` when the module does not import without it, so it decides which file runs)."""
+    root = getattr(path, "root", None)
+    return {f"{kind} imported from": [root]} if root else {}
+
+
 class Bundle:
     """A read-only view of a bundle file; open it with :func:`open_bundle`.
 
@@ -283,17 +291,21 @@ class Bundle:
 
     def named_code(self) -> dict[str, list[str]]:
         """Everything this bundle names that replay would import, by kind (nothing is imported):
-        ``model factory``, ``model class (model_init)``, ``loss function``, ``optimizer class``
+        ``model factory`` (and ``model factory imported from``, the recorded directory replay puts
+        on ``sys.path`` when the module does not import otherwise; the same for the loss
+        function), ``model class (model_init)`` and every import path inside its JSON
+        arguments (``imported by the model class (model_init.kwargs.model_class)``: nanreplay's
+        own ``model_from_config`` imports the class its ``model_class`` names), ``loss function``, ``optimizer class``
         (only when it is not a ``torch.optim`` optimizer, which is looked up without importing
         anything) and ``batch types``."""
         out: dict[str, list[str]] = {}
         if self.model_factory:
             out["model factory"] = [self.model_factory]
-        init = self.meta.get("model_init")
-        if init:
-            out["model class (model_init)"] = [init["class"]]
+            out.update(_import_root("model factory", self.model_factory))
+        out.update(model_init_names(self.meta.get("model_init")))
         if self.loss_fn:
             out["loss function"] = [self.loss_fn]
+            out.update(_import_root("loss function", self.loss_fn))
         opt = (self.meta.get("optimizer") or {}).get("class")
         if opt and torch_optimizer_class(opt) is None:
             out["optimizer class"] = [opt]

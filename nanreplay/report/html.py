@@ -19,11 +19,12 @@ import os
 from html import escape
 from typing import Any, Iterable, Optional, Sequence
 
+from ..core.inert import inert
 from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotlib, samples_svg, timeline_svg, trials_svg, moves_svg
 from .summary import verdict_phrase
 from .text import fmt_health
 
-__all__ = ["render_html", "render_bisect_html", "environment_rows"]
+__all__ = ["render_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
 
 _CSS = """
 :root { --fg:#263238; --muted:#607d8b; --line:#e0e6ea; --bg:#fafbfc; --card:#fff; --bad:@NAN@; --ok:#2e7d32; --warn:#ef6c00; }
@@ -63,19 +64,65 @@ footer { color:var(--muted); font-size:12px; margin-top:24px; }
 """.replace("@NAN@", COLORS["nan"])
 
 
-def _e(x: Any) -> str:
-    return escape("-" if x is None else str(x))
+class Markup(str):
+    """HTML this module built: put into the page as it is. Every other value that reaches the
+    page, a ``str`` from the diagnosis, a number, ``None``, is escaped by :func:`esc`: the page
+    is built only by :func:`h` and :func:`join`, so escaping is the default and only this
+    module's literal templates (and matplotlib's SVG, whose text it escapes) are markup."""
+
+    __slots__ = ()
+
+    def __add__(self, other: Any) -> "Markup":
+        return Markup(str.__add__(self, esc(other)))
+
+    def __radd__(self, other: Any) -> "Markup":
+        return Markup(str.__add__(esc(other), self))
 
 
-def _json_script(obj: Any, element_id: str) -> str:
-    """``obj`` as inert JSON data in the page (``</`` escaped so no tag can close early)."""
-    text = json.dumps(obj, default=str, allow_nan=False, indent=1).replace("</", "<\\/")
-    return f'<script type="application/json" id="{element_id}">{text}</script>'
+def esc(x: Any) -> Markup:
+    """``x`` as HTML text: a :class:`Markup` unchanged, anything else ``str(x)`` escaped (``&``,
+    ``<``, ``>``, both quotes) and its control characters shown as escapes (``\\r``, as on the
+    terminal: :func:`~nanreplay.core.inert.inert`), ``None`` as ``-``. The one escaping path of
+    the page."""
+    if isinstance(x, Markup):
+        return x
+    return Markup(escape(inert("-" if x is None else x), quote=True))
 
 
-def _kv(rows: Iterable[tuple[str, Any]], *, raw: bool = False) -> str:
-    body = "".join(f"<tr><th>{_e(k)}</th><td>{v if raw else _e(v)}</td></tr>" for k, v in rows if v not in (None, "", []))
-    return f'<table class="kv">{body}</table>'
+def h(template: str, *args: Any) -> Markup:
+    """``template.format(*args)`` with every argument passed through :func:`esc`. ``template``
+    is a literal of this module (never data): ``h('<code>{}</code>', name)``."""
+    return Markup(template.format(*(esc(a) for a in args)))
+
+
+def join(parts: Iterable[Any], sep: str = "") -> Markup:
+    """The parts (each escaped unless :class:`Markup`) joined by the literal ``sep``."""
+    return Markup(sep.join(esc(p) for p in parts))
+
+
+def _svg(svg: Optional[str]) -> Markup:
+    """A plot of :mod:`nanreplay.report.plots` as markup: matplotlib writes the SVG and escapes
+    every text and attribute in it (bundle strings reach it only as labels)."""
+    if not svg:
+        return Markup("")
+    if not svg.startswith("<svg"):
+        raise ValueError("expected an <svg> element from nanreplay.report.plots")
+    return Markup(svg)
+
+
+def _json_script(obj: Any, element_id: str) -> Markup:
+    """``obj`` as inert JSON data in the page: ``<``, ``>`` and ``&`` written as ``\\u003c``,
+    ``\\u003e``, ``\\u0026`` (still the same JSON), so no string can close the element or
+    change how the parser reads it."""
+    text = json.dumps(obj, default=str, allow_nan=False, indent=1)
+    text = text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+    return h('<script type="application/json" id="{}">', element_id) + Markup(text) + Markup("</script>")
+
+
+def _kv(rows: Iterable[tuple[str, Any]]) -> Markup:
+    """A two-column table; values are escaped unless :class:`Markup`; empty values are skipped."""
+    body = join(h("<tr><th>{}</th><td>{}</td></tr>", k, v) for k, v in rows if v not in (None, "", []))
+    return h('<table class="kv">{}</table>', body)
 
 
 def environment_rows(meta: Optional[dict], diag: Optional[dict] = None) -> list[tuple[str, str]]:
@@ -119,35 +166,37 @@ def environment_rows(meta: Optional[dict], diag: Optional[dict] = None) -> list[
     return [(k, str(v)) for k, v in rows if v not in (None, "")]
 
 
-def _page(title: str, body: str) -> str:
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        # no network: no external resource can load even if a later edit adds one
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
-        f"<title>{escape(title)}</title><style>{_CSS}</style></head>\n<body><main>\n{body}\n</main></body></html>\n"
-    )
+_HEAD = Markup(
+    "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+    # no network: no external resource can load even if a later edit adds one
+    "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
+)
+
+
+def _page(title: str, body: Markup) -> str:
+    return str(_HEAD + h("<title>{}</title><style>{}</style></head>\n<body><main>\n{}\n</main></body></html>\n", title, Markup(_CSS), body))
 
 
 def _repro_class(verdict: str) -> str:
     return {"reproduced exactly": "ok", "reproduced": "warn"}.get(verdict, "bad")
 
 
-def _source(src: Optional[dict]) -> str:
-    if not src:
-        return ""
-    return (f'<div><code>{_e(src.get("file"))}:{_e(src.get("line"))}</code> in <code>{_e(src.get("function"))}</code></div>'
-            + (f'<pre class="src">{_e(src.get("code"))}</pre>' if src.get("code") else ""))
+def _source(src: Any) -> Markup:
+    if not src or not isinstance(src, dict):
+        return Markup("")
+    return (h('<div><code>{}:{}</code> in <code>{}</code></div>', src.get("file"), src.get("line"), src.get("function"))
+            + (h('<pre class="src">{}</pre>', src.get("code")) if src.get("code") else Markup("")))
 
 
-def _births_html(diag: dict) -> str:
+def _births_html(diag: dict) -> Markup:
     """The births, forward and backward, in execution order; those of the causal chain first
     marked, the origin highlighted, with source line and code."""
     births = diag.get("births") or []
     chain_idx = {c.get("op_index") for c in diag.get("chain") or []}
     o = diag.get("origin") or {}
     if not births:
-        return '<p class="muted">The op monitor recorded no birth (it was off, or the origin is in the data, the weights or the optimizer update).</p>'
+        return Markup('<p class="muted">The op monitor recorded no birth (it was off, or the origin is in the data, the weights or the optimizer update).</p>')
     items = []
     for b in births:
         cls = "origin" if b.get("op_index") is not None and b.get("op_index") == o.get("op_index") else ""
@@ -155,13 +204,13 @@ def _births_html(diag: dict) -> str:
         out = b.get("output") or {}
         if out:
             kinds = fmt_health(out)
-        node = f' <span class="muted">({_e(b["node"])}, backward of {_e(b.get("forward_op"))})</span>' if b.get("node") else ""
-        where = "outside the model" if b.get("module") is None else f'in module <code>{_e(b["module"] or "(root)")}</code>'
+        node = h(' <span class="muted">({}, backward of {})</span>', b["node"], b.get("forward_op")) if b.get("node") else Markup("")
+        where = Markup("outside the model") if b.get("module") is None else h("in module <code>{}</code>", b["module"] or "(root)")
         tag = "origin" if cls else ("causal chain" if b.get("op_index") in chain_idx else "after the origin")
         wider = b.get("wider") or {}
         extra = []
         if wider:
-            extra.append(f"recomputed in {_e(wider.get('dtype'))}: {'finite (an overflow)' if wider.get('finite') else 'non-finite too (a domain error)'}")
+            extra.append(f"recomputed in {wider.get('dtype')}: {'finite (an overflow)' if wider.get('finite') else 'non-finite too (a domain error)'}")
         zeros = b.get("input_zeros")
         if zeros and any(zeros):
             extra.append("exact zeros in its inputs: " + ", ".join(f"{z} in input {i}" for i, z in enumerate(zeros) if z))
@@ -169,44 +218,46 @@ def _births_html(diag: dict) -> str:
         if rows.get("indices"):
             extra.append(f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
         items.append(
-            f'<li class="{cls}"><span class="phase {_e(b.get("phase"))}">{_e(b.get("phase"))}</span> '
-            f'op <code>{_e(b.get("op"))}</code> <span class="muted">{_e(b.get("aten"))}</span>{node} {where}: output {_e(kinds)} '
-            f'<span class="muted">[{tag}, op #{_e(b.get("op_index"))}]</span>'
-            + _source(b.get("source"))
-            + (f'<div class="muted">{_e("; ".join(extra))}</div>' if extra else "")
-            + "</li>"
+            h('<li class="{}"><span class="phase {}">{}</span> op <code>{}</code> <span class="muted">{}</span>{} {}: output {} '
+              '<span class="muted">[{}, op #{}]</span>{}{}</li>',
+              cls, b.get("phase"), b.get("phase"), b.get("op"), b.get("aten"), node, where, kinds, tag, b.get("op_index"),
+              _source(b.get("source")), h('<div class="muted">{}</div>', "; ".join(extra)) if extra else "")
         )
-    more = ""
+    more = Markup("")
     if diag.get("propagated_ops"):
-        more = f'<p class="muted">{diag["propagated_ops"]} other op(s) only passed non-finite values on.</p>'
+        more = h('<p class="muted">{} other op(s) only passed non-finite values on.</p>', diag["propagated_ops"])
     allowed = diag.get("allowed_births")
     if allowed:
-        where = [f'{m.get("module") or "(root)"} ({", ".join(f"{op} x{k}" for op, k in m["allowed"].items())})' for m in diag.get("forward_modules") or [] if m.get("allowed")]
-        more += (f'<p class="muted">{allowed} birth(s) matched the allowlist, legitimate -Inf masks, not the origin'
-                 + (f': in {_e("; ".join(dict.fromkeys(where)))}' if where else "") + ".</p>"
-                 + f'<details><summary>allowlist rules</summary><code>{_e(" ".join(diag.get("allowlist") or []))}</code></details>')
-    return f'<ol class="chain">{"".join(items)}</ol>{more}'
+        where = [f'{m.get("module") or "(root)"} ({", ".join(f"{op} x{k}" for op, k in m["allowed"].items())})'
+                 for m in diag.get("forward_modules") or [] if m.get("allowed")]
+        more += (h('<p class="muted">{} birth(s) matched the allowlist, legitimate -Inf masks, not the origin', allowed)
+                 + (h(": in {}", "; ".join(dict.fromkeys(where))) if where else "") + Markup(".</p>")
+                 + h("<details><summary>allowlist rules</summary><code>{}</code></details>", " ".join(map(str, diag.get("allowlist") or []))))
+    return h('<ol class="chain">{}</ol>{}', join(items), more)
 
 
-def _origin_rows(diag: dict) -> list[tuple[str, str]]:
+def _origin_rows(diag: dict) -> list[tuple[str, Any]]:
     o = diag.get("origin") or {}
     cls = diag.get("classification") or {}
     r = diag.get("reproduction") or {}
+    evidence = cls.get("evidence") if cls else None
     rows = [
-        ("phase", _e(diag.get("phase"))),
-        ("module", "outside the model" if o.get("module") is None and o else _e((o.get("module") or "(root module)") + (f" ({o['class']})" if o.get("class") else "")) if o else "-"),
-        ("op", _e(o.get("aten") or o.get("op")) + (f" {_e(o.get('dtype'))} {_e(o.get('shape'))}" if o.get("dtype") else "") if o.get("op") else ""),
-        ("autograd node", _e(o.get("node")) if o.get("node") else ""),
+        ("phase", esc(diag.get("phase"))),
+        ("module", "outside the model" if o.get("module") is None and o else ((o.get("module") or "(root module)") + (f" ({o['class']})" if o.get("class") else "")) if o else "-"),
+        ("op", h("{}", o.get("aten") or o.get("op")) + (h(" {} {}", o.get("dtype"), o.get("shape")) if o.get("dtype") else "") if o.get("op") else ""),
+        ("autograd node", o.get("node") or ""),
         ("source", _source(o.get("source"))),
-        ("op health", f"inputs {_e(fmt_health(o.get('inputs')))}; output {_e(fmt_health(o.get('output')))}" if o.get("output") else ""),
-        ("batch leaf", _e(o.get("leaf")) if o.get("leaf") else ""),
-        ("tensor", _e(o.get("tensor")) if o.get("tensor") else ""),
-        ("parameter", _e(o.get("param")) if o.get("param") else ""),
-        ("first non-finite gradient", _e(o.get("first_nonfinite_gradient")) if o.get("first_nonfinite_gradient") else ""),
-        ("cause", _e(diag.get("cause"))),
-        ("verdict", f"<b>{_e(cls.get('cause'))}</b> ({_e(cls.get('detail'))})" + ("<ul>" + "".join(f"<li>{_e(x)}</li>" for x in cls.get("evidence", [])) + "</ul>" if cls.get("evidence") else "") if cls else ""),
-        ("reproduction", _e(verdict_phrase(r)) + (f' <span class="muted">(max abs difference of finite gradient values: {_e(r.get("max_abs_diff"))}; replay mode {_e(diag.get("mode"))})</span>')),
-        ("", _e(r.get("detail")) if r.get("detail") else ""),
+        ("op health", f"inputs {fmt_health(o.get('inputs'))}; output {fmt_health(o.get('output'))}" if o.get("output") else ""),
+        ("batch leaf", o.get("leaf") or ""),
+        ("tensor", o.get("tensor") or ""),
+        ("parameter", o.get("param") or ""),
+        ("first non-finite gradient", o.get("first_nonfinite_gradient") or ""),
+        ("cause", esc(diag.get("cause"))),
+        ("verdict", h("<b>{}</b> ({})", cls.get("cause"), cls.get("detail"))
+         + (h("<ul>{}</ul>", join(h("<li>{}</li>", x) for x in evidence)) if evidence else "") if cls else ""),
+        ("reproduction", h('{} <span class="muted">(max abs difference of finite gradient values: {}; replay mode {})</span>',
+                           verdict_phrase(r), r.get("max_abs_diff"), diag.get("mode"))),
+        ("", r.get("detail") or ""),
     ]
     return [(k, v) for k, v in rows if v]
 
@@ -227,13 +278,14 @@ def _timeline_rows(diag: dict, meta: Optional[dict]) -> list[dict]:
     return [{"step": s, "loss": None, "grad_norm": norms.get(s), "lrs": [lrs[s]] if s in lrs else [], "failing": s == step} for s in steps]
 
 
-def _timeline_table(rows: Sequence[dict]) -> str:
-    body = "".join(
-        f'<tr{" class=kind-NaN" if r.get("failing") else ""}><td class="num">{_e(r["step"])}</td><td class="num">{_e(_fmt(r.get("loss")))}</td>'
-        f'<td class="num">{_e(_fmt(r.get("grad_norm")))}</td><td>{_e(", ".join(_fmt(x) for x in r.get("lrs") or []))}</td></tr>'
+def _timeline_table(rows: Sequence[dict]) -> Markup:
+    body = join(
+        h('<tr{}><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>',
+          Markup(" class=kind-NaN") if r.get("failing") else "", r["step"], _fmt(r.get("loss")), _fmt(r.get("grad_norm")),
+          ", ".join(_fmt(x) for x in r.get("lrs") or []))
         for r in rows
     )
-    return f"<table><tr><th>step</th><th>loss</th><th>grad norm</th><th>learning rates</th></tr>{body}</table>"
+    return h("<table><tr><th>step</th><th>loss</th><th>grad norm</th><th>learning rates</th></tr>{}</table>", body)
 
 
 def _fmt(x: Any) -> str:
@@ -243,21 +295,19 @@ def _fmt(x: Any) -> str:
     return f"{v:.5g}"
 
 
-def _module_table(mods: Sequence[dict]) -> str:
+def _module_table(mods: Sequence[dict]) -> Markup:
     body = []
     for m in mods:
         out, g = m.get("output") or {}, m.get("grad")
         allowed = ", ".join(f"{k} x{v}" for k, v in (m.get("allowed") or {}).items())
-        body.append(
-            f'<tr><td class="num">{_e(m.get("index"))}</td><td><code>{_e(m.get("module") or "(root)")}</code></td><td>{_e(m.get("class"))}</td>'
-            f'<td>{_e(m.get("role"))}</td><td>{_e(fmt_health(out))}</td><td class="num">{_e(_fmt(out.get("absmax")))}</td>'
-            f'<td>{_e(fmt_health(g) if g else "-")}</td><td>{_e(allowed or "")}</td></tr>'
-        )
-    return ("<table><tr><th>#</th><th>module</th><th>class</th><th>role</th><th>output</th><th>max |finite|</th>"
-            f"<th>gradient at output</th><th>allowlisted births</th></tr>{''.join(body)}</table>")
+        body.append(h('<tr><td class="num">{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td></tr>',
+                      m.get("index"), m.get("module") or "(root)", m.get("class"), m.get("role"), fmt_health(out), _fmt(out.get("absmax")),
+                      fmt_health(g) if g else "-", allowed or ""))
+    return h("<table><tr><th>#</th><th>module</th><th>class</th><th>role</th><th>output</th><th>max |finite|</th>"
+             "<th>gradient at output</th><th>allowlisted births</th></tr>{}</table>", join(body))
 
 
-def _samples_html(diag: dict) -> str:
+def _samples_html(diag: dict) -> Markup:
     smp = diag.get("samples")
     parts = []
     if smp:
@@ -271,12 +321,16 @@ def _samples_html(diag: dict) -> str:
         parts.append(_kv([("verdict", verdict), ("method", smp.get("method")), ("batch size", smp.get("batch_size")),
                           ("micro-batch", smp.get("micro_batch")), ("replays", smp.get("runs"))]))
     for x in diag.get("nonfinite_inputs") or []:
-        parts.append(f'<p>non-finite input <code>{_e(x.get("leaf"))}</code>: {_e(fmt_health(x.get("health")))}, rows {_e(x.get("samples"))}</p>')
-    return "".join(parts) or '<p class="muted">No per-sample information (the replay ran with --no-samples, or the step has no batch).</p>'
+        parts.append(h("<p>non-finite input <code>{}</code>: {}, rows {}</p>", x.get("leaf"), fmt_health(x.get("health")), x.get("samples")))
+    return join(parts) or Markup('<p class="muted">No per-sample information (the replay ran with --no-samples, or the step has no batch).</p>')
 
 
 def render_html(diag: dict, *, meta: Optional[dict] = None, bundle_name: Optional[str] = None) -> str:
     """The HTML report of one diagnosis.
+
+    Every value taken from ``diag`` and ``meta`` is escaped (:func:`esc`, through :func:`h`):
+    a stored diagnosis is data from the bundle, and no string of it can add an element or an
+    attribute to the page.
 
     Args:
         diag: the diagnosis dict (``nanreplay.replay()``, or a bundle's stored ``diagnosis``).
@@ -294,67 +348,65 @@ def render_html(diag: dict, *, meta: Optional[dict] = None, bundle_name: Optiona
     require_matplotlib()
     r = diag.get("reproduction") or {}
     cls = diag.get("classification") or {}
-    name = bundle_name or (os.path.basename(diag["bundle"]) if diag.get("bundle") else "bundle")
+    name = bundle_name or (os.path.basename(str(diag["bundle"])) if diag.get("bundle") else "bundle")
     verdict = r.get("verdict", "")
-    badges = [
-        f'<span class="bad">phase: {_e(diag.get("phase"))}</span>',
-        f'<span class="bad">cause: {_e(cls.get("cause"))} ({_e(cls.get("detail"))})</span>' if cls else "",
-        f'<span class="{_repro_class(verdict)}">{_e(verdict_phrase(r))}</span>',
-        f'<span>step {_e(diag.get("step"))}</span>',
-        f'<span>replay: {_e(diag.get("mode"))}' + (f' on {_e(diag["device"])}' if diag.get("device") else "") + "</span>",
-    ]
-    header = (f'<header><div class="tool">nanreplay report &middot; {_e(name)}</div><h1 class="sentence" id="summary">{_e(diag.get("summary"))}</h1>'
-              f'<div class="badges">{"".join(badges)}</div></header>')
+    badges = join([
+        h('<span class="bad">phase: {}</span>', diag.get("phase")),
+        h('<span class="bad">cause: {} ({})</span>', cls.get("cause"), cls.get("detail")) if cls else "",
+        h('<span class="{}">{}</span>', _repro_class(verdict), verdict_phrase(r)),
+        h("<span>step {}</span>", diag.get("step")),
+        h("<span>replay: {}{}</span>", diag.get("mode"), h(" on {}", diag["device"]) if diag.get("device") else ""),
+    ])
+    header = h('<header><div class="tool">nanreplay report &middot; {}</div><h1 class="sentence" id="summary">{}</h1>'
+               '<div class="badges">{}</div></header>', name, diag.get("summary"), badges)
     sections = [header]
-    top = f'<section id="origin"><h2>Where the non-finite value was born</h2>{_kv(_origin_rows(diag), raw=True)}</section>'
+    top = h('<section id="origin"><h2>Where the non-finite value was born</h2>{}</section>', _kv(_origin_rows(diag)))
     env = environment_rows(meta, diag)
     if env:
-        top += f'<section id="environment"><h2>Environment of the recording</h2>{_kv(env)}</section>'
-    sections.append(f'<div class="cols">{top}</div>')
+        top += h('<section id="environment"><h2>Environment of the recording</h2>{}</section>', _kv(env))
+    sections.append(h('<div class="cols">{}</div>', top))
     tl = _timeline_rows(diag, meta)
     if tl:
-        sections.append(
+        sections.append(h(
             '<section id="timeline"><h2>Loss, grad norm and learning rate over the ring buffer</h2>'
             '<p class="muted">Recorded by the training loop before the failure; the dashed red line is the failing step, red crosses its non-finite values. '
             "An explosion shows as a grad norm climbing over several steps; a learning-rate spike as a jump in the bottom curve.</p>"
-            + timeline_svg(tl, history=diag.get("history"))
-            + f"<details><summary>values</summary>{_timeline_table(tl)}</details></section>"
-        )
+            "{}<details><summary>values</summary>{}</details></section>",
+            _svg(timeline_svg(tl, history=diag.get("history"))), _timeline_table(tl)))
     mods = diag.get("forward_modules")
     partial = mods is None
     mods = mods if mods is not None else list(diag.get("health") or [])
     if mods or diag.get("loss"):
         losses = diag.get("loss") if diag.get("mode") == "loss_fn" else []
-        sections.append(
+        sections.append(h(
             '<section id="modules"><h2>The forward pass, module by module</h2>'
             '<p class="muted">Modules in execution order (a parent completes after its children). Bars: the largest |value| of each module\'s finite '
             "outputs, log scale: values on their way out of range climb here. Cells: the share of NaN, +Inf and -Inf in each output and, "
-            "in the backward pass, in the gradient at that output.</p>"
-            + (f'<p class="muted">The stored diagnosis holds only the {len(mods)} rows of the health table; run without --no-replay for every module.</p>' if partial else "")
-            + modules_svg(mods, origin=diag.get("origin"), phase=diag.get("phase", ""), loss=losses or [])
-            + f"<details><summary>table</summary>{_module_table(mods)}</details></section>"
-        )
-    sections.append(f'<section id="chain"><h2>Causal chain: where non-finite values were born, in execution order</h2>{_births_html(diag)}</section>')
-    svg = samples_svg(diag)
-    sections.append(f'<section id="samples"><h2>Samples</h2>{svg or ""}{_samples_html(diag)}</section>')
+            "in the backward pass, in the gradient at that output.</p>{}{}<details><summary>table</summary>{}</details></section>",
+            h('<p class="muted">The stored diagnosis holds only the {} rows of the health table; run without --no-replay for every module.</p>', len(mods)) if partial else "",
+            _svg(modules_svg(mods, origin=diag.get("origin"), phase=diag.get("phase", ""), loss=losses or [])),
+            _module_table(mods)))
+    sections.append(h('<section id="chain"><h2>Causal chain: where non-finite values were born, in execution order</h2>{}</section>', _births_html(diag)))
+    sections.append(h('<section id="samples"><h2>Samples</h2>{}{}</section>', _svg(samples_svg(diag)), _samples_html(diag)))
     opt = diag.get("optimizer")
     if opt:
-        sections.append('<section id="optimizer"><h2>Optimizer update</h2>' + _kv([
+        sections.append(h('<section id="optimizer"><h2>Optimizer update</h2>{}</section>', _kv([
             ("class", opt.get("class")), ("non-finite", opt.get("nonfinite")), ("parameter", opt.get("param")), ("state key", opt.get("state_key")),
             ("detail", opt.get("detail")), ("hyperparameters", json.dumps(opt.get("hyperparameters"), default=str)),
-        ]) + "</section>")
+        ])))
     if diag.get("warnings"):
-        sections.append('<section id="warnings"><h2>Warnings</h2><ul>' + "".join(f"<li>{_e(w)}</li>" for w in diag["warnings"]) + "</ul></section>")
+        sections.append(h('<section id="warnings"><h2>Warnings</h2><ul>{}</ul></section>', join(h("<li>{}</li>", w) for w in diag["warnings"])))
     sections.append(
-        '<footer>Written by <code>nanreplay report</code>. The diagnosis is embedded below as JSON (fields in nanreplay\'s docs/report.md); '
-        "this page loads nothing from the network.</footer>" + _json_script(diag, "nanreplay-diagnosis")
+        h("<footer>Written by <code>nanreplay report</code>. The diagnosis is embedded below as JSON (fields in nanreplay's docs/report.md); "
+          "this page loads nothing from the network.</footer>{}", _json_script(diag, "nanreplay-diagnosis"))
     )
-    return _page(f"nanreplay: step {diag.get('step')}: {diag.get('summary', '')[:80]}", "\n".join(sections))
+    return _page(f"nanreplay: step {diag.get('step')}: {str(diag.get('summary', ''))[:80]}", join(sections, "\n"))
 
 
 def render_bisect_html(res: dict, *, meta: Optional[dict] = None) -> str:
     """The HTML page of a ``bisect`` result: the answer, the culprits, the replays tried
-    (``trials``) and the search's details (steps timeline, weight movement).
+    (``trials``) and the search's details (steps timeline, weight movement). Every value is
+    escaped (:func:`esc`).
 
     Args:
         res: the dict :func:`nanreplay.bisect` returns (``docs/bisect.md``).
@@ -365,42 +417,43 @@ def render_bisect_html(res: dict, *, meta: Optional[dict] = None) -> str:
     """
     require_matplotlib()
     status = res.get("status", "")
-    badges = [
-        f'<span class="{"ok" if status == "found" else "bad"}">status: {_e(status)}</span>',
-        f'<span>--over {_e(res.get("over"))}</span>', f'<span>step {_e(res.get("step"))}</span>',
-        f'<span>{_e(res.get("replays"))} of at most {_e(res.get("max_replays"))} replays on {_e(res.get("device"))}</span>',
-    ]
-    name = os.path.basename(res.get("bundle") or "bundle")
-    out = [f'<header><div class="tool">nanreplay bisect &middot; {_e(name)}</div><h1 class="sentence" id="summary">{_e(res.get("answer"))}</h1>'
-           f'<div class="badges">{"".join(badges)}</div></header>']
+    badges = join([
+        h('<span class="{}">status: {}</span>', "ok" if status == "found" else "bad", status),
+        h("<span>--over {}</span>", res.get("over")), h("<span>step {}</span>", res.get("step")),
+        h("<span>{} of at most {} replays on {}</span>", res.get("replays"), res.get("max_replays"), res.get("device")),
+    ])
+    name = os.path.basename(str(res.get("bundle") or "bundle"))
+    out = [h('<header><div class="tool">nanreplay bisect &middot; {}</div><h1 class="sentence" id="summary">{}</h1>'
+             '<div class="badges">{}</div></header>', name, res.get("answer"), badges)]
     culprits = res.get("culprits") or []
     if culprits:
         keys = [k for k in culprits[0] if not isinstance(culprits[0][k], (dict, list))]
-        rows = "".join("<tr>" + "".join(f"<td>{_e(_fmt(c.get(k)) if isinstance(c.get(k), float) else c.get(k))}</td>" for k in keys) + "</tr>" for c in culprits)
-        out.append(f'<section id="culprits"><h2>Culprit{"s" if len(culprits) > 1 else ""}</h2><table><tr>{"".join(f"<th>{_e(k)}</th>" for k in keys)}</tr>{rows}</table></section>')
+        rows = join(h("<tr>{}</tr>", join(h("<td>{}</td>", _fmt(c.get(k)) if isinstance(c.get(k), float) else c.get(k)) for k in keys)) for c in culprits)
+        out.append(h('<section id="culprits"><h2>Culprit{}</h2><table><tr>{}</tr>{}</table></section>',
+                     "s" if len(culprits) > 1 else "", join(h("<th>{}</th>", k) for k in keys), rows))
     trials = res.get("trials") or []
     if trials:
-        rows = "".join(
-            f'<tr><td class="num">{_e(t.get("replay"))}</td><td>{_e(t.get("varied"))}</td>'
-            f'<td class="{"kind-NaN" if t.get("nonfinite") else ""}">{"non-finite" if t.get("nonfinite") else "finite"}</td>'
-            f'<td class="num">{_e(_fmt(t.get("loss")))}</td><td class="num">{_e(_fmt(t.get("grad_norm")))}</td></tr>'
+        rows = join(
+            h('<tr><td class="num">{}</td><td>{}</td><td class="{}">{}</td><td class="num">{}</td><td class="num">{}</td></tr>',
+              t.get("replay"), t.get("varied"), "kind-NaN" if t.get("nonfinite") else "", "non-finite" if t.get("nonfinite") else "finite",
+              _fmt(t.get("loss")), _fmt(t.get("grad_norm")))
             for t in trials
         )
-        out.append('<section id="trials"><h2>Replays tried</h2>' + trials_svg(trials)
-                   + f"<table><tr><th>#</th><th>what the replay varied</th><th>result</th><th>loss</th><th>grad norm</th></tr>{rows}</table></section>")
+        out.append(h('<section id="trials"><h2>Replays tried</h2>{}'
+                     "<table><tr><th>#</th><th>what the replay varied</th><th>result</th><th>loss</th><th>grad norm</th></tr>{}</table></section>",
+                     _svg(trials_svg(trials)), rows))
     d = res.get("details") or {}
     if d.get("timeline"):
-        out.append('<section id="steps"><h2>Replayed steps</h2>'
-                   + (f'<p class="muted">{_e(d.get("verification"))}</p>' if d.get("verification") else "")
-                   + bisect_steps_svg(d["timeline"]) + "</section>")
+        out.append(h('<section id="steps"><h2>Replayed steps</h2>{}{}</section>',
+                     h('<p class="muted">{}</p>', d.get("verification")) if d.get("verification") else "", _svg(bisect_steps_svg(d["timeline"]))))
     if d.get("largest_moves"):
-        out.append('<section id="moves"><h2>Weight movement by layer</h2>'
-                   + moves_svg(d["largest_moves"], [c.get("layer") for c in culprits if "layer" in c]) + "</section>")
+        out.append(h('<section id="moves"><h2>Weight movement by layer</h2>{}</section>',
+                     _svg(moves_svg(d["largest_moves"], [c.get("layer") for c in culprits if "layer" in c]))))
     env = environment_rows(meta)
     if env:
-        out.append(f'<section id="environment"><h2>Environment of the recording</h2>{_kv(env)}</section>')
+        out.append(h('<section id="environment"><h2>Environment of the recording</h2>{}</section>', _kv(env)))
     if res.get("warnings"):
-        out.append('<section id="warnings"><h2>Warnings</h2><ul>' + "".join(f"<li>{_e(w)}</li>" for w in res["warnings"]) + "</ul></section>")
-    out.append("<details><summary>details (JSON)</summary><pre>" + _e(json.dumps(d, indent=1, default=str)) + "</pre></details>")
-    out.append('<footer>Written by <code>nanreplay bisect --html</code>; this page loads nothing from the network.</footer>' + _json_script(res, "nanreplay-bisect"))
-    return _page(f"nanreplay bisect: step {res.get('step')}: {status}", "\n".join(out))
+        out.append(h('<section id="warnings"><h2>Warnings</h2><ul>{}</ul></section>', join(h("<li>{}</li>", w) for w in res["warnings"])))
+    out.append(h("<details><summary>details (JSON)</summary><pre>{}</pre></details>", json.dumps(d, indent=1, default=str)))
+    out.append(h("<footer>Written by <code>nanreplay bisect --html</code>; this page loads nothing from the network.</footer>{}", _json_script(res, "nanreplay-bisect")))
+    return _page(f"nanreplay bisect: step {res.get('step')}: {status}", join(out, "\n"))

@@ -11,12 +11,14 @@ Every function takes plain dicts (the diagnosis dict, a bisect result) and retur
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..core.jsonable import unfnum
+from ..core.inert import inert
 from ..errors import MissingExtraError
 
 __all__ = ["require_matplotlib", "timeline_svg", "modules_svg", "samples_svg", "trials_svg", "bisect_steps_svg", "moves_svg", "COLORS"]
@@ -59,6 +61,32 @@ def _num(x: Any) -> Optional[float]:
         return unfnum(x)
     except (TypeError, ValueError):
         return None
+
+
+def _plain_text(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Draw bundle strings as plain text: every string of the arguments (module names, layer
+    names, phases) has its control characters shown as escapes (:func:`~nanreplay.core.inert.inert`)
+    and its ``$`` escaped, so that a module named ``a$x^{$b`` shows as written instead of being
+    parsed as mathtext (which raised ValueError). matplotlib's own labels (``10^{-2}`` ticks of a
+    log scale) keep their mathtext."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*_labels(args), **_labels(kwargs))
+
+    return wrapper
+
+
+def _labels(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, str):
+        return inert(obj).replace("$", "\\$")
+    if depth > 200:
+        return obj
+    if isinstance(obj, dict):
+        return {_labels(k, depth + 1): _labels(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_labels(v, depth + 1) for v in obj]
+        return tuple(items) if type(obj) is tuple else items
+    return obj
 
 
 def _figure(w: float, h: float) -> Any:
@@ -122,6 +150,7 @@ def _series_axis(ax: Any, steps: Sequence[int], vals: Sequence[Any], *, label: s
     _style(ax)
 
 
+@_plain_text
 def timeline_svg(timeline: Sequence[dict], *, history: Optional[dict] = None) -> str:
     """Loss, grad norm and learning rates over the ring buffer's steps (log scales where the values
     allow), the failing step marked by a dashed red line and its non-finite values by red crosses.
@@ -179,6 +208,7 @@ def _fraction(h: Optional[dict], key: str) -> float:
     return h.get(key, 0) / h["numel"]
 
 
+@_plain_text
 def modules_svg(modules: Sequence[dict], *, origin: Optional[dict] = None, phase: str = "", loss: Sequence[Optional[dict]] = (),
                 max_labels: int = 90) -> str:
     """The forward pass, module by module in execution order: a bar per module call with the
@@ -304,6 +334,7 @@ def _short(n: int) -> str:
     return str(n) if n < 1000 else (f"{n / 1000:.0f}k" if n < 10**6 else f"{n / 10**6:.0f}M")
 
 
+@_plain_text
 def samples_svg(diag: dict) -> Optional[str]:
     """Which rows of the batch carry non-finite values: one line per batch leaf (``batch_leaves``),
     per birth whose output has the batch's rows, and for the per-sample replay; one column per
@@ -364,6 +395,7 @@ def samples_svg(diag: dict) -> Optional[str]:
     return _svg(fig, "samples")
 
 
+@_plain_text
 def trials_svg(trials: Sequence[dict]) -> str:
     """The replays a bisect search ran, in order: a red cell for a non-finite replay, green for a
     finite one (from the result's ``trials``)."""
@@ -390,6 +422,7 @@ def trials_svg(trials: Sequence[dict]) -> str:
     return _svg(fig, "trials")
 
 
+@_plain_text
 def bisect_steps_svg(timeline: Sequence[dict]) -> str:
     """``bisect --over steps``: replayed and recorded loss, grad norm and update norm per step."""
     require_matplotlib()
@@ -417,6 +450,7 @@ def bisect_steps_svg(timeline: Sequence[dict]) -> str:
     return _svg(fig, "bisect-steps")
 
 
+@_plain_text
 def moves_svg(moves: Sequence[dict], culprits: Sequence[str]) -> str:
     """``bisect --over layers``: the layers whose weights moved most (relative change, log
     scale), the culprits in red."""

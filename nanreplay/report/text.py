@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..core.inert import inert_tree
+
 __all__ = ["render_report", "fmt_health", "styler"]
 
 #: the colour of each reproduction verdict
@@ -96,7 +98,12 @@ def render_report(diag: dict, *, rows: int = 8, color: bool = False) -> str:
         rows: rows of the health table and of the births list.
         color: add ANSI styles (bold sentence, coloured verdicts, NaN/Inf counts and roles); the
             text without them is exactly the ``color=False`` report.
+
+    Every string of ``diag`` is made inert first (:func:`nanreplay.core.inert.inert`): control
+    characters from a bundle, newlines included, show as escapes (``\\x1b``, ``\\r``, ``\\n``)
+    instead of acting on the terminal or forging a line of the report.
     """
+    diag = inert_tree(diag, one_line=True)
     st = styler(color)
     lines = [st(diag.get("summary", ""), bold=True), ""]
     o = diag.get("origin") or {}

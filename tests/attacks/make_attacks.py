@@ -15,6 +15,10 @@ Expected outcomes (``Attack``):
 * ``replays``: ``(extra CLI arguments, exit code, text the output must contain)`` for
   ``nanreplay replay`` runs (the user's own model factory and loss function are passed unless
   the run is about the recorded ones);
+* ``commands``: ``(command, extra CLI arguments, exit code, text the output must contain)`` for
+  other commands (``inspect``, ``report --no-replay``, ``trust``), run on a pipe with a time limit;
+  their output must hold no raw control character and a page they write no element from the
+  bundle;
 * ``marker``: the hostile payload would create ``<OUTDIR>/PWNED-<name>``; it must never exist.
 """
 
@@ -64,6 +68,7 @@ class Attack:
     inspect: int
     replays: list[tuple[tuple[str, ...], int, str]] = field(default_factory=list)
     marker: bool = False
+    commands: list[tuple[str, tuple[str, ...], int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -154,6 +159,7 @@ def _probe(ctx: Ctx) -> None:
         f"pathlib.Path(os.environ.get('NANREPLAY_ATTACK_MARKER', {str(ctx.out / 'PWNED-probe')!r})).touch()\n"
         "def loss(model, batch):\n    return model(batch['x']).sum()\n"
         "class Opt:\n    pass\n"
+        "class Model:\n    pass\n"
         "import enum\nclass Color(enum.Enum):\n    RED = 1\n"
     )
 
@@ -227,6 +233,56 @@ def enum_key_import(ctx: Ctx) -> Path:
 def optimizer_class_probe(ctx: Ctx) -> Path:
     _probe(ctx)
     return edit_meta(ctx, "h5", lambda meta: meta["optimizer"].update({"class": f"{PROBE}:Opt"}))
+
+
+def model_init_hidden_model_class(ctx: Ctx) -> Path:
+    """model_init naming nanreplay's own model_from_config, whose ``kwargs.model_class`` names the
+    class it imports: the review listed only model_from_config, never the probe."""
+    _probe(ctx)
+
+    def edit(meta: dict) -> None:
+        meta["model_factory"] = None
+        meta["model_init"] = {"class": "nanreplay.integrations.transformers:model_from_config",
+                              "kwargs": {"model_class": f"{PROBE}:Model", "config": {"n_layer": 1}}}
+    return edit_meta(ctx, "h5", edit)
+
+
+def factory_script_assigns_a_call(ctx: Ctx) -> Path:
+    """A trusted model factory in a .py file whose top level is ``_ = call()``: the "runs code at
+    import" check took an assignment for harmless and imported it."""
+    evil = ctx.out / "evil_assign.py"
+    evil.write_text(f"import pathlib\n_ = pathlib.Path({str(ctx.marker)!r}).touch()\ndef make():\n    raise SystemExit(0)\n")
+    return edit_meta(ctx, "safetensors", lambda meta: meta.update(model_factory=f"{evil}:make"))
+
+
+#: a name that, written raw to a terminal, sets the window title, clears the screen and, with the
+#: carriage return, shows ``torch.nn:Linear`` over the real name
+TERMINAL_NAME = "evil:run\x1b]0;owned\x07\x1b[2J\x08\x7f\x9b31m\u202e\rtorch.nn:Linear"
+
+
+def terminal_escapes(ctx: Ctx) -> Path:
+    def edit(meta: dict) -> None:
+        meta["model_factory"] = TERMINAL_NAME
+        meta["model"]["class"] = TERMINAL_NAME
+        meta["diagnosis"] = {"summary": f"NaN in module {TERMINAL_NAME}", "phase": "forward", "origin": {"module": TERMINAL_NAME}}
+    return edit_meta(ctx, "h5", edit)
+
+
+#: stored diagnosis fields the page wrote unescaped: the meta refresh sent Chromium elsewhere
+META_REFRESH = '<meta http-equiv="refresh" content="0; url=https://attacker.example/">'
+
+
+def html_meta_refresh(ctx: Ctx) -> Path:
+    def edit(meta: dict) -> None:
+        meta["diagnosis"] = {
+            "summary": "NaN born in the forward pass" + META_REFRESH, "phase": "forward", "step": 2,
+            "propagated_ops": META_REFRESH, "allowed_births": META_REFRESH + "<script>alert(1)</script>",
+            "allowlist": ['"><img src=x onerror=alert(1)>'],
+            "forward_modules": [{"index": 0, "module": "</script><script>alert(2)</script>", "class": "Linear\" onload=\"alert(3)",
+                                 "role": "producer", "allowed": {META_REFRESH: 1}, "output": {"nan": 1, "numel": 2}}],
+            "reproduction": {"verdict": "not replayed"},
+        }
+    return edit_meta(ctx, "safetensors", edit)
 
 
 def h5_external_link_tensors(ctx: Ctx) -> Path:
@@ -440,6 +496,24 @@ ATTACKS: list[Attack] = [
            enum_key_import, None, 0, [(USER_CODE, 0, "reproduced exactly")], marker=True),
     Attack("optimizer_class_probe", "h5", "an optimizer class naming a module outside torch.optim",
            optimizer_class_probe, None, 0, [(USER_CODE, 0, "reproduced exactly")], marker=True),
+    Attack("model_init_hidden_model_class", "h5", "model_init naming model_from_config, whose kwargs.model_class (never reviewed) names a module",
+           model_init_hidden_model_class, None, 0,
+           [(("--loss-fn", LOSS), 7, f"imported by the model class (model_init.kwargs.model_class) '{PROBE}:Model'")], marker=True,
+           commands=[("inspect", (), 0, f"imported by the model class (model_init.kwargs.model_class) {PROBE}:Model"),
+                     ("trust", (), 0, f"imported by the model class (model_init.kwargs.model_class) {PROBE}:Model")]),
+    Attack("factory_script_assigns_a_call", "safetensors", "a trusted factory in a .py file whose top level is `_ = call()`",
+           factory_script_assigns_a_call, None, 0,
+           [(("--loss-fn", LOSS), 7, "model factory '"), (("--loss-fn", LOSS, "--trust"), 5, "importing it runs its code (line 2: _ = pathlib.Path(")],
+           marker=True),
+    # --- every string from a bundle is inert: on the terminal and in the HTML page ---
+    Attack("terminal_escapes", "h5", "ESC/OSC/CR/BS/DEL/C1 in the factory name, model class and stored diagnosis (a \\r hid the real name)",
+           terminal_escapes, None, 0, [(("--loss-fn", LOSS), 7, "model factory 'evil:run\\x1b]0;owned\\x07")],
+           commands=[("inspect", (), 0, "code it names: model factory evil:run\\x1b]0;owned\\x07\\x1b[2J\\b\\x7f\\x9b31m\\u202e\\rtorch.nn:Linear"),
+                     ("trust", (), 0, "model factory evil:run\\x1b]0;owned"),
+                     ("report", ("--no-replay",), 0, "NaN in module evil:run\\x1b]0;owned\\x07")]),
+    Attack("html_meta_refresh", "safetensors", "<meta http-equiv=refresh>, <script> and attributes in the stored diagnosis (report --no-replay)",
+           html_meta_refresh, None, 0, [(USER_CODE, 0, "reproduced exactly")],
+           commands=[("report", ("--no-replay",), 0, "report written to")]),
     # --- hostile or damaged containers: BundleFormatError, exit 4, bounded memory ---
     Attack("h5_external_link_tensors", "h5", "/tensors is an external link to another file's data",
            h5_external_link_tensors, _LINK + ", found an external link at /tensors", 4, [(USER_CODE, 4, "external link")]),
@@ -502,7 +576,9 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     files = build_all(out)
     index = {a.name: {"file": files[a.name].name, "what": a.what, "read": a.read, "inspect_exit": a.inspect,
-                      "replays": [{"args": list(r[0]), "exit": r[1], "says": r[2]} for r in a.replays], "marker": f"PWNED-{a.name}" if a.marker else None}
+                      "replays": [{"args": list(r[0]), "exit": r[1], "says": r[2]} for r in a.replays],
+                      "commands": [{"command": c[0], "args": list(c[1]), "exit": c[2], "says": c[3]} for c in a.commands],
+                      "marker": f"PWNED-{a.name}" if a.marker else None}
              for a in ATTACKS}
     (out / "index.json").write_text(json.dumps(index, indent=1))
     print(f"wrote {len(files)} attack files and index.json to {out}")
