@@ -5,6 +5,7 @@ for weights already non-finite at step start."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -64,6 +65,15 @@ def test_the_in_process_diagnosis_says_when_it_starts_how_to_skip_it_and_its_ans
     assert wrote < start  # the bundle is on disk before the diagnosis begins
     done = next(m for m in messages[start:] if m.startswith("nanreplay: diagnosis of step 0 ("))
     assert err.diagnosis is not None and err.diagnosis["summary"] in done
+
+
+def test_the_program_export_at_dump_says_what_it_does_and_how_long_it_took(out_dir, caplog):
+    caplog.set_level(logging.WARNING, logger="nanreplay")
+    _fail(out_dir, diagnose=False)
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("nanreplay")]
+    start = next(i for i, m in enumerate(messages) if "embedding step 0's program" in m)
+    assert "embed_program=False" in messages[start]
+    assert any(re.match(r"nanreplay: embedded step 0's (loss|forward) program in \d+\.\d s", m) for m in messages[start + 1:]), messages
 
 
 def test_a_diagnosis_past_its_timeout_stops_keeps_the_bundle_and_leaves_the_model_as_found(out_dir, caplog):

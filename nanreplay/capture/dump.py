@@ -157,6 +157,9 @@ class Dump:
         from ..engine.verify import verify_program
 
         t0 = time.perf_counter()
+        logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
+                       "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
+                       rec.step)
         self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
         try:
             with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
@@ -171,7 +174,7 @@ class Dump:
         content.extra_meta[PROGRAM_META_KEY] = meta
         content.extra_tensors.update(tensors)
         if meta and meta.get("kind"):
-            logger.info("nanreplay: exported step %d's %s program in %.2f s", rec.step, meta["kind"], time.perf_counter() - t0)
+            logger.warning("nanreplay: embedded step %d's %s program in %.1f s", rec.step, meta["kind"], time.perf_counter() - t0)
         else:
             logger.warning("nanreplay: could not embed step %d's program (%s); replay will need the model factory",
                            rec.step, (meta or {}).get("error"))
