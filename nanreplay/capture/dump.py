@@ -131,8 +131,11 @@ class Dump:
             logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
             return None
         path: Any = self.config.out_dir
+        sharded = self.dist is not None and self.dist.sharded
         try:
             path = self._path(rec.step)
+            if sharded:
+                content.extra_meta.setdefault("distributed", {}).update(self.dist.sharded_meta(self.model, path))
             written = write_bundle(path, content)
         except Exception:
             logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
@@ -140,6 +143,12 @@ class Dump:
             return None
         self.bundles.append(written)
         logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        if sharded:
+            # the live model is sharded: an export or a replay on it would run collectives on this
+            # rank alone and hang the others; the run's bundles replay together, offline
+            logger.warning("nanreplay: sharded model: no in-process diagnosis; when every rank has written, run `nanreplay replay %s`",
+                           shell_path(written.parent))
+            return written
         amended = self.config.embed_program and self._embed_program(content, rec)
         if self.config.diagnose:
             amended = self._diagnose_into(content, written) or amended
