@@ -184,11 +184,23 @@ def _pick_one_error(command: str, head: str, paths: list[Path], more: bool = Fal
                               + [f"Pick one, e.g. the newest: nanreplay {command} {newest}"]), EXIT_USAGE)
 
 
+def _sharded_run(value: tuple[Path, ...]) -> Optional[Path]:
+    """The bundles of a sharded run (FSDP2, tensor parallel): a directory, one rank's bundle or
+    every rank's, merged into one bundle of full tensors (:mod:`nanreplay.engine.shards`); else
+    ``None``. A missing or inconsistent sibling is exit 4, naming it."""
+    from .engine.shards import merged_bundle
+
+    return _guard(lambda: merged_bundle(value))
+
+
 def _one_bundle(ctx: click.Context, param: click.Parameter, value: tuple[Path, ...]) -> Path:
     """The BUNDLE argument of replay, report and bisect: exactly one bundle file. A directory, or
     several files (a shell glob that matched more than one), is a usage error (exit 2) that lists
     the bundles, newest first with their failing step."""
     command = ctx.info_name or "replay"
+    merged = _sharded_run(value)
+    if merged is not None:
+        return merged
     if len(value) == 1 and not value[0].is_dir():
         return value[0]
     if len(value) == 1:
