@@ -465,6 +465,13 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     if "rank" in info:
         d = info.get("distributed") or {}
         echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
+        if d.get("run_id"):  # a sharded run (FSDP2, tensor parallel): this rank holds shards
+            mesh = d.get("mesh") or {}
+            echo(f"  sharded run {d['run_id']}   mesh {mesh.get('shape')} {mesh.get('dim_names') or ''}  this rank at {d.get('coordinate')}"
+                 f"   origin coordinates: {d.get('origin_coordinates')}")
+            echo(f"  siblings: {', '.join(d.get('siblings') or [])}")
+            for n, lay in list(((d.get("sharding") or {}).get("params") or {}).items())[:_LISTED]:
+                echo(f"    {n}: {'/'.join(lay['placements'])}  global {lay['global_shape']}  shard {lay['local_shape']} at {lay['offsets']}")
     echo(f"  failing step: {st(str(info['failing_step']), fg='red', bold=True)}   reason: {info['reason']}")
     echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
     echo("  steps held (ring buffer):")

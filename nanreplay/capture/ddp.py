@@ -373,8 +373,9 @@ def rank_summary(metas: Iterable[dict]) -> dict:
     first = min(r["step"] for r in with_rank)
     origins = sorted({o for r in with_rank if r["step"] == first for o in r["origin_ranks"]})
     ws = {m.get("world_size") for m in metas} - {None}
+    sharded = any((m.get("distributed") or {}).get("run_id") for m in metas)
     if origins:
-        msg = f"first non-finite step {first}: born on rank(s) {origins} before the gradient all-reduce"
+        msg = f"first non-finite step {first}: born on rank(s) {origins} before the gradient {'reduce-scatter' if sharded else 'all-reduce'}"
     else:
         msg = f"first non-finite step {first}: the origin rank was not recorded (no origin comm hook)"
     return {

@@ -135,7 +135,8 @@ class Dump:
         try:
             path = self._path(rec.step)
             if sharded:
-                content.extra_meta.setdefault("distributed", {}).update(self.dist.sharded_meta(self.model, path))
+                # a new dict: the entry without the layouts is shared with reason["distributed"]
+                content.extra_meta["distributed"] = {**(content.extra_meta.get("distributed") or {}), **self.dist.sharded_meta(self.model, path)}
             written = write_bundle(path, content)
         except Exception:
             logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "

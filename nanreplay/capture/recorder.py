@@ -44,7 +44,7 @@ from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
-from .sharded import is_sharded, local
+from .sharded import check_sharded_options, is_sharded, local
 from .snapshots import StepStartBuffers, live_state, restore_into
 from .update import UpdateCheck
 
@@ -155,6 +155,8 @@ class Recorder:
         from .ddp import RankContext, unwrap_ddp_only
 
         sharded = is_sharded(self.model)
+        if sharded:
+            check_sharded_options(self.config)
         self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
                                        optimizer=optimizer, step=lambda: self.step, sharded=sharded,
                                        cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])

@@ -25,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["local", "is_sharded", "layout", "sharding_meta", "mesh_ranks", "attach_reduce_scatter_hooks"]
+__all__ = ["local", "is_sharded", "layout", "sharding_meta", "mesh_ranks", "attach_reduce_scatter_hooks", "check_sharded_options"]
 
 
 def _dtensor_type() -> Optional[type]:
@@ -103,6 +103,18 @@ def mesh_ranks(model: torch.nn.Module) -> Optional[list]:
         if dt is not None and isinstance(p, dt):
             return p.device_mesh.mesh.tolist()
     return None
+
+
+def check_sharded_options(config: Any) -> None:
+    """Refuse the modes that would let the ranks of a sharded model decide apart.
+
+    Raises:
+        ValueError: ``check_update=True`` (its check of the updated shards is rank-local, with no
+            agreement: one rank would restore and stop while the others wait in a collective).
+    """
+    if config.check_update:
+        raise ValueError("check_update=True is not supported on a sharded (FSDP2 / DTensor) model: each rank would check its own "
+                         "updated shards with no agreement, and the ranks could stop in different steps; pass check_update=False")
 
 
 def _reduce_scatter_base() -> Optional[type]:

@@ -133,6 +133,25 @@ def _assemble(name: str, shards: list[tuple[torch.Tensor, dict]], where: str) ->
     return full
 
 
+def _assemble_snapshot(snaps: list, layouts: list[dict], opt_map: dict, main: int, where: str) -> Any:
+    """One snapshot of full tensors from the ranks' snapshots (the ``main`` rank's for the rest)."""
+    base = snaps[main]
+    params = dict(base.params)
+    for name in layouts[main]:
+        params[name] = _assemble(name, [(s.params[name], lay[name]) for s, lay in zip(snaps, layouts)], where)
+    opt = base.optimizer
+    if opt is not None:
+        state = {k: dict(v) for k, v in opt["state"].items()}
+        for key, fqn in opt_map.items():
+            idx, _, sk = key.partition("/")
+            i = int(idx) if idx.isdigit() and int(idx) in state else idx
+            if i not in state or sk not in state[i]:
+                continue
+            state[i][sk] = _assemble(f"optimizer state {key}", [(s.optimizer["state"][i][sk], lay[fqn]) for s, lay in zip(snaps, layouts)], where)
+        opt = {**opt, "state": state}
+    return replace(base, params=params, optimizer=opt)
+
+
 def merge_run(run: RunFiles) -> BundleContent:
     """One single-process bundle's content from the run's bundles: full weights and optimizer
     state, the origin rank's (else rank 0's) steps, the gradients put together, and
@@ -149,27 +168,18 @@ def merge_run(run: RunFiles) -> BundleContent:
             rows.append((b.content(), (b.meta.get("distributed") or {}).get("sharding") or {}))
             trusted = trusted and b.trusted
     content, _ = rows[main]
-    for r in content.steps:
-        r.snapshot = None  # weight snapshots of earlier steps hold this rank's shards only
     layouts = [sh.get("params") or {} for _, sh in rows]
+    opt_map = rows[main][1].get("optimizer") or {}
     where = f"run {run.run_id}"
-    params = dict(content.state.params)
-    for name in layouts[main]:
-        params[name] = _assemble(name, [(c.state.params[name], lay[name]) for (c, _), lay in zip(rows, layouts)], where)
+    state = _assemble_snapshot([c.state for c, _ in rows], layouts, opt_map, main, where)
     grads = dict(content.grads)
     for name in grads:
         if name in layouts[main]:
             grads[name] = _assemble(name, [(c.grads[name], lay[name]) for (c, _), lay in zip(rows, layouts)], where)
-    opt = content.state.optimizer
-    if opt is not None:
-        state = {k: dict(v) for k, v in opt["state"].items()}
-        for key, fqn in (rows[main][1].get("optimizer") or {}).items():
-            idx, _, sk = key.partition("/")
-            i = int(idx) if idx.isdigit() and int(idx) in state else idx
-            if i not in state or sk not in state[i]:
-                continue
-            state[i][sk] = _assemble(f"optimizer state {key}", [(c.state.optimizer["state"][i][sk], lay[fqn]) for (c, _), lay in zip(rows, layouts)], where)
-        opt = {**opt, "state": state}
+    steps = [{r.step: r for r in c.steps} for c, _ in rows]
+    for r in content.steps:  # weight snapshots (bisect --over layers/steps): put together when every rank kept that step's
+        snaps = [by_step.get(r.step).snapshot if by_step.get(r.step) is not None else None for by_step in steps]
+        r.snapshot = _assemble_snapshot(snaps, layouts, opt_map, main, f"{where}, snapshot of step {r.step}") if all(snaps) else None
     dist_meta = dict(content.extra_meta.get("distributed") or {})
     dist_meta.pop("sharding", None)
     dist_meta.pop("siblings", None)
@@ -180,7 +190,7 @@ def merge_run(run: RunFiles) -> BundleContent:
     model_info = dict(content.model_info)
     extra_meta = {**content.extra_meta, "distributed": dist_meta}
     extra_meta["rank"] = main
-    return replace(content, state=replace(content.state, params=params, optimizer=opt), grads=grads, model_info=model_info, reason=reason,
+    return replace(content, state=state, grads=grads, model_info=model_info, reason=reason,
                    extra_meta=extra_meta, trusted=trusted)
 
 
