@@ -119,6 +119,19 @@ class RankContext:
         if not self.hooked:
             logger.info("nanreplay: no FSDP2 reduce-scatter to wrap; the origin rank is known from the local loss and cotangents")
 
+    def wait_for_ranks(self, timeout_s: float) -> None:
+        """Wait until every rank reaches this point (each has written its bundle), at most
+        ``timeout_s`` seconds; log, never raise, when some did not (gloo names them)."""
+        import datetime
+
+        try:
+            if "gloo" in str(dist.get_backend(self.group)).lower():
+                dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+            else:
+                dist.barrier(group=self.group)  # the process group's own timeout applies
+        except Exception as e:  # the recorder never makes training worse
+            logger.error("nanreplay: not every rank wrote its bundle within dump_barrier_timeout=%gs (%s); going on", timeout_s, e)
+
     def note_flat(self, buf: torch.Tensor) -> None:
         """Called with this rank's flat unsharded gradients before a reduce-scatter: fold their
         non-finite flag into the step's local flag (device-side, no sync)."""

@@ -111,6 +111,16 @@ class Dump:
 
     def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
                  update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
+        """:meth:`write`; for a sharded model, then wait (``dump_barrier_timeout``) until every rank
+        has written its bundle, so that no rank's action ends the job while a sibling is written."""
+        try:
+            return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause)
+        finally:
+            if self.dist is not None and self.dist.sharded:
+                self.dist.wait_for_ranks(self.config.dump_barrier_timeout)
+
+    def write(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
+              update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
         """Write the bundle of step ``rec`` (pre-step ``state``, gradients ``grads``), then export
         its program and diagnose it in process, and write it again with both. Never raises: a
         failure is logged and ``None`` returned."""
