@@ -97,6 +97,9 @@ def _scenario(rank: int, world: int, out: str, name: str) -> None:
             result.update(origin_ranks=rec.dist.origin_ranks, nonfinite_steps=rec.nonfinite_steps, hooked=rec.dist.hooked,
                           bundles=[str(p) for p in rec.bundles])
         result["final"] = _local_state(model)
+        # the full tensors, gathered here (a collective on every rank) to check the offline put-together
+        result["full"] = {n: p.full_tensor().flatten().tolist() for n, p in model.named_parameters()}
+        result["full_exp_avg"] = {n: opt.state[p]["exp_avg"].full_tensor().flatten().tolist() for n, p in model.named_parameters()}
         dist.barrier()  # every rank reaches here: nobody was left waiting in a collective
     finally:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -199,3 +202,71 @@ def test_skip_keeps_every_rank_shards_as_before_the_step(runs):
     assert [r["steps_done"] for r in res] == [4, 4]
     assert all(r["unchanged_at_bad_step"] for r in res)
     assert all(all(v == v for vals in r["final"].values() for v in vals) for r in res)  # no NaN in any shard afterwards
+
+
+@pytest.mark.parametrize("name", ["forward", "tp"])
+def test_merged_weights_and_optimizer_state_equal_the_gathered_full_tensors(runs, name):
+    from nanreplay.engine.shards import find_run, merge_run
+
+    res, out = runs[name]
+    content = merge_run(find_run([out]))
+    for n, full in res[0]["full"].items():
+        assert content.state.params[n].flatten().tolist() == full, n
+    fqn_index = {f: i for i, f in enumerate(content.optimizer_info["param_groups_fqns"][0])}
+    for n, full in res[0]["full_exp_avg"].items():
+        assert content.state.optimizer["state"][fqn_index[n]]["exp_avg"].flatten().tolist() == full, n
+
+
+def _worker_2d(rank: int, world: int, store: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict = {"rank": rank}
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = models.make_ratio()
+        parallelize_module(model, mesh["tp"], {"proj": ColwiseParallel(), "head": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        dp = mesh["dp"].get_local_rank()
+        g = torch.Generator().manual_seed(100 + dp)  # one batch per data-parallel replica, shared by its TP ranks
+        with Recorder(model, opt, loss_fn=models.mean_loss, model_factory=models.make_ratio, out_dir=out) as rec:
+            try:
+                for step in range(4):
+                    x = torch.randn(6, 8, generator=g)
+                    if dp == 1 and step == BAD_STEP:
+                        x[3] = 0.0
+                    batch = {"x": x}
+                    rec.record(batch)
+                    loss = models.mean_loss(model, batch)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+            except NonFiniteGradientError as e:
+                result.update(error_step=e.step, origin_ranks=rec.dist.origin_ranks)
+        dist.barrier()
+    finally:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"result{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def test_2x2_mesh_fsdp_over_tensor_parallel(tmp_path):
+    out = tmp_path / "bundles"
+    run_ranks(_worker_2d, (4, str(tmp_path / "store"), str(out)), 4, JOIN_TIMEOUT_S, ": a rank hangs in a collective")
+    res = [json.loads((out / f"result{r}.json").read_text()) for r in range(4)]
+    assert [r.get("error_step") for r in res] == [BAD_STEP] * 4
+    assert [r["origin_ranks"] for r in res] == [[2, 3]] * 4  # data-parallel replica 1: mesh rows [1, 0] and [1, 1]
+    with open_bundle(out / f"nanreplay-step{BAD_STEP}-rank3of4.h5") as b:
+        d = b.meta["distributed"]
+    assert d["mesh"] == {"shape": [2, 2], "ranks": [[0, 1], [2, 3]], "dim_names": ["dp", "tp"]}
+    assert d["coordinate"] == [1, 1] and d["origin_coordinates"] == {"2": [1, 0], "3": [1, 1]}
+    assert d["sharding"]["params"]["head.weight"]["placements"] == ["S(0)", "S(1)"]
+    res = CliRunner().invoke(main, ["replay", "--json", "--no-samples", str(out)])
+    assert res.exit_code == 0, res.output
+    diag = json.loads(res.output)
+    assert (diag["phase"], diag["origin"]["module"], diag["distributed"]["rank"]) == ("forward", "norm", 2)
+    assert "born on rank 2 of 4 (mesh coordinate [1, 0])" in diag["summary"]

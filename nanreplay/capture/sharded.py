@@ -49,10 +49,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def _placement(p: Any) -> str:
-    """``"S(d)"`` (sharded on dim d), ``"R"`` (replicated), ``"P"`` (partial: a pending sum)."""
-    if p.is_shard():
-        return f"S({p.dim})"
-    return "R" if p.is_replicate() else "P"
+    """``"S(d)"`` (sharded on dim d; FSDP over tensor parallel shards the same dim "strided",
+    which the offsets already account for), ``"R"`` (replicated), ``"P"`` (partial: a pending
+    sum)."""
+    if p.is_replicate():
+        return "R"
+    if p.is_partial():
+        return "P"
+    return f"S({p.dim})"
 
 
 def layout(t: Any) -> Optional[dict]:
