@@ -18,6 +18,7 @@ device, no sync).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -28,7 +29,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["local", "is_sharded", "layout", "sharding_meta", "mesh_ranks", "attach_reduce_scatter_hooks", "check_sharded_options"]
 
 
+@functools.lru_cache(maxsize=None)
 def _dtensor_type() -> Optional[type]:
+    """``DTensor``, looked up once (it is called per parameter per step)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
