@@ -60,7 +60,10 @@ class Recorder:
         model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls),
             its ``DistributedDataParallel`` wrapper (the Recorder then takes its decisions together
             with every rank, see :mod:`nanreplay.capture.ddp`, and finds the rank where the
-            non-finite value was born), or a compiled model (``torch.compile(model)`` or after
+            non-finite value was born), an FSDP2 (``fully_shard``) or tensor-parallel model with
+            ``DTensor`` parameters (the Recorder reads only local shards; each rank writes its
+            shards; see :mod:`nanreplay.capture.sharded` and ``docs/distributed.md``; every rank
+            must build its Recorder), or a compiled model (``torch.compile(model)`` or after
             ``model.compile()``: the capture runs outside the compiled region, adding no graph
             break). Names are always the unwrapped module's (no ``module.`` / ``_orig_mod.``
             prefix), so the bundle replays on a plain model. Under ``torch.distributed`` without
