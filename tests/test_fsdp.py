@@ -270,3 +270,28 @@ def test_2x2_mesh_fsdp_over_tensor_parallel(tmp_path):
     diag = json.loads(res.output)
     assert (diag["phase"], diag["origin"]["module"], diag["distributed"]["rank"]) == ("forward", "norm", 2)
     assert "born on rank 2 of 4 (mesh coordinate [1, 0])" in diag["summary"]
+
+
+def test_a_sibling_from_another_run_is_exit_4_naming_it(runs, tmp_path):
+    import shutil
+
+    fwd, _ = runs["forward"]
+    back, _ = runs["backward"]
+    shutil.copy(fwd[1]["bundle"], tmp_path)
+    shutil.copy(back[0]["bundle"], tmp_path)  # same step and file name, another run
+    out = CliRunner().invoke(main, ["replay", str(tmp_path / Path(fwd[1]["bundle"]).name)])
+    assert out.exit_code == 4, out.output
+    assert f"nanreplay-step{BAD_STEP}-rank0of{WORLD}.h5: inconsistent sibling: expected run" in out.output
+
+
+def test_a_sibling_name_with_a_path_is_refused_when_read(runs, tmp_path):
+    from nanreplay.errors import BundleFormatError
+    from nanreplay.format.bundle import write_bundle
+
+    res, _ = runs["forward"]
+    with open_bundle(res[1]["bundle"]) as b:
+        content = b.content()
+    content.extra_meta["distributed"]["siblings"] = ["../../elsewhere/rank0.h5", "rank1.h5"]
+    path = write_bundle(tmp_path / "hostile.h5", content, trusted=False)
+    with pytest.raises(BundleFormatError, match=r"siblings\[0\]"):
+        open_bundle(path)
