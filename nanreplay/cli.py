@@ -188,9 +188,27 @@ def _sharded_run(value: tuple[Path, ...]) -> Optional[Path]:
     """The bundles of a sharded run (FSDP2, tensor parallel): a directory, one rank's bundle or
     every rank's, merged into one bundle of full tensors (:mod:`nanreplay.engine.shards`); else
     ``None``. A missing or inconsistent sibling is exit 4, naming it."""
+    import atexit
+
     from .engine.shards import merged_bundle
 
-    return _guard(lambda: merged_bundle(value))
+    path = _guard(lambda: merged_bundle(value))
+    if path is not None:
+        atexit.register(_drop_merged, path)  # a temporary file: gone, with its trust entry, when the command ends
+    return path
+
+
+def _drop_merged(path: Path) -> None:
+    import shutil
+
+    from .errors import NanReplayError
+    from .format.bundle import untrust_bundle
+
+    try:
+        untrust_bundle(path)
+    except (OSError, NanReplayError) as e:
+        logger.debug("could not drop the trust entry of %s: %s", path, e)
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def _one_bundle(ctx: click.Context, param: click.Parameter, value: tuple[Path, ...]) -> Path:
