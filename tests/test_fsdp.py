@@ -97,6 +97,9 @@ def _scenario(rank: int, world: int, out: str, name: str) -> None:
             result.update(origin_ranks=rec.dist.origin_ranks, nonfinite_steps=rec.nonfinite_steps, hooked=rec.dist.hooked,
                           bundles=[str(p) for p in rec.bundles])
         result["final"] = _local_state(model)
+        if how != "tp":  # close() put FSDP2's own reduce-scatter back on every module
+            result["comm_after_close"] = sorted({type(grp._reduce_scatter_comm).__name__ for m in model.modules()
+                                                  if hasattr(m, "_get_fsdp_state") for grp in m._get_fsdp_state()._fsdp_param_groups})
         # the full tensors, gathered here (a collective on every rank) to check the offline put-together
         result["full"] = {n: p.full_tensor().flatten().tolist() for n, p in model.named_parameters()}
         result["full_exp_avg"] = {n: opt.state[p]["exp_avg"].full_tensor().flatten().tolist() for n, p in model.named_parameters()}
@@ -139,6 +142,18 @@ def test_fsdp_origin_is_the_rank_whose_batch_made_the_nan(runs):
     # the loss is finite on every rank: only the reduce-scatter hook sees rank 0's own gradients
     assert all(r["hooked"] for r in back)
     assert [r["origin_ranks"] for r in back] == [[0], [0]]
+
+
+def test_close_puts_back_fsdp_own_reduce_scatter(runs):
+    for name in ("forward", "backward", "skip"):
+        assert [r["comm_after_close"] for r in runs[name][0]] == [["DefaultReduceScatter"]] * WORLD
+
+
+def test_tensor_parallel_origin_comes_from_the_local_check(runs):
+    res, _ = runs["tp"]
+    assert [r["origin_ranks"] for r in res] == [[0, 1], [0, 1]]  # the same batch on both ranks: both are origins
+    with open_bundle(res[0]["bundle"]) as b:
+        assert b.meta["distributed"]["origin_method"].startswith("local check (tensor parallel")
 
 
 def test_bundles_hold_the_local_shards_and_their_layout(runs):

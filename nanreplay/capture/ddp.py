@@ -80,6 +80,7 @@ class RankContext:
                  group: Any = None, sharded: bool = False, cotangents: Optional[Callable[[], list]] = None) -> None:
         self.is_ddp = is_ddp
         self.sharded = sharded
+        self.fsdp = False  # gradients reduce-scattered across ranks (FSDP2): set by attach_sharded_hooks
         self.cotangents = cotangents
         self.run_id: Optional[str] = None
         self.param_fqn = param_fqn
@@ -97,6 +98,7 @@ class RankContext:
         self._local: dict[int, torch.Tensor] = {}     # id(param) -> rank-local gradient copy
         self._buckets: list[tuple[int, torch.Tensor]] = []
         self._handles: list[Any] = []
+        self._unhooked_why = "origin_hook=False"
         if sharded:
             self.run_id = self._agree_run_id()
 
@@ -109,15 +111,21 @@ class RankContext:
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
         return f"{int(t.item()):014x}"
 
-    def attach_sharded_hooks(self, model: torch.nn.Module) -> None:
-        """The FSDP2 origin hook on every ``FSDPModule`` of ``model`` (see
+    def attach_sharded_hooks(self, model: torch.nn.Module, *, hook: bool = True) -> None:
+        """Note whether ``model`` reduce-scatters its gradients (FSDP2), and with ``hook`` put the
+        FSDP2 origin hook on every ``FSDPModule`` (see
         :func:`nanreplay.capture.sharded.attach_reduce_scatter_hooks`)."""
-        from .sharded import attach_reduce_scatter_hooks
+        from .sharded import attach_reduce_scatter_hooks, has_fsdp, reduce_scatter_base
 
+        self.fsdp = has_fsdp(model)
+        if not hook or not self.fsdp:
+            return
         self._handles = attach_reduce_scatter_hooks(model, self.note_flat, lambda: not self.closed)
         self.hooked = bool(self._handles)
         if not self.hooked:
-            logger.info("nanreplay: no FSDP2 reduce-scatter to wrap; the origin rank is known from the local loss and cotangents")
+            self._unhooked_why = "this torch's FSDP2 has no set_custom_reduce_scatter" if reduce_scatter_base() is None else "no module accepted it"
+            logger.info("nanreplay: no FSDP2 reduce-scatter could be wrapped (%s); the origin rank is known from the local loss and "
+                        "cotangents", self._unhooked_why)
 
     def wait_for_ranks(self, timeout_s: float) -> None:
         """Wait until every rank reaches this point (each has written its bundle), at most
@@ -221,10 +229,10 @@ class RankContext:
             local = self._local_bad.float().to(dev) if self._local_bad is not None else torch.zeros((), device=dev)
             if loss_bad is not None:
                 local = torch.maximum(local, (~torch.isfinite(loss_bad)).float().reshape(()))
-        elif self.is_ddp or self.sharded:
+        elif self.is_ddp or self.fsdp:
             # reduced gradients are the same on every rank: only the loss is rank-local
             local = (~torch.isfinite(loss_bad)).float().reshape(()) if loss_bad is not None else torch.zeros((), device=dev)
-        else:  # no gradient all-reduce we know of: the gradients checked are this rank's own
+        else:  # no gradient all-reduce we know of (tensor parallel alone): the gradients checked are this rank's own
             local = bad_here
         if self.sharded and self.cotangents is not None:
             cots = [c for c in self.cotangents() if isinstance(c, torch.Tensor) and c.numel()]
@@ -282,8 +290,10 @@ class RankContext:
 
     def _origin_method(self) -> str:
         if self.sharded:
+            if not self.fsdp:
+                return "local check (tensor parallel: no gradient reduce-scatter), local loss and cotangents"
             return ("reduce-scatter hook, local loss and cotangents" if self.hooked else
-                    "local loss and cotangents (this torch's FSDP2 has no set_custom_reduce_scatter: a NaN born in the backward "
+                    f"local loss and cotangents ({self._unhooked_why}: a NaN born in the backward "
                     "of a rank whose loss is finite is not told apart)")
         return "comm hook" if self.hooked else "local loss" if self.is_ddp else "local check"
 

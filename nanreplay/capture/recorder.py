@@ -183,8 +183,8 @@ class Recorder:
         ddp = unwrap_ddp_only(model)
         if self.dist is not None and self.config.origin_hook and ddp is not None:
             self.dist.attach_origin_hook(ddp)
-        elif self.dist is not None and self.config.origin_hook and sharded:
-            self.dist.attach_sharded_hooks(self.model)
+        elif self.dist is not None and sharded:
+            self.dist.attach_sharded_hooks(self.model, hook=self.config.origin_hook)
 
     @property
     def _current(self) -> Optional[StepRecord]:

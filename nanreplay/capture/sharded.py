@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["local", "is_sharded", "layout", "sharding_meta", "mesh_ranks", "attach_reduce_scatter_hooks", "check_sharded_options"]
+__all__ = ["local", "is_sharded", "layout", "sharding_meta", "mesh_ranks", "attach_reduce_scatter_hooks", "check_sharded_options", "reduce_scatter_base", "has_fsdp"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +124,18 @@ def check_sharded_options(config: Any) -> None:
                          "updated shards with no agreement, and the ranks could stop in different steps; pass check_update=False")
 
 
-def _reduce_scatter_base() -> Optional[type]:
+def has_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds an FSDP2 ``FSDPModule`` (its gradients are reduce-scattered)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def reduce_scatter_base() -> Optional[type]:
+    """FSDP2's ``ReduceScatter`` base class when ``FSDPModule.set_custom_reduce_scatter`` exists
+    in this torch, else ``None`` (the feature detection of the origin hook)."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import ReduceScatter
@@ -139,7 +150,7 @@ def attach_reduce_scatter_hooks(model: torch.nn.Module, note: Callable[[torch.Te
     handle per wrapped module (``.remove()`` puts the previous collective back); an empty list
     when this torch's FSDP2 has no ``set_custom_reduce_scatter`` or no module accepted it (then
     the origin is known from the local loss and cotangent only)."""
-    base = _reduce_scatter_base()
+    base = reduce_scatter_base()
     if base is None:
         return []
     from torch.distributed.fsdp import FSDPModule
