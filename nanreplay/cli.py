@@ -215,11 +215,41 @@ def _pick_one_error(command: str, head: str, paths: list[Path], more: bool = Fal
                               + [f"Pick one, e.g. the newest: nanreplay {command} {newest}"]), EXIT_USAGE)
 
 
+def _sharded_run(value: tuple[Path, ...]) -> Optional[Path]:
+    """The bundles of a sharded run (FSDP2, tensor parallel): a directory, one rank's bundle or
+    every rank's, merged into one bundle of full tensors (:mod:`nanreplay.engine.shards`); else
+    ``None``. A missing or inconsistent sibling is exit 4, naming it."""
+    import atexit
+
+    from .engine.shards import merged_bundle
+
+    path = _guard(lambda: merged_bundle(value))
+    if path is not None:
+        atexit.register(_drop_merged, path)  # a temporary file: gone, with its trust entry, when the command ends
+    return path
+
+
+def _drop_merged(path: Path) -> None:
+    import shutil
+
+    from .errors import NanReplayError
+    from .format.bundle import untrust_bundle
+
+    try:
+        untrust_bundle(path)
+    except (OSError, NanReplayError) as e:
+        logger.debug("could not drop the trust entry of %s: %s", path, e)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
 def _one_bundle(ctx: click.Context, param: click.Parameter, value: tuple[Path, ...]) -> Path:
     """The BUNDLE argument of replay, report and bisect: exactly one bundle file. A directory, or
     several files (a shell glob that matched more than one), is a usage error (exit 2) that lists
     the bundles, newest first with their failing step."""
     command = ctx.info_name or "replay"
+    merged = _sharded_run(value)
+    if merged is not None:
+        return merged
     if len(value) == 1 and not value[0].is_dir():
         return value[0]
     if len(value) == 1:
@@ -502,6 +532,13 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     if "rank" in info:
         d = info.get("distributed") or {}
         echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
+        if d.get("run_id"):  # a sharded run (FSDP2, tensor parallel): this rank holds shards
+            mesh = d.get("mesh") or {}
+            echo(f"  sharded run {d['run_id']}   mesh {mesh.get('shape')} {mesh.get('dim_names') or ''}  this rank at {d.get('coordinate')}"
+                 f"   origin coordinates: {d.get('origin_coordinates')}")
+            echo(f"  siblings: {', '.join(d.get('siblings') or [])}")
+            for n, lay in list(((d.get("sharding") or {}).get("params") or {}).items())[:_LISTED]:
+                echo(f"    {n}: {'/'.join(lay['placements'])}  global {lay['global_shape']}  shard {lay['local_shape']} at {lay['offsets']}")
     echo(f"  failing step: {st(str(info['failing_step']), fg='red', bold=True)}   reason: {info['reason']}")
     echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
     echo("  steps held (ring buffer):")

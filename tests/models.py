@@ -327,3 +327,23 @@ class WithCache(nn.Module):
 def make_with_cache() -> nn.Module:
     torch.manual_seed(0)
     return WithCache()
+
+
+class SqrtHead(nn.Module):
+    """A bias-free projection, a row norm by hand, a head: a zero input row gives sqrt(0) = 0 in
+    the forward (finite) and 0 * inf = NaN in ``root``'s backward, so the gradients of ``proj``
+    are NaN while the loss stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.root = SqrtLayer()
+        self.head = nn.Linear(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.root(self.proj(x)))
+
+
+def make_sqrt_head() -> nn.Module:
+    torch.manual_seed(4321)  # the same weights on every rank and in replay
+    return SqrtHead()

@@ -105,6 +105,11 @@ class RecorderConfig:
             bundle is written before the diagnosis starts, so a diagnosis cut short loses
             nothing: the bundle then says the diagnosis timed out, and ``nanreplay replay``
             runs it out of process with no cap.
+        dump_barrier_timeout: under ``torch.distributed`` with a sharded (FSDP2 / DTensor) model,
+            seconds every rank waits, after writing its bundle, for the others to have written
+            theirs before the action runs (default 300). It keeps a rank that raises first from
+            ending the job (``torchrun`` then stops the other ranks) while a sibling bundle is
+            still being written. On timeout the rank logs which ranks did not arrive and goes on.
         embed_program: at dump time (only then), export the failing step's forward, and the loss
             function when one is given, as a ``torch.export`` program stored in the bundle (JSON,
             weights shared with the pre-step state, no pickle), so ``nanreplay replay`` needs none
@@ -138,6 +143,7 @@ class RecorderConfig:
     check_update: bool = False
     allow_nonfinite: tuple = ()
     diagnose_timeout: Optional[float] = 120.0
+    dump_barrier_timeout: float = 300.0
     embed_program: bool = True
     dump_on_explosion: bool = False
 
@@ -168,5 +174,7 @@ class RecorderConfig:
             raise ValueError(f"min_scale must be a loss scale >= 0, got {self.min_scale}")
         if self.check_every < 1:
             raise ValueError(f"check_every must be >= 1 step (1 = check on the host every step), got {self.check_every}")
+        if not self.dump_barrier_timeout > 0:
+            raise ValueError(f"dump_barrier_timeout must be a number of seconds > 0, got {self.dump_barrier_timeout}")
         if self.diagnose_timeout is not None and not self.diagnose_timeout > 0:
             raise ValueError(f"diagnose_timeout must be a number of seconds > 0, or None for no cap; got {self.diagnose_timeout}")

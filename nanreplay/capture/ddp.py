@@ -25,7 +25,11 @@ Costs per step: one all-reduce of ``world_size + 1`` floats; with the origin hoo
 copy of the gradients (about the parameter bytes, as large as DDP's own buckets), kept until the
 step ends, and one ``inf``-norm reduction per bucket.
 
-FSDP is not supported yet: see ``docs/distributed.md`` for how it extends.
+Sharded models (FSDP2 ``fully_shard``, tensor parallel ``DTensor`` parameters): the check reads
+the local shards (:mod:`nanreplay.capture.sharded`); the origin flag comes from the rank's
+unsharded gradients before the reduce-scatter (a wrapped ``set_custom_reduce_scatter``), its local
+loss and its outputs' cotangents; each bundle holds the rank's shards and their layout, tied to
+its siblings by a run id (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -73,8 +77,12 @@ class RankContext:
     """
 
     def __init__(self, *, is_ddp: bool, param_fqn: dict[int, str], optimizer: torch.optim.Optimizer, step: Callable[[], int],
-                 group: Any = None) -> None:
+                 group: Any = None, sharded: bool = False, cotangents: Optional[Callable[[], list]] = None) -> None:
         self.is_ddp = is_ddp
+        self.sharded = sharded
+        self.fsdp = False  # gradients reduce-scattered across ranks (FSDP2): set by attach_sharded_hooks
+        self.cotangents = cotangents
+        self.run_id: Optional[str] = None
         self.param_fqn = param_fqn
         self.optimizer = optimizer
         self.current_step = step
@@ -89,6 +97,55 @@ class RankContext:
         self._local_bad: Optional[torch.Tensor] = None
         self._local: dict[int, torch.Tensor] = {}     # id(param) -> rank-local gradient copy
         self._buckets: list[tuple[int, torch.Tensor]] = []
+        self._handles: list[Any] = []
+        self._unhooked_why = "origin_hook=False"
+        if sharded:
+            self.run_id = self._agree_run_id()
+
+    def _agree_run_id(self) -> str:
+        """One id for the run's bundles: rank 0 draws it (from the OS, not from torch's
+        generators), one broadcast at construction (never per step)."""
+        import os
+
+        t = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64, device=self.device())
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        return f"{int(t.item()):014x}"
+
+    def attach_sharded_hooks(self, model: torch.nn.Module, *, hook: bool = True) -> None:
+        """Note whether ``model`` reduce-scatters its gradients (FSDP2), and with ``hook`` put the
+        FSDP2 origin hook on every ``FSDPModule`` (see
+        :func:`nanreplay.capture.sharded.attach_reduce_scatter_hooks`)."""
+        from .sharded import attach_reduce_scatter_hooks, has_fsdp, reduce_scatter_base
+
+        self.fsdp = has_fsdp(model)
+        if not hook or not self.fsdp:
+            return
+        self._handles = attach_reduce_scatter_hooks(model, self.note_flat, lambda: not self.closed)
+        self.hooked = bool(self._handles)
+        if not self.hooked:
+            self._unhooked_why = "this torch's FSDP2 has no set_custom_reduce_scatter" if reduce_scatter_base() is None else "no module accepted it"
+            logger.info("nanreplay: no FSDP2 reduce-scatter could be wrapped (%s); the origin rank is known from the local loss and "
+                        "cotangents", self._unhooked_why)
+
+    def wait_for_ranks(self, timeout_s: float) -> None:
+        """Wait until every rank reaches this point (each has written its bundle), at most
+        ``timeout_s`` seconds; log, never raise, when some did not (gloo names them)."""
+        import datetime
+
+        try:
+            if "gloo" in str(dist.get_backend(self.group)).lower():
+                dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+            else:
+                dist.barrier(group=self.group)  # the process group's own timeout applies
+        except Exception as e:  # the recorder never makes training worse
+            logger.error("nanreplay: not every rank wrote its bundle within dump_barrier_timeout=%gs (%s); going on", timeout_s, e)
+
+    def note_flat(self, buf: torch.Tensor) -> None:
+        """Called with this rank's flat unsharded gradients before a reduce-scatter: fold their
+        non-finite flag into the step's local flag (device-side, no sync)."""
+        self._new_step()
+        flag = ~torch.isfinite(torch.linalg.vector_norm(buf.detach().float(), float("inf")))
+        self._local_bad = flag if self._local_bad is None else self._local_bad | flag
 
     @classmethod
     def detect(cls, group: Any = None, **kwargs: Any) -> Optional["RankContext"]:
@@ -123,6 +180,9 @@ class RankContext:
         """Stop keeping anything: DDP cannot unregister a comm hook, so the hook becomes a plain
         pass-through to the wrapped hook (no flag, no copy of the buckets), and what it kept is freed."""
         self.closed = True
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self._local = {}
         self._buckets = []
         self._local_bad = None
@@ -169,11 +229,17 @@ class RankContext:
             local = self._local_bad.float().to(dev) if self._local_bad is not None else torch.zeros((), device=dev)
             if loss_bad is not None:
                 local = torch.maximum(local, (~torch.isfinite(loss_bad)).float().reshape(()))
-        elif self.is_ddp:
+        elif self.is_ddp or self.fsdp:
             # reduced gradients are the same on every rank: only the loss is rank-local
             local = (~torch.isfinite(loss_bad)).float().reshape(()) if loss_bad is not None else torch.zeros((), device=dev)
-        else:  # no gradient all-reduce we know of: the gradients checked are this rank's own
+        else:  # no gradient all-reduce we know of (tensor parallel alone): the gradients checked are this rank's own
             local = bad_here
+        if self.sharded and self.cotangents is not None:
+            cots = [c for c in self.cotangents() if isinstance(c, torch.Tensor) and c.numel()]
+            if cots:  # the rank's own outputs' cotangents: before any collective of the backward
+                cbad = torch.stack([~torch.isfinite(torch.linalg.vector_norm(c.detach().float(), float("inf"))) for c in cots]).any()
+                local = torch.maximum(local, cbad.float().to(dev))
+        # flags are 0/1 (never NaN: a MAX reduction would drop a NaN)
         flags = torch.zeros(self.world_size + 1, dtype=torch.float32, device=dev)
         flags[self.rank] = local
         flags[self.world_size] = bad_here
@@ -202,22 +268,57 @@ class RankContext:
         return out
 
     def grads_kind(self) -> str:
+        if self.sharded:
+            return "sharded"
         return "local" if self._local and self._step == self.current_step() else ("reduced" if self.is_ddp else "local")
 
     def reason(self) -> dict:
         """JSON for the bundle's ``reason`` (and, as ``distributed``, the metadata)."""
         msg = None
         if self.origin_ranks and self.rank not in self.origin_ranks:
-            msg = f"non-finite values from rank(s) {self.origin_ranks} reached rank {self.rank} through the gradient all-reduce"
+            msg = (f"non-finite values from rank(s) {self.origin_ranks} reached rank {self.rank} through the gradient "
+                   f"{'reduce-scatter' if self.sharded else 'all-reduce'}")
         info = {
             "rank": self.rank,
             "world_size": self.world_size,
             "origin_ranks": list(self.origin_ranks),
             "is_origin": self.rank in self.origin_ranks,
-            "origin_method": "comm hook" if self.hooked else "local loss" if self.is_ddp else "local check",
+            "origin_method": self._origin_method(),
             "grads": self.grads_kind(),
         }
         return {"distributed": info, **({"message": msg} if msg else {})}
+
+    def _origin_method(self) -> str:
+        if self.sharded:
+            if not self.fsdp:
+                return "local check (tensor parallel: no gradient reduce-scatter), local loss and cotangents"
+            return ("reduce-scatter hook, local loss and cotangents" if self.hooked else
+                    f"local loss and cotangents ({self._unhooked_why}: a NaN born in the backward "
+                    "of a rank whose loss is finite is not told apart)")
+        return "comm hook" if self.hooked else "local loss" if self.is_ddp else "local check"
+
+    def sharded_meta(self, model: torch.nn.Module, path: Any) -> dict:
+        """What a sharded run's bundle adds to ``distributed``: the run id, the sibling bundles'
+        file names (same step, every rank), this rank's mesh coordinates and the layouts."""
+        import re
+
+        from .sharded import sharding_meta
+
+        name = path.name if path is not None else ""
+        siblings = [re.sub(rf"-rank{self.rank}of{self.world_size}", f"-rank{r}of{self.world_size}", name) for r in range(self.world_size)]
+        sharding = sharding_meta(model, self.optimizer, self.param_fqn)
+        from .sharded import mesh_ranks
+
+        ranks = mesh_ranks(model)
+        mesh = None
+        coords: dict[str, list[int]] = {}
+        if ranks is not None:
+            t = torch.tensor(ranks)
+            mesh = {"shape": list(t.shape), "ranks": ranks,
+                    "dim_names": next((lay["mesh_dim_names"] for lay in sharding["params"].values()), [])}
+            coords = {str(r): [int(i) for i in (t == r).nonzero()[0].tolist()] for r in range(self.world_size) if bool((t == r).any())}
+        return {"run_id": self.run_id, "siblings": siblings, "mesh": mesh, "coordinate": coords.get(str(self.rank), []),
+                "origin_coordinates": {str(r): coords.get(str(r), []) for r in self.origin_ranks}, "sharding": sharding}
 
     def meta(self, info: dict) -> dict:
         """Bundle metadata for this rank (``info``: the ``distributed`` entry of :meth:`reason`)."""
@@ -230,7 +331,7 @@ class RankContext:
         diagnosis["distributed"] = {"rank": self.rank, "world_size": self.world_size, "origin_ranks": list(self.origin_ranks)}
         where = f"rank {self.rank} of {self.world_size}"
         if self.rank in self.origin_ranks:
-            note = f"{where} is an origin rank (non-finite before the gradient all-reduce)"
+            note = f"{where} is an origin rank (non-finite before the gradient {'reduce-scatter' if self.sharded else 'all-reduce'})"
         elif self.origin_ranks:
             note = f"{where}: its local step is finite; the non-finite values came from rank(s) {self.origin_ranks} through the gradient all-reduce: replay their bundles"
         else:
@@ -295,8 +396,9 @@ def rank_summary(metas: Iterable[dict]) -> dict:
     first = min(r["step"] for r in with_rank)
     origins = sorted({o for r in with_rank if r["step"] == first for o in r["origin_ranks"]})
     ws = {m.get("world_size") for m in metas} - {None}
+    sharded = any((m.get("distributed") or {}).get("run_id") for m in metas)
     if origins:
-        msg = f"first non-finite step {first}: born on rank(s) {origins} before the gradient all-reduce"
+        msg = f"first non-finite step {first}: born on rank(s) {origins} before the gradient {'reduce-scatter' if sharded else 'all-reduce'}"
     else:
         msg = f"first non-finite step {first}: the origin rank was not recorded (no origin comm hook)"
     return {

@@ -111,6 +111,16 @@ class Dump:
 
     def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
                  update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
+        """:meth:`write`; for a sharded model, then wait (``dump_barrier_timeout``) until every rank
+        has written its bundle, so that no rank's action ends the job while a sibling is written."""
+        try:
+            return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause)
+        finally:
+            if self.dist is not None and self.dist.sharded:
+                self.dist.wait_for_ranks(self.config.dump_barrier_timeout)
+
+    def write(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
+              update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
         """Write the bundle of step ``rec`` (pre-step ``state``, gradients ``grads``), then export
         its program and diagnose it in process, and write it again with both. Never raises: a
         failure is logged and ``None`` returned."""
@@ -131,8 +141,12 @@ class Dump:
             logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
             return None
         path: Any = self.config.out_dir
+        sharded = self.dist is not None and self.dist.sharded
         try:
             path = self._path(rec.step)
+            if sharded:
+                # a new dict: the entry without the layouts is shared with reason["distributed"]
+                content.extra_meta["distributed"] = {**(content.extra_meta.get("distributed") or {}), **self.dist.sharded_meta(self.model, path)}
             written = write_bundle(path, content)
         except Exception:
             logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
@@ -140,6 +154,12 @@ class Dump:
             return None
         self.bundles.append(written)
         logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        if sharded:
+            # the live model is sharded: an export or a replay on it would run collectives on this
+            # rank alone and hang the others; the run's bundles replay together, offline
+            logger.warning("nanreplay: sharded model: no in-process diagnosis; when every rank has written, run `nanreplay replay %s`",
+                           shell_path(written.parent))
+            return written
         amended = self.config.embed_program and self._embed_program(content, rec)
         if self.config.diagnose:
             amended = self._diagnose_into(content, written) or amended

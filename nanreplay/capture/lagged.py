@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..format.records import Snapshot, StepRecord
 from .ring import MiB
+from .sharded import local
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ class Latch:
         0-dim bool device flag (non-finite grad norm or loss). No host sync, but on a layout change.
         ``room(nbytes)``: asked before the slot is (re)allocated; when it says no, nothing changes
         and ``False`` is returned."""
-        params = [(n, p.detach()) for n, p in model.named_parameters()]
+        params = [(n, local(p).detach()) for n, p in model.named_parameters()]  # DTensor: this rank's shard
         opt_leaves, opt_spec = pytree.tree_flatten(optimizer.state_dict()["state"])
-        opt_t = [t for t in opt_leaves if isinstance(t, torch.Tensor)]
+        opt_t = [local(t) for t in opt_leaves if isinstance(t, torch.Tensor)]
         g = [t for _, t in grads]
         key = (tuple(n for n, _ in params), _layout(opt_spec, opt_t), tuple(n for n, _ in grads), _layout(None, g))
         dev = bad.device

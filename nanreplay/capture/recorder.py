@@ -44,6 +44,7 @@ from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
+from .sharded import check_sharded_options, is_sharded, local
 from .snapshots import StepStartBuffers, live_state, restore_into
 from .update import UpdateCheck
 
@@ -59,7 +60,10 @@ class Recorder:
         model: the ``nn.Module`` being trained (the top-level one whose forward the loop calls),
             its ``DistributedDataParallel`` wrapper (the Recorder then takes its decisions together
             with every rank, see :mod:`nanreplay.capture.ddp`, and finds the rank where the
-            non-finite value was born), or a compiled model (``torch.compile(model)`` or after
+            non-finite value was born), an FSDP2 (``fully_shard``) or tensor-parallel model with
+            ``DTensor`` parameters (the Recorder reads only local shards; each rank writes its
+            shards; see :mod:`nanreplay.capture.sharded` and ``docs/distributed.md``; every rank
+            must build its Recorder), or a compiled model (``torch.compile(model)`` or after
             ``model.compile()``: the capture runs outside the compiled region, adding no graph
             break). Names are always the unwrapped module's (no ``module.`` / ``_orig_mod.``
             prefix), so the bundle replays on a plain model. Under ``torch.distributed`` without
@@ -153,8 +157,12 @@ class Recorder:
         self._handles: list[Any] = []
         from .ddp import RankContext, unwrap_ddp_only
 
+        sharded = is_sharded(self.model)
+        if sharded:
+            check_sharded_options(self.config)
         self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
-                                       optimizer=optimizer, step=lambda: self.step)
+                                       optimizer=optimizer, step=lambda: self.step, sharded=sharded,
+                                       cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])
         self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
                           loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
                           extra_meta=self.extra_meta)
@@ -175,6 +183,8 @@ class Recorder:
         ddp = unwrap_ddp_only(model)
         if self.dist is not None and self.config.origin_hook and ddp is not None:
             self.dist.attach_origin_hook(ddp)
+        elif self.dist is not None and sharded:
+            self.dist.attach_sharded_hooks(self.model, hook=self.config.origin_hook)
 
     @property
     def _current(self) -> Optional[StepRecord]:
@@ -304,7 +314,7 @@ class Recorder:
         keep_cotangent(rec.forwards[-1], output)  # auto: kept until the step is known finite (end_step)
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), p.grad)
+        return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), local(p.grad))  # a DTensor's local shard
                 for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..format.records import StepRecord
 from .inputs import InputCapture
+from .sharded import local
 from .snapshots import SnapshotPool, storage_bytes
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class RingBuffer:
         n = self._cache.get(r.step) if r is not self.current else None
         if n is None:
             trees = [fw.inputs for fw in r.forwards] + [r.batches] + [fw.cotangent for fw in r.forwards if fw.cotangent is not None]
-            live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+            # local shards: an FSDP2 parameter's unsharded storage may be freed (never touch it)
+            live = {local(t).untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
             leaves = [t for tree in trees for t in pytree.tree_leaves(tree)] + list((r.buffers or {}).values())
             n = storage_bytes(leaves, exclude=live)
             if r is not self.current:
@@ -207,7 +209,7 @@ class RingBuffer:
 
 
 def _nbytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def check_budget(config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.state import copy_all
 from ..format.records import Snapshot
+from .sharded import is_sharded, local
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,14 @@ def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[set[int]] = None)
 
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, clone: bool, extra: Optional[dict] = None) -> Snapshot:
     """The model's weights and buffers and the optimizer's ``state_dict()`` now: references, or
-    copies with ``clone=True``. ``extra``: other ``state_dict()``s to include (``"scaler"``)."""
-    cp = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
+    copies with ``clone=True``. Sharded (``DTensor``) parameters and optimizer state are taken as
+    this rank's local shards (:func:`nanreplay.capture.sharded.local`). ``extra``: other ``state_dict()``s to include (``"scaler"``)."""
+    cp = (lambda t: local(t).detach().clone()) if clone else (lambda t: local(t).detach())
     opt_sd = optimizer.state_dict()
     if clone:
-        opt_sd = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, opt_sd)
+        opt_sd = pytree.tree_map(lambda x: local(x).clone() if isinstance(x, torch.Tensor) else x, opt_sd)
+    elif is_sharded(model):
+        opt_sd = pytree.tree_map(lambda x: local(x) if isinstance(x, torch.Tensor) else x, opt_sd)
     return Snapshot(
         params={n: cp(p) for n, p in model.named_parameters()},
         buffers={n: cp(b) for n, b in model.named_buffers()},
@@ -80,7 +84,7 @@ def restore_into(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimiz
     missing = [n for n in snap.params if n not in params]
     if missing:
         raise RuntimeError(f"nanreplay: cannot put back the saved state: the model has no parameter {missing[:3]}")
-    dst = [params[n].detach() for n in snap.params]
+    dst = [local(params[n]).detach() for n in snap.params]
     src = list(snap.params.values())
     live_buffers = dict(model.named_buffers())
     for n, b in snap.buffers.items():
@@ -90,7 +94,7 @@ def restore_into(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimiz
             src.append(b)
     reload = None
     if optimizer is not None and snap.optimizer is not None:
-        live_opt = [t for t in pytree.tree_leaves(optimizer.state_dict()["state"]) if isinstance(t, torch.Tensor)]
+        live_opt = [local(t) for t in pytree.tree_leaves(optimizer.state_dict()["state"]) if isinstance(t, torch.Tensor)]
         saved_opt = [t for t in pytree.tree_leaves(snap.optimizer["state"]) if isinstance(t, torch.Tensor)]
         if len(live_opt) == len(saved_opt) and all(a.shape == b.shape for a, b in zip(live_opt, saved_opt)):
             dst += live_opt

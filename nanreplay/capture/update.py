@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from ..core.numerics import fused_norm, is_float
 from ..format.records import Snapshot
 from .ring import MiB
+from .sharded import local
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class UpdateCheck:
     def finite(optimizer: torch.optim.Optimizer) -> bool:
         """Whether the parameters and floating optimizer state are finite after the update: one
         fused norm, one host read."""
-        state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
-        params = [p.detach() for g in optimizer.param_groups for p in g["params"]]
+        state = [local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
+        params = [local(p).detach() for g in optimizer.param_groups for p in g["params"]]  # DTensor: this rank's shard
         norm = fused_norm(params + state)
         return norm is None or math.isfinite(norm.item())
 

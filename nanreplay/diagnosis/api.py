@@ -154,6 +154,7 @@ def diagnose(
     diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
     diag["summary"] = summary_sentence(diag)
+    _note_rank(diag, (inp.reason or {}).get("distributed") or {})
     return diag
 
 
@@ -237,6 +238,22 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "errors": list(f.errors),
         "compile": f.compiled,
     }
+
+
+def _note_rank(diag: dict, d: dict) -> None:
+    """A sharded run's bundles replayed together (:mod:`nanreplay.engine.shards`): say which rank's
+    step was replayed and which ranks the non-finite values were born on."""
+    if not d.get("merged_from") or d.get("rank") is None:
+        return
+    rank, world, origins = d["rank"], d.get("world_size"), list(d.get("origin_ranks") or [])
+    coords = (d.get("origin_coordinates") or {}).get(str(rank))
+    diag["distributed"] = {"rank": rank, "world_size": world, "origin_ranks": origins, "mesh_coordinate": coords,
+                           "merged_from": list(d["merged_from"])}
+    if rank in origins:
+        note = f"born on rank {rank} of {world}" + (f" (mesh coordinate {coords})" if coords else "") + ", before the gradient reduce-scatter"
+    else:
+        note = f"rank {rank} of {world} replayed; origin rank(s) {origins or 'unknown'}"
+    diag["summary"] = f"{diag['summary'].rstrip()} [{note}; full weights put together from {len(d['merged_from'])} rank bundles]"
 
 
 def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: Features) -> str:

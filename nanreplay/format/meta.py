@@ -299,6 +299,50 @@ class _Checker:
         return m
 
 
+#: placements a sharded bundle may record: sharded on a dim, replicated, partial
+_PLACEMENT = re.compile(r"S\(\d{1,3}\)|R|P")
+#: a sibling bundle's file name: a plain name in the same directory (no separator, not . or ..)
+_SIBLING = re.compile(r"[^/\\\x00]{1,255}")
+
+
+def _check_sharded(c: "_Checker", d: dict, where: str) -> None:
+    """The optional keys of a sharded run's ``distributed`` entry (format 2, additive): ``run_id``,
+    ``siblings``, ``mesh``, ``coordinate``, ``origin_coordinates``, ``sharding``."""
+    c.string(d.get("run_id"), f"{where}.run_id", null=True, max_len=64)
+    for i, n in enumerate(c.array(d.get("siblings", []), f"{where}.siblings", 1_000_000)):
+        if not (isinstance(n, str) and _SIBLING.fullmatch(n) and n not in (".", "..")):
+            raise MetaError(f"{where}.siblings[{i}]", "a file name in the bundle's directory (no path separator)", _show(n))
+    for i, x in enumerate(c.array(d.get("coordinate", []), f"{where}.coordinate", 16)):
+        c.integer(x, f"{where}.coordinate[{i}]")
+    if d.get("mesh") is not None:
+        mesh = c.obj(d["mesh"], f"{where}.mesh")
+        for i, x in enumerate(c.array(mesh.get("shape", []), f"{where}.mesh.shape", 16)):
+            c.integer(x, f"{where}.mesh.shape[{i}]", 1)
+    if d.get("sharding") is None:
+        return
+    sh = c.obj(d["sharding"], f"{where}.sharding")
+    params = c.obj(sh.get("params") or {}, f"{where}.sharding.params")
+    for name, lay in params.items():
+        w = f"{where}.sharding.params[{name!r}]"
+        c.string(name, w)
+        lay = c.obj(lay, w, ("global_shape", "local_shape", "offsets", "placements"))
+        shapes = [c.array(lay[k], f"{w}.{k}", 64) for k in ("global_shape", "local_shape", "offsets")]
+        if len({len(x) for x in shapes}) != 1:
+            raise MetaError(w, "global_shape, local_shape and offsets of the same length", _show([len(x) for x in shapes]))
+        for g, n, o in zip(*shapes):
+            for k, v in (("global_shape", g), ("local_shape", n), ("offsets", o)):
+                c.integer(v, f"{w}.{k}")
+            if n + o > g:
+                raise MetaError(w, "each shard inside the global shape (offset + local size <= global size)", _show(lay))
+        for i, pl in enumerate(c.array(lay["placements"], f"{w}.placements", 16)):
+            if not (isinstance(pl, str) and _PLACEMENT.fullmatch(pl)):
+                raise MetaError(f"{w}.placements[{i}]", "'S(dim)', 'R' or 'P'", _show(pl))
+    for k, v in c.obj(sh.get("optimizer") or {}, f"{where}.sharding.optimizer").items():
+        c.string(k, f"{where}.sharding.optimizer")
+        if v not in params:
+            raise MetaError(f"{where}.sharding.optimizer[{k!r}]", "a parameter listed in sharding.params", _show(v))
+
+
 def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
     """Check a step bundle's metadata against the schema and against the tensors in the file.
 
@@ -358,8 +402,9 @@ def _check_reason(c: _Checker, m: dict) -> None:
                 c.integer(r, f"{where}.origin_ranks[{i}]")
             c.boolean(d.get("is_origin"), f"{where}.is_origin")
             c.string(d.get("origin_method"), f"{where}.origin_method", null=True)
-            if d.get("grads") not in (None, "local", "reduced"):
-                raise MetaError(f"{where}.grads", "'local', 'reduced' or null", _show(d.get("grads")))
+            if d.get("grads") not in (None, "local", "reduced", "sharded"):
+                raise MetaError(f"{where}.grads", "'local', 'reduced', 'sharded' or null", _show(d.get("grads")))
+            _check_sharded(c, d, where)
 
 
 def _check_model(c: _Checker, m: dict) -> Any:
@@ -367,6 +412,10 @@ def _check_model(c: _Checker, m: dict) -> Any:
     model = c.obj(m.get("model") or {}, "meta.model")
     c.string(model.get("class"), "meta.model.class", null=True)
     params_info = c.tensors_info(model.get("params", {}), "meta.model.params")
+    # a sharded run's bundle holds this rank's shards: their shapes are the recorded local shapes
+    layouts = (((m.get("distributed") or {}).get("sharding") or {}).get("params") or {})
+    if layouts:
+        params_info = {k: ({**v, "shape": layouts[k]["local_shape"]} if k in layouts else v) for k, v in params_info.items()}
     c.tensors_info(model.get("buffers", {}), "meta.model.buffers")
     for i, row in enumerate(c.array(model.get("modules", []), "meta.model.modules", 10_000_000)):
         if not (isinstance(row, list) and len(row) == 2 and all(isinstance(x, str) and len(x) <= MAX_NAME for x in row)):
