@@ -177,3 +177,25 @@ def test_the_band_ignores_noise_and_flags_a_jump():
         assert ew.observe(k, loss=math.exp(noise), grad_norm=math.exp(noise), lrs=[0.1]) == []
     rows = ew.observe(100, loss=1.0, grad_norm=1e3, lrs=[0.1])
     assert [r["signal"] for r in rows] == ["grad_norm"] and ew.new_episode
+
+
+def test_the_plan_names_the_last_checkpoint_when_no_snapshot_is_held(tmp_path):
+    """The integrations put the last checkpoint's step in extra_meta; without snapshots the plan
+    falls back to it, and says so."""
+    torch.manual_seed(0)
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with Recorder(m, opt, out_dir=tmp_path, on_spike="skip", diagnose=False, embed_program=False) as rec:
+        g = torch.Generator().manual_seed(3)
+        for step in range(40):
+            if step == 20:
+                rec.extra_meta["last_checkpoint_step"] = rec.step  # what on_save / on_save_checkpoint write
+            x = torch.randn(16, 8, generator=g)
+            loss = F.mse_loss(m(x), x.sum(1, keepdim=True) * (1000.0 if step == 30 else 1.0))
+            rec.log_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    plan = rec.rollback_plan()
+    assert (plan["step"], plan["restore_step"], plan["source"], plan["skip_steps"]) == (30, 20, "checkpoint", [30])
+    assert rec.roll_back(plan) is None  # loading a checkpoint is the loop's job

@@ -588,6 +588,25 @@ class Recorder:
             return self._rollback[1]
         return next((r.snapshot for r in self.ring if r.step == step and r.snapshot is not None), None)
 
+    def roll_back(self, plan: Optional[dict] = None) -> Optional[int]:
+        """Carry out ``plan`` (default: :meth:`rollback_plan`) when its source is a snapshot: copy
+        that step's step-start weights, buffers and optimizer state back into the live model and
+        optimizer (in place). Returns the step restored, or ``None`` (no snapshot held: the plan's
+        ``source`` is ``"checkpoint"`` or ``None``, and loading it is the loop's job). Skipping
+        the plan's ``skip_steps`` batches is the loop's job too; the learning rate schedule is
+        left as it is."""
+        plan = self.rollback_plan() if plan is None else plan
+        if plan.get("source") != "snapshot" or plan.get("restore_step") is None:
+            return None
+        snap = self.snapshot_at(plan["restore_step"])
+        if snap is None:
+            return None
+        restore_into(self.model, self.optimizer, snap)
+        self._alert = None
+        logger.warning("nanreplay: rolled back to the step-start weights and optimizer state of step %d (steps %s to skip)",
+                       plan["restore_step"], plan.get("skip_steps"))
+        return plan["restore_step"]
+
     def _first_abnormal(self, step: int) -> int:
         """The first step of the spike episode that ``step`` ends or belongs to, else ``step``."""
         e = self._early
