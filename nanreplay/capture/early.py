@@ -47,9 +47,9 @@ __all__ = ["EarlyWarning", "Band", "ScalarHistory", "Z_SPIKE", "DRIFT_RATIO", "W
 logger = logging.getLogger(__name__)
 
 #: a spike: this many spreads above the band's centre (log units; chosen in bench/early_warning.py)
-Z_SPIKE = 8.0
+Z_SPIKE = 12.0
 #: a divergence: the smoothed loss this many times above its lowest smoothed value so far
-DRIFT_RATIO = 10.0
+DRIFT_RATIO = 30.0
 #: steps over which the smoothed loss of the drift test averages (EMA span)
 DRIFT_SPAN = 8
 #: finite values of a signal seen before it is judged
