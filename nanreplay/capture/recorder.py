@@ -613,17 +613,25 @@ class Recorder:
         return e.first_step if e is not None and e.first_step is not None and e.first_step <= step else step
 
     def _secure_rollback(self, step: int) -> None:
-        """At an alarm: move the latest healthy weight snapshot before its first abnormal step
-        out of its ring step (so eviction cannot recycle it) into a copy the ring counts against
-        ``memory_budget`` as ``"rollback"``; it stays until the next alarm secures a newer one."""
+        """At an alarm: copy the latest healthy weight snapshot before its first abnormal step,
+        so that eviction cannot lose it before the plan is used. The copy is counted against
+        ``memory_budget`` as ``"rollback"`` (skipped when it does not fit: the plan then names
+        what the ring still holds); the ring's own record keeps its snapshot, for the bundle and
+        bisect. It stays until a later alarm secures a newer one. Cost: one copy per episode."""
         first = self._first_abnormal(step)
         held = [r for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
         if not held or (self._rollback is not None and self._rollback[0] >= held[-1].step):
             return
         r = held[-1]
-        self._rollback = (r.step, r.snapshot)
-        r.snapshot = None
-        self.ring.keep("rollback", self._rollback[1])
+        snap = r.snapshot
+        if not self.ring.reserve("rollback", snap.nbytes()):
+            return
+        copy = Snapshot(params={k: v.detach().clone() for k, v in snap.params.items()},
+                        buffers={k: v.detach().clone() for k, v in (snap.buffers or {}).items()},
+                        optimizer=pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, snap.optimizer),
+                        extra=dict(snap.extra or {}))
+        self._rollback = (r.step, copy)
+        self.ring.keep("rollback", copy)
 
     def _judge(self, rec: StepRecord, grads: Optional[list]) -> None:
         """Feed a finite step to the early warning; on a spike, act through ``SPIKE_ACTIONS``.
