@@ -18,6 +18,7 @@ __all__ = [
     "DiagnosisTimeout",
     "MissingExtraError",
     "UntrustedBundleError",
+    "SpikeError",
 ]
 
 
@@ -142,3 +143,20 @@ class NonFiniteGradientError(NanReplayError):
         self.step = step
         self.bundle_path = bundle_path
         self.diagnosis = diagnosis
+
+
+class SpikeError(NanReplayError):
+    """Raised by :class:`nanreplay.Recorder` with ``on_spike="raise"`` when the loss or the grad
+    norm leaves its running band (:mod:`nanreplay.capture.early`), before the step's update.
+
+    Attributes:
+        step: the step (0-based count of ``optimizer.step()`` calls seen).
+        spikes: its spike rows (``{"step", "signal", "kind", "value", "baseline", "score", ...}``).
+        rollback: the rollback plan (``{"restore_step", "source", "skip_steps", ...}``), or ``None``.
+    """
+
+    def __init__(self, message: str, *, step: int, spikes: list, rollback: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.spikes = list(spikes)
+        self.rollback = rollback

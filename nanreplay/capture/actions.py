@@ -13,8 +13,21 @@ warn     every time       kept (the step proceeds)     log a warning
 
 (``max_dumps`` bounds the dumps of every row.) An action sees an :class:`Incident` (the step,
 the message, the bundle, the diagnosis) and the :class:`Actions` state that lasts across steps
-(consecutive skips). A new action, such as the spike actions to come, is a new :class:`Action`
-subclass and one more row.
+(consecutive skips). A new action is a new :class:`Action` subclass and one more row.
+
+``SPIKE_ACTIONS`` maps the ``on_spike`` option to an :class:`Action` in the same way; a spike is a
+*finite* step whose loss or grad norm left its running band (:mod:`nanreplay.capture.early`), so
+nothing is put back (``restores`` is ``False`` for every row) and the incident carries the spike
+rows and the rollback plan:
+
+======== ================================== ==============================================
+name     dumps                              then
+======== ================================== ==============================================
+warn     never                              one log line per episode
+dump     first step of an episode           ``nanreplay-spike-step<N>`` bundle, log, go on
+skip     never                              drop the step's gradients, log once per episode
+raise    never                              raise :class:`~nanreplay.errors.SpikeError`
+======== ================================== ==============================================
 """
 
 from __future__ import annotations
@@ -26,11 +39,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import NonFiniteGradientError
+from ..errors import NonFiniteGradientError, SpikeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACTIONS", "Action", "Actions", "Incident"]
+__all__ = ["ACTIONS", "SPIKE_ACTIONS", "Action", "Actions", "Incident"]
 
 
 @dataclass
@@ -49,6 +62,9 @@ class Incident:
     bundle: Optional[Path] = None
     diagnosis: Optional[dict] = None
     update: bool = False
+    spikes: Optional[list] = None
+    rollback: Optional[dict] = None
+    new_episode: bool = True
 
 
 class Action:
@@ -116,6 +132,60 @@ class Warn(Action):
 ACTIONS: dict[str, Action] = {"raise": Raise(), "skip": Skip(), "warn": Warn()}
 
 
+class SpikeWarn(Action):
+    """Log one warning per episode (the step, the signal, how far out, the rollback plan)."""
+
+    restores = False
+
+    def dumps(self, state: "Actions") -> bool:
+        return False
+
+    def __call__(self, state: "Actions", incident: Incident) -> None:
+        if incident.new_episode:
+            logger.warning("nanreplay: %s (training goes on; further spikes of this episode are listed in Recorder.spikes)",
+                           incident.message)
+
+
+class SpikeDump(SpikeWarn):
+    """Write a ``nanreplay-spike-step<N>`` bundle at the first step of an episode (the ring
+    buffer, the step's pre-step state and gradients, the scalar history), log, go on."""
+
+    def dumps(self, state: "Actions") -> bool:
+        return True
+
+
+class SpikeSkip(Action):
+    """Drop the spike step's gradients (as ``action="skip"`` does) and go on; one log line per episode."""
+
+    restores = False
+
+    def dumps(self, state: "Actions") -> bool:
+        return False
+
+    def __call__(self, state: "Actions", incident: Incident) -> None:
+        if incident.new_episode:
+            logger.warning("nanreplay: %s; skipping this optimizer step (on_spike='skip'; every spike step of the episode is "
+                           "skipped)", incident.message)
+        state.drop_gradients()
+
+
+class SpikeRaise(Action):
+    """Raise :class:`~nanreplay.errors.SpikeError` before the step's update."""
+
+    restores = False
+
+    def dumps(self, state: "Actions") -> bool:
+        return False
+
+    def __call__(self, state: "Actions", incident: Incident) -> None:
+        raise SpikeError(incident.message + " (on_spike='raise'; pass on_spike='warn' to only log it)", step=incident.step,
+                         spikes=incident.spikes or [], rollback=incident.rollback)
+
+
+#: the ``on_spike`` option -> what happens on a spike (a finite step out of its band)
+SPIKE_ACTIONS: dict[str, Action] = {"warn": SpikeWarn(), "dump": SpikeDump(), "skip": SpikeSkip(), "raise": SpikeRaise()}
+
+
 class Actions:
     """The chosen action and the state actions keep across steps.
 
@@ -150,6 +220,10 @@ class Actions:
 
     def __call__(self, incident: Incident) -> None:
         self.action(self, incident)
+
+    def action_for(self, action: Action, incident: Incident) -> None:
+        """Run another row (a :data:`SPIKE_ACTIONS` row) with this state."""
+        action(self, incident)
 
     def drop_gradients(self) -> None:
         """Set every ``.grad`` to ``None`` so the optimizer leaves weights and state untouched,

@@ -121,6 +121,20 @@ class RecorderConfig:
             logged as a warning with the grad-norm history and training goes on; the bundle is
             written at the first truly non-finite gradient, whose history then shows the
             explosion.
+        on_spike: what to do when a finite step's loss or grad norm leaves its running band (the
+            early warning, :mod:`nanreplay.capture.early`; every spike is listed in
+            :attr:`Recorder.spikes`). ``"warn"`` (default): one log line per episode with the
+            step, the signal, how far out it is and the rollback plan. ``"dump"``: also write a
+            ``nanreplay-spike-step<N>`` bundle (the ring buffer, the step's pre-step state, the
+            scalar history) at the first step of each episode, at most ``max_dumps`` of them
+            (counted apart from the non-finite bundles), and go on. ``"skip"``: drop the spike
+            step's gradients, as ``action="skip"`` does. ``"raise"``: raise
+            :class:`~nanreplay.errors.SpikeError` before the update. ``None``: off. Cost: none on
+            the device; on the host a few float operations per step on the values the check
+            already read (with ``check_every > 1``, judged when the verdicts are read, so a warning
+            comes up to ``check_every - 1`` steps later and ``"dump"`` / ``"skip"`` act as ``"warn"``).
+        history_steps: steps of scalar history kept (loss, grad norm, learning rates, verdict),
+            independent of ``capacity``; about 50 bytes a step on the host, stored in every bundle.
     """
 
     action: str = "raise"
@@ -146,6 +160,8 @@ class RecorderConfig:
     dump_barrier_timeout: float = 300.0
     embed_program: bool = True
     dump_on_explosion: bool = False
+    on_spike: Optional[str] = "warn"
+    history_steps: int = 1024
 
     def __post_init__(self) -> None:
         from ..core.allowlist import AllowRule
@@ -176,5 +192,11 @@ class RecorderConfig:
             raise ValueError(f"check_every must be >= 1 step (1 = check on the host every step), got {self.check_every}")
         if not self.dump_barrier_timeout > 0:
             raise ValueError(f"dump_barrier_timeout must be a number of seconds > 0, got {self.dump_barrier_timeout}")
+        from .actions import SPIKE_ACTIONS
+
+        if self.on_spike is not None and self.on_spike not in SPIKE_ACTIONS:
+            raise ValueError(f"on_spike must be one of {tuple(SPIKE_ACTIONS)} or None (off), got {self.on_spike!r}")
+        if self.history_steps < 0:
+            raise ValueError(f"history_steps must be >= 0 steps (0 = no scalar history), got {self.history_steps}")
         if self.diagnose_timeout is not None and not self.diagnose_timeout > 0:
             raise ValueError(f"diagnose_timeout must be a number of seconds > 0, or None for no cap; got {self.diagnose_timeout}")

@@ -68,6 +68,14 @@ class Dump:
         self.attempts = 0
         self.last_diagnosis: Optional[dict] = None
         self.replaying = False
+        self.history: Any = None  # the Recorder's capture.early.ScalarHistory, stored in every bundle
+        self.spike_bundles: list[Path] = []
+        self.spike_attempts = 0
+
+    @property
+    def spike_allowed(self) -> bool:
+        """Whether another spike bundle may be tried (``max_dumps`` of them, counted apart)."""
+        return self.spike_attempts < self.config.max_dumps
 
     @property
     def allowed(self) -> bool:
@@ -106,25 +114,31 @@ class Dump:
             reason=reason,
             model_factory=self.model_factory_path,
             loss_fn=self.loss_fn_path,
-            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta},
+            extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta,
+                        **({"scalar_history": self.history.to_meta(rec.step)} if self.history is not None else {})},
         )
 
     def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
-                 update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
+                 update: bool = False, cause: Optional[dict] = None, spike: bool = False) -> Optional[Path]:
         """:meth:`write`; for a sharded model, then wait (``dump_barrier_timeout``) until every rank
         has written its bundle, so that no rank's action ends the job while a sibling is written."""
         try:
-            return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause)
+            return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause, spike=spike)
         finally:
-            if self.dist is not None and self.dist.sharded:
+            if self.dist is not None and self.dist.sharded and not spike:  # a spike is judged per rank: no barrier
                 self.dist.wait_for_ranks(self.config.dump_barrier_timeout)
 
     def write(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
-              update: bool = False, cause: Optional[dict] = None) -> Optional[Path]:
+              update: bool = False, cause: Optional[dict] = None, spike: bool = False) -> Optional[Path]:
         """Write the bundle of step ``rec`` (pre-step ``state``, gradients ``grads``), then export
         its program and diagnose it in process, and write it again with both. Never raises: a
-        failure is logged and ``None`` returned."""
-        self.attempts += 1
+        failure is logged and ``None`` returned. ``spike``: a finite step out of its band
+        (``on_spike="dump"``): named ``nanreplay-spike-step<N>``, counted apart from the
+        non-finite bundles, not diagnosed (there is no non-finite value to trace)."""
+        if spike:
+            self.spike_attempts += 1
+        else:
+            self.attempts += 1
         t0 = time.perf_counter()
         reason = {
             "nonfinite_grad": bad_grad,
@@ -143,7 +157,7 @@ class Dump:
         path: Any = self.config.out_dir
         sharded = self.dist is not None and self.dist.sharded
         try:
-            path = self._path(rec.step)
+            path = self._path(rec.step, "nanreplay-spike-step" if spike else "nanreplay-step")
             if sharded:
                 # a new dict: the entry without the layouts is shared with reason["distributed"]
                 content.extra_meta["distributed"] = {**(content.extra_meta.get("distributed") or {}), **self.dist.sharded_meta(self.model, path)}
@@ -152,8 +166,9 @@ class Dump:
             logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
                              "dumps tried)", rec.step, path, self.attempts, self.config.max_dumps)
             return None
-        self.bundles.append(written)
-        logger.warning("nanreplay: wrote %s for non-finite step %d in %.2f s", written, rec.step, time.perf_counter() - t0)
+        (self.spike_bundles if spike else self.bundles).append(written)
+        logger.warning("nanreplay: wrote %s for %s step %d in %.2f s", written, "spike" if spike else "non-finite", rec.step,
+                       time.perf_counter() - t0)
         if sharded:
             # the live model is sharded: an export or a replay on it would run collectives on this
             # rank alone and hang the others; the run's bundles replay together, offline
@@ -161,7 +176,7 @@ class Dump:
                            shell_path(written.parent))
             return written
         amended = self.config.embed_program and self._embed_program(content, rec)
-        if self.config.diagnose:
+        if self.config.diagnose and not spike:
             amended = self._diagnose_into(content, written) or amended
         if amended:
             try:
@@ -236,17 +251,18 @@ class Dump:
         logger.warning("nanreplay: diagnosis of step %d (%.1f s): %s", step, time.perf_counter() - t0, diag.get("summary"))
         return True
 
-    def _path(self, step: int) -> Path:
-        """A new bundle path in ``out_dir``: ``nanreplay-step{N}[-rank{r}of{w}].{ext}``, with a
+    def _path(self, step: int, stem: str = "nanreplay-step") -> Path:
+        """A new bundle path in ``out_dir``: ``{stem}{N}[-rank{r}of{w}].{ext}`` (stem
+        ``nanreplay-step`` or ``nanreplay-spike-step``), with a
         ``-2``, ``-3``... suffix when a bundle of that name exists (never overwrite an older one)."""
         ext = ".h5" if self.config.bundle_format == "h5" else ".safetensors"
         suffix = self.dist.name_suffix() if self.dist is not None else ""
         out = Path(self.config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"nanreplay-step{step}{suffix}{ext}"
+        path = out / f"{stem}{step}{suffix}{ext}"
         n = 2
         while path.exists():
-            path = out / f"nanreplay-step{step}{suffix}-{n}{ext}"
+            path = out / f"{stem}{step}{suffix}-{n}{ext}"
             n += 1
         return path
 

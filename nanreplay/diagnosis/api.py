@@ -38,6 +38,7 @@ from ..format.bundle import Bundle, Types
 from ..format.records import BundleContent
 from ..report.summary import summary_sentence
 from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
+from ..format.records import scalar_history_records
 from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
@@ -199,7 +200,7 @@ def _features(found: Optional[Found], inp: StepInputs, compiled: Optional[dict],
 
 
 def _history(inp: StepInputs) -> Optional[dict]:
-    return grad_norm_history(inp.history, inp.record.step) if inp.history else None
+    return grad_norm_history(inp.long_history(), inp.record.step) if inp.history or inp.scalars else None
 
 
 def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dict, repro: dict, smp: Optional[dict],
@@ -228,6 +229,7 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "samples": smp,
         "optimizer": f.optimizer,
         "history": f.history,
+        "rollback": inp.reason.get("rollback"),
         "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
@@ -373,6 +375,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
         allow=Allowlist(allow), optimizer_info=optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
+        scalars=scalar_history_records(content.extra_meta.get("scalar_history")),
     )
     with deadline(timeout), preserve_live(model):
         load_buffers(model, content.state.buffers)
@@ -462,6 +465,7 @@ def replay(
         inp = StepInputs(
             record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
             optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
+            scalars=scalar_history_records(b.meta.get("scalar_history")),
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
         compiled = None

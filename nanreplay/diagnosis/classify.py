@@ -204,10 +204,10 @@ def _history_evidence(f: Features) -> list[str]:
     ev = []
     if h.get("exploding") and h.get("grad_norms"):
         last = h["grad_norms"][-1]
-        ev.append(f"grad norm rose to {last[1]:.4g} at step {last[0]}, {float(h['growth']):.3g}x the median of the earlier steps in the ring buffer")
+        ev.append(f"grad norm rose to {last[1]:.4g} at step {last[0]}, {float(h['growth']):.3g}x the median of the earlier steps held")
     if h.get("lr_spike"):
         sp = h["lr_spike"]
-        ev.append(f"learning rate {float(sp['lr']):.4g} at step {sp['step']}, vs {sp['min_lr']:.4g} in the ring buffer")
+        ev.append(f"learning rate {float(sp['lr']):.4g} at step {sp['step']}, vs {sp['min_lr']:.4g} in the last steps held")
     return ev
 
 

@@ -166,11 +166,17 @@ def describe_sources(src: dict) -> str:
     return " and ".join(parts) if parts else "unknown sources"
 
 
+#: the most recent steps in which a learning-rate jump counts as a spike (a warm-up over the
+#: whole scalar history is not one)
+LR_WINDOW = 16
+
+
 def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float = 10.0) -> Optional[dict]:
-    """Explosion evidence from the ring buffer: the grad norms of the steps before the failing one
+    """Explosion evidence from the scalar history and the ring buffer (``steps``: the merged
+    records, :meth:`~nanreplay.engine.run.StepInputs.long_history`): the grad norms of the steps before the failing one
     (finite ones; a step whose float32 2-norm overflowed keeps its float64 norm), whether the
     latest is at least ``ratio`` times the median of the earlier ones, the losses, and whether the
-    learning rate jumped by ``ratio`` within the window or was non-finite.
+    learning rate jumped by ``ratio`` within the last ``LR_WINDOW`` steps or was non-finite.
 
     Args:
         steps: ring-buffer records with ``step``, ``grad_norm`` and ``loss`` (float or None) and ``lrs``.
@@ -190,10 +196,11 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
         base = statistics.median(v for _, v in norms[:-1])
         out["growth"] = norms[-1][1] / base if base > 0 else math.inf
         out["exploding"] = bool(out["growth"] >= ratio)
-    if len(lrs) >= 2:
-        finite = [v for _, v in lrs if math.isfinite(v)]
+    recent = lrs[-LR_WINDOW:]
+    if len(recent) >= 2:
+        finite = [v for _, v in recent if math.isfinite(v)]
         lo = min(finite) if finite else math.nan
-        hi_step, hi = max(lrs, key=lambda kv: kv[1] if math.isfinite(kv[1]) else math.inf)
+        hi_step, hi = max(recent, key=lambda kv: kv[1] if math.isfinite(kv[1]) else math.inf)
         if lo > 0 and (not math.isfinite(hi) or hi / lo >= ratio):
             out["lr_spike"] = {"step": hi_step, "lr": fnum(hi), "min_lr": lo}
     out["growth"] = fnum(out.get("growth"))

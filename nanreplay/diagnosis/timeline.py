@@ -1,8 +1,9 @@
 """Facts for the visual report (``nanreplay report``), added to the diagnosis dict as new keys
 and documented in ``docs/report.md``:
 
-* ``timeline``: the recorded loss, grad norm and learning rates of every ring-buffer step up to
-  the failing one (the curves before the failure);
+* ``timeline``: the recorded loss, grad norm and learning rates of every step up to the failing
+  one that the scalar history (``meta["scalar_history"]``, the last ~1,000 steps) or the ring
+  buffer holds (the curves before the failure);
 * ``forward_modules``: the output health of every module call of the replayed forward pass, in
   execution order, with its role, the health of the gradient at its output in the backward
   pass, and the allowlisted births (legitimate ``-Inf`` masks) inside it;
@@ -152,7 +153,7 @@ def report_facts(result: Any, inp: Any) -> dict:
         the fields are documented in ``docs/report.md``.
     """
     return {
-        "timeline": _timeline(inp.history or [inp.record], inp.record.step),
+        "timeline": _timeline(inp.long_history() or [inp.record], inp.record.step),
         "forward_modules": _forward_modules(result),
         "batch_leaves": _batch_leaves(inp),
     }

@@ -49,6 +49,14 @@ class StepInputs:
     optimizer_info: Optional[dict] = None        # bundle meta["optimizer"]: class path, param_groups_fqns
     history: list = field(default_factory=list)  # ring-buffer StepRecords up to the failing step
     reason: dict = field(default_factory=dict)   # why the recorder dumped (meta["reason"])
+    scalars: list = field(default_factory=list)  # the scalar history (meta["scalar_history"]) as light records
+
+    def long_history(self) -> list:
+        """The scalar history merged with the ring buffer's steps (a ring step wins), oldest
+        first, up to the failing step: the steps a capacity-sized ring alone would not show."""
+        by_step = {r.step: r for r in self.scalars}
+        by_step.update({r.step: r for r in self.history})
+        return [by_step[k] for k in sorted(by_step) if k <= self.record.step]
 
     @property
     def uses_loss(self) -> bool:

@@ -343,6 +343,31 @@ def _check_sharded(c: "_Checker", d: dict, where: str) -> None:
             raise MetaError(f"{where}.sharding.optimizer[{k!r}]", "a parameter listed in sharding.params", _show(v))
 
 
+def _scalar_history(c: "_Checker", v: Any) -> None:
+    """``meta.scalar_history``: five lists of one length, oldest first (docs/bundle-format.md)."""
+    where = "meta.scalar_history"
+    h = c.obj(v, where, ("step", "loss", "grad_norm", "lrs", "finite"))
+    cols = {k: c.array(h[k], f"{where}.{k}") for k in ("step", "loss", "grad_norm", "lrs", "finite")}
+    n = len(cols["step"])
+    for k, col in cols.items():
+        if len(col) != n:
+            raise MetaError(f"{where}.{k}", f"{n} entries, one per entry of {where}.step", f"{len(col)}")
+    last = -1
+    for i in range(n):
+        s = c.integer(cols["step"][i], f"{where}.step[{i}]")
+        if s <= last:
+            raise MetaError(f"{where}.step[{i}]", f"increasing step numbers (after {last})", str(s))
+        last = s
+        c.fnum(cols["loss"][i], f"{where}.loss[{i}]")
+        c.fnum(cols["grad_norm"][i], f"{where}.grad_norm[{i}]")
+        lrs = c.array(cols["lrs"][i], f"{where}.lrs[{i}]", 1_000_000)
+        for j, lr in enumerate(lrs):
+            if lr is None:
+                raise MetaError(f"{where}.lrs[{i}][{j}]", "a float", "null")
+            c.fnum(lr, f"{where}.lrs[{i}][{j}]")
+        c.boolean(cols["finite"][i], f"{where}.finite[{i}]")
+
+
 def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
     """Check a step bundle's metadata against the schema and against the tensors in the file.
 
@@ -455,6 +480,8 @@ def _check_code_and_options(c: _Checker, m: dict) -> None:
             raise MetaError(f"meta.replay_options.allow_nonfinite[{i}]", "an allowlist rule MODULE:OP[:-inf]", str(e)[:200]) from None
     if m.get("lightning") is not None:
         c.obj(m["lightning"], "meta.lightning")
+    if m.get("scalar_history") is not None:
+        _scalar_history(c, m["scalar_history"])
     d = m.get("diagnosis")
     if d is not None:
         c.obj(d, "meta.diagnosis")

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.rng import RNGState
 
-__all__ = ["ForwardRecord", "Snapshot", "StepRecord", "BundleContent"]
+__all__ = ["ForwardRecord", "Snapshot", "StepRecord", "BundleContent", "scalar_history_records"]
 
 
 @dataclass
@@ -126,3 +126,18 @@ class BundleContent:
     # constants under ``program/``); listed in ``meta["extra_tensors"]``
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     trusted: bool = True
+
+
+def scalar_history_records(meta: Optional[dict]) -> list:
+    """The rows of a bundle's ``meta["scalar_history"]`` (schema-checked by
+    :mod:`nanreplay.format.meta`) as light records with ``step``, ``loss``, ``grad_norm``,
+    ``lrs`` and ``finite``, oldest first; ``[]`` for a bundle written before the field existed."""
+    if not meta:
+        return []
+    from types import SimpleNamespace
+
+    def num(v: Any) -> Optional[float]:
+        return None if v is None else float(v)
+
+    return [SimpleNamespace(step=int(s), loss=num(lo), grad_norm=num(g), lrs=[float(x) for x in lr], finite=f)
+            for s, lo, g, lr, f in zip(meta["step"], meta["loss"], meta["grad_norm"], meta["lrs"], meta["finite"])]

@@ -152,6 +152,13 @@ class NanReplayCallback(Callback, RecorderCallbackState):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._close()
 
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        """A checkpoint is being saved: it holds the step-start weights of the Recorder's next
+        step, which the rollback plan names when no snapshot is newer (``source="checkpoint"``)."""
+        if self.recorder is not None:
+            self.recorder.extra_meta["last_checkpoint_step"] = self.recorder.step
+            self.recorder.extra_meta["last_checkpoint_global_step"] = int(trainer.global_step)
+
     # -- per batch -------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.recorder is not None:

@@ -300,6 +300,13 @@ class NanReplayCallback(TrainerCallback, RecorderCallbackState):
             self.recorder.log_loss(loss)  # checked with the gradients, no sync
         return None
 
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A checkpoint was saved: it holds the step-start weights of the Recorder's next step,
+        which the rollback plan names when no snapshot is newer (``source="checkpoint"``)."""
+        if self.recorder is not None:
+            self.recorder.extra_meta["last_checkpoint_step"] = self.recorder.step
+            self.recorder.extra_meta["last_checkpoint_global_step"] = int(state.global_step)
+
     # -- per optimizer step ---------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
