@@ -32,7 +32,7 @@ from .state import replay_scaler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves"]
+__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves", "discrete_leaves"]
 
 
 @dataclass
@@ -163,6 +163,16 @@ def _nonfinite_state(state: Any) -> list:
         except AttributeError:  # a state type without a __dict__: no cache
             pass
     return cached
+
+
+def discrete_leaves(inp: "StepInputs") -> dict[str, bool]:
+    """Every tensor leaf of the step's recorded batches (or forward inputs), by the path the
+    replay's provenance names it with (``batch['mask']``), and whether it is discrete: an integer
+    or bool dtype (labels, masks, lengths, counts, indices), not continuous values."""
+    rec = inp.record
+    trees = rec.batches if inp.uses_loss else [fw.inputs for fw in rec.forwards]
+    return {path: not (leaf.is_floating_point() or leaf.is_complex())
+            for i, tree in enumerate(trees) for path, leaf in _leaves_with_paths(tree, _batch_root(rec, inp.uses_loss, i))}
 
 
 def _batch_root(rec: StepRecord, uses_loss: bool, i: int) -> str:
