@@ -228,7 +228,7 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "propagated_ops": ops.propagated if ops is not None else None,
         "samples": smp,
         "optimizer": f.optimizer,
-        "history": f.history,
+        "history": _with_weights_history(f),
         "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
@@ -240,6 +240,13 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "errors": list(f.errors),
         "compile": f.compiled,
     }
+
+
+def _with_weights_history(f: Features) -> Optional[dict]:
+    """The ring buffer's history, with ``weights_nonfinite_since`` for a weights origin."""
+    if f.weights is None or "nonfinite_since" not in f.weights:
+        return f.history
+    return dict(f.history or {}, weights_nonfinite_since=f.weights["nonfinite_since"])
 
 
 def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: Features) -> str:
@@ -378,7 +385,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         record=rec, state=content.state, recorded_grads=content.grads, loss_fn=loss_fn,
         scaler=content.state.extra.get("scaler"), grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"),
         allow=Allowlist(allow), optimizer_info=optimizer_info,
-        history=list(content.steps), reason=dict(content.reason),
+        history=list(content.steps), reason=dict(content.reason), attach_scan=content.extra_meta.get("attach_scan"),
     )
     with deadline(timeout), preserve_live(model):
         load_buffers(model, content.state.buffers)
@@ -468,6 +475,7 @@ def replay(
         inp = StepInputs(
             record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
             optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
+            attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
         compiled = None

@@ -412,6 +412,7 @@ Rule = tuple[str, Callable[[Features], bool], Callable[[Features], tuple[str, li
 RULES: tuple[Rule, ...] = (
     ("bad input data", lambda f: f.phase == "input", _input),
     ("optimizer update", lambda f: f.phase == "optimizer", _optimizer),
+    ("unknown", lambda f: f.phase == "weights" and (f.weights or {}).get("nonfinite_since") == "before recording", _weights),
     ("optimizer update", lambda f: f.phase == "weights" and f.origin.get("kind") == "parameter", _weights),
     ("numerics", lambda f: f.phase == "weights", _weights),
     ("explosion", lambda f: f.origin.get("kind") == "explosion", _explosion_grad_norm),

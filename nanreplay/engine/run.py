@@ -49,6 +49,7 @@ class StepInputs:
     optimizer_info: Optional[dict] = None        # bundle meta["optimizer"]: class path, param_groups_fqns
     history: list = field(default_factory=list)  # ring-buffer StepRecords up to the failing step
     reason: dict = field(default_factory=dict)   # why the recorder dumped (meta["reason"])
+    attach_scan: Optional[dict] = None           # meta["attach_scan"]: tensors non-finite when the Recorder attached
 
     @property
     def uses_loss(self) -> bool:
