@@ -405,6 +405,36 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
         sys.exit(EXIT_NOT_REPRODUCED)
 
 
+@main.command()
+@_bundle_arg
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the fixed model (default: the program "
+              "embedded in the bundle, else the recorded factory).")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--device", help="Device to replay on (default: the recorded one when present).")
+@click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_trust_opt
+def check(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str], import_script: bool, as_json: bool,
+          trust: bool) -> None:
+    """Replay the recorded failing step of BUNDLE on the code as it is now (a regression test).
+
+    Exit code 0 when the step now replays finite, 3 when it is still non-finite.
+    """
+    from .testing import check_finite
+
+    out = _guard(lambda: check_finite(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, import_script=import_script))
+    if as_json:
+        click.echo(_dump_json(out))
+    elif out["finite"]:
+        loss = f" (loss {out['loss']:.4g})" if isinstance(out["loss"], float) else ""
+        click.echo(f"step {out['step']} replays finite{loss}: the fix holds")
+    else:
+        click.echo(f"step {out['step']} still replays non-finite ({', '.join(out['nonfinite'])}); "
+                   f"nanreplay replay {shlex.quote(str(bundle))} names where the NaN is born now")
+    if not out["finite"]:
+        sys.exit(EXIT_NOT_REPRODUCED)
+
+
 def _reproduced(diag: dict) -> bool:
     """The eager replay reproduced the failure, or (``--compile``) the compiled one did."""
     compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
