@@ -167,8 +167,16 @@ def samples_for(found: Found, inp: StepInputs, result: ReplayResult, model: torc
         if out is NOT_APPLICABLE:
             return None
         if out is not None:
-            return out
+            return _one_sample_batch(out)
     return None
+
+
+def _one_sample_batch(out: dict) -> dict:
+    """A batch of one sample: the failure belongs to the batch, whatever method named row 0."""
+    if out.get("batch_size") == 1 and not out.get("batch_level"):
+        return dict(out, indices=[], count=0, batch_level=True,
+                    reason="the batch holds one sample: the failure belongs to the batch, not to a sample of it")
+    return out
 
 
 def _slice_record(rec: StepRecord, idx: list[int], size: int) -> StepRecord:
