@@ -136,7 +136,8 @@ def work_nanreplay(case: Any, timeout: float) -> dict:
         t0 = time.perf_counter()
         rec = runner.record_case(case, out_dir, diagnose=False)
         t1 = time.perf_counter()
-        cmd = [sys.executable, "-m", "nanreplay.cli", "replay", rec["bundle"], "--json"]
+        # case files only define names; a case whose program cannot be embedded replays from its factory
+        cmd = [sys.executable, "-m", "nanreplay.cli", "replay", rec["bundle"], "--json", "--import-script"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
         t2 = time.perf_counter()
     finally:

@@ -99,6 +99,16 @@ def _exit_for(e: BaseException) -> Optional[CLIError]:
     return next((CLIError(message(e), code) for kind, code, message in ERROR_EXITS if isinstance(e, kind)), None)
 
 
+def _g(v: Any) -> str:
+    """A number of a table, ``%.4g``-style with its exponent (``7.219e+16``), never cut;
+    ``-`` for none; a non-finite one as written (``nan``, ``inf``)."""
+    if v is None:
+        return "-"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.4g}"
+    return str(v)
+
+
 def _guard(fn: Callable[[], Any]) -> Any:
     """Map library errors to clean messages and fixed exit codes (:data:`ERROR_EXITS`), never a
     traceback; anything else is a bug (exit 1)."""
@@ -425,6 +435,36 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
         sys.exit(EXIT_NOT_REPRODUCED)
 
 
+@main.command()
+@_bundle_arg
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the fixed model (default: the program "
+              "embedded in the bundle, else the recorded factory).")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--device", help="Device to replay on (default: the recorded one when present).")
+@click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_trust_opt
+def check(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str], import_script: bool, as_json: bool,
+          trust: bool) -> None:
+    """Replay the recorded failing step of BUNDLE on the code as it is now (a regression test).
+
+    Exit code 0 when the step now replays finite, 3 when it is still non-finite.
+    """
+    from .testing import check_finite
+
+    out = _guard(lambda: check_finite(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, import_script=import_script))
+    if as_json:
+        click.echo(_dump_json(out))
+    elif out["finite"]:
+        loss = f" (loss {out['loss']:.4g})" if isinstance(out["loss"], float) else ""
+        click.echo(f"step {out['step']} replays finite{loss}: the fix holds")
+    else:
+        click.echo(f"step {out['step']} still replays non-finite ({', '.join(out['nonfinite'])}); "
+                   f"nanreplay replay {shlex.quote(str(bundle))} names where the NaN is born now")
+    if not out["finite"]:
+        sys.exit(EXIT_NOT_REPRODUCED)
+
+
 def _reproduced(diag: dict) -> bool:
     """The eager replay reproduced the failure, or (``--compile``) the compiled one did."""
     compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
@@ -613,13 +653,14 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         d = res_text["details"]
         if d.get("verification"):
             echo(f"  replay:   {d['verification']}")
-        for row in d.get("timeline", []):
+        raw = res.get("details") or {}
+        for row, num in zip(d.get("timeline", []), raw.get("timeline", [])):
             echo(
-                f"    step {row['step']:>5}  loss {row['loss']!s:<12.12} grad norm {row['grad_norm']!s:<12.12} update {row.get('update_norm', '-')!s:<12.12}"
+                f"    step {row['step']:>5}  loss {_g(num.get('loss')):<12} grad norm {_g(num.get('grad_norm')):<12} update {_g(num.get('update_norm')):<12}"
                 f" recorded ok {row['matches_recording']!s:<5} {st('; '.join(row['anomalies']), fg='red')}"
             )
-        for r in d.get("largest_moves", [])[:5]:
-            echo(f"    moved {r['layer'] or '(root)':<28} relative change {r['relative_change']!s:<12.12} max |change| {r['max_abs_diff']}")
+        for r, num in zip(d.get("largest_moves", [])[:5], raw.get("largest_moves", [])):
+            echo(f"    moved {r['layer'] or '(root)':<28} relative change {_g(num.get('relative_change')):<12} max |change| {_g(num.get('max_abs_diff'))}")
         for w in res_text["warnings"]:
             echo(f"  {st('warning:', fg='yellow')}  {w}")
     if html is not None:

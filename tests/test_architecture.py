@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nanreplay"
 
 #: bottom first; a module may import from its own layer and the layers before it
-LAYERS = ["errors", "core", "report", "format", "engine", "diagnosis", "capture", "search", "integrations", "cli"]
+LAYERS = ["errors", "core", "report", "format", "engine", "diagnosis", "capture", "search", "testing", "integrations", "cli"]
 
 _BASE = {"errors", "core"}
 
@@ -32,8 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "diagnosis": _BASE | {"format", "engine", "report"},
     "capture": _BASE | {"format", "engine"},  # the diagnosis only through EXCEPTIONS
     "search": _BASE | {"format", "engine"},  # replays with one thing changed; no diagnosis, no recorder
+    "testing": _BASE | {"format", "engine"},  # a regression test from a bundle: one bare replay, no diagnosis
     "integrations": _BASE | {"capture"},  # callbacks that drive a Recorder
-    "cli": _BASE | {"report", "format", "engine", "diagnosis", "capture", "search"},
+    "cli": _BASE | {"report", "format", "engine", "diagnosis", "capture", "search", "testing"},
 }
 
 #: (importing package or module, imported module) -> why the edge is allowed outside ALLOWED;

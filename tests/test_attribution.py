@@ -32,10 +32,13 @@ def test_forward_division_by_zero_in_a_submodule(out_dir):
     assert o["source"]["file"].endswith("models.py") and "x.abs().sum(-1, keepdim=True)" in o["source"]["code"]
     assert o["inputs"]["nan"] == 0 and o["output"]["nan"] == 8
     # the zero divisor comes from the all-zero sample 2, carried through the model: with every weight
-    # perturbed it is still 0, so the batch decides it
+    # perturbed it is still 0, so the sample triggers it; but an all-zero row of continuous values is
+    # valid data at the division's singular point: the cause (what to fix) is numerics, the sample its trigger
     c = diag["classification"]
-    assert c["cause"] == "bad input data" and diag["counterfactuals"]["persists_with_perturbed_weights"] is True
-    assert "the divisor is 0 at 1 of its 6 entries and derives from batch['x'] and the weights and stays 0 with the weights perturbed" in c["detail"]
+    assert c["cause"] == "numerics" and diag["counterfactuals"]["persists_with_perturbed_weights"] is True
+    assert c["trigger"]["samples"] == [2] and c["trigger"]["batch_level"] is False
+    assert "the divisor is 0 at 1 of its 6 entries and derives from batch['x'] and the weights and stays 0 with the weights perturbed" in c["trigger"]["property"]
+    assert any("the batch triggers the singular point" in e for e in c["evidence"])
     assert diag["samples"]["method"] == "non-finite rows of the producer op's output"
     assert diag["summary"].startswith("NaN born in the forward pass in op div at models.py:")
     assert "in module encoder.block.norm (SafeDiv), step 0, samples [2]" in diag["summary"]

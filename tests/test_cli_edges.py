@@ -189,3 +189,10 @@ def test_replay_quiet_is_scoped_and_steps_aside_at_debug():
             nr.setLevel(old)
         assert any("degrees of freedom" in str(w.message) for w in seen)
     assert dynamo_log.level == level and warnings.filters == filters
+
+
+def test_bisect_table_numbers_keep_their_exponent():
+    from nanreplay.cli import _g
+
+    # a loss of 7.2e16 was printed cut to 12 characters, "7.2190256987", losing the exponent
+    assert (_g(7.2190256987e16), _g(0.000123456), _g(3), _g(None), _g("nan")) == ("7.219e+16", "0.0001235", "3", "-", "nan")

@@ -471,3 +471,20 @@ def test_a_copy_that_outgrows_the_budget_turns_its_mode_off_once_and_the_check_g
         assert _storage_bytes_held(rec, model) <= MiB
     warnings = [r.getMessage() for r in caplog.records if "cannot hold beside the step in progress" in r.getMessage()]
     assert len(warnings) == 1 and "Raise memory_budget to at least" in warnings[0], warnings
+
+
+def test_step_offset_numbers_steps_as_the_trainer_does(out_dir):
+    # resumed at global step 1000: the failing step is 1000 in the error, the bundle and its diagnosis
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 3)
+    x[1, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, out_dir=out_dir, step_offset=1000, diagnose=False) as rec:
+            assert rec.step == 1000
+            rec.record((x,))
+            model(x).sum().backward()
+            opt.step()
+    assert ei.value.step == 1000 and open_bundle(ei.value.bundle_path).failing_step == 1000
+    with pytest.raises(ValueError, match=r"step_offset must be an int >= 0 .* got -1"):
+        RecorderConfig(step_offset=-1)

@@ -43,6 +43,9 @@ class RecorderConfig:
             makes the copy outgrow the budget, that mode is turned off with one warning naming
             the budget it needs (``check_update`` stops; ``check_every`` reads on the host every
             step).
+        step_offset: the number of the first step the Recorder sees (the trainer's global step when
+            it attaches, e.g. on resuming from a checkpoint), so step numbers in bundles and
+            reports are the trainer's, not a count from the Recorder's creation (>= 0).
         out_dir: directory for bundles (created on first dump).
         bundle_format: ``"h5"`` (HDF5) or ``"safetensors"``.
         max_consecutive: with ``action="skip"``, raise after this many consecutive skipped steps.
@@ -162,6 +165,7 @@ class RecorderConfig:
     dump_on_explosion: bool = False
     on_spike: Optional[str] = "warn"
     history_steps: int = 1024
+    step_offset: int = 0
 
     def __post_init__(self) -> None:
         from ..core.allowlist import AllowRule
@@ -174,6 +178,8 @@ class RecorderConfig:
 
         if self.action not in table:
             raise ValueError(f"action must be one of {tuple(table)}, got {self.action!r}")
+        if isinstance(self.step_offset, bool) or not isinstance(self.step_offset, int) or self.step_offset < 0:
+            raise ValueError(f"step_offset must be an int >= 0 (the trainer's global step when the Recorder attaches), got {self.step_offset!r}")
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1 step, got {self.capacity}")
         if self.snapshot_every < 0:

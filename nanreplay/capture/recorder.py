@@ -106,7 +106,7 @@ class Recorder:
                 loss.backward(); opt.step(); opt.zero_grad()
 
     Attributes:
-        step: index of the step in progress (0-based count of ``optimizer.step()`` calls seen).
+        step: index of the step in progress (``step_offset`` plus the count of ``optimizer.step()`` calls seen).
         ring: the ring buffer, a sequence of :class:`~nanreplay.format.records.StepRecord`.
         bundles: paths of the bundles written so far.
         nonfinite_steps: the steps found non-finite so far.
@@ -147,11 +147,12 @@ class Recorder:
         self._update = UpdateCheck(self.ring) if self.config.check_update else None
 
         # the step in progress and the outcomes so far
-        self.step = 0
+        self.step = self.config.step_offset
         self._provisional = False                   # the step in progress was begun in eval mode
         self._pending_loss: Optional[torch.Tensor] = None
         self.nonfinite_steps: list[int] = []
         self.extra_meta: dict[str, Any] = {}
+        self.extra_meta["attach_scan"] = attach_scan(self.model, self.step)
         self._closed = False
 
         # hooks, each behind a handle this Recorder owns
@@ -693,3 +694,13 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return inner
+
+
+def attach_scan(model: torch.nn.Module, step: int) -> dict:
+    """The weights and buffers that are already non-finite when the Recorder attaches (a loaded
+    checkpoint, the initialisation), scanned once: ``{"step", "nonfinite": [FQN] (up to 64),
+    "count"}``; stored in every bundle (``meta["attach_scan"]``) so a diagnosis can tell weights
+    non-finite before recording from weights a recorded step made non-finite."""
+    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+           if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t.detach()).all())]
+    return {"step": step, "nonfinite": bad[:64], "count": len(bad)}

@@ -31,14 +31,14 @@ from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import DEFAULT_BACKEND, compile_check
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
-from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
+from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
 from ..engine.state import ReplayRequest, load_state, opened_subject
 from ..format.bundle import Bundle, Types
 from ..format.records import BundleContent
 from ..report.summary import summary_sentence
-from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
 from ..format.records import scalar_history_records
+from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
 from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
@@ -152,6 +152,7 @@ def diagnose(
     smp = None
     if found is not None:
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
+    cls["trigger"] = trigger(f, smp)
     diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
     diag["summary"] = summary_sentence(diag)
@@ -193,7 +194,8 @@ def _features(found: Optional[Found], inp: StepInputs, compiled: Optional[dict],
                         compiled=compiled, errors=errors)
     birth = found.birth
     f = Features(phase=found.phase, origin=found.origin, birth=birth, history=_history(inp), optimizer=found.extra.get("optimizer"),
-                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")), compiled=compiled, errors=errors)
+                 batch_size=step_batch_size(inp.record, inp.uses_loss, (birth or {}).get("micro_batch")), compiled=compiled, errors=errors,
+                 discrete=discrete_leaves(inp))
     if found.phase == "weights":
         f.weights = weights_evidence(inp, found.origin["tensor"], is_param=found.origin.get("kind") == "parameter")
     return f
@@ -228,13 +230,14 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "propagated_ops": ops.propagated if ops is not None else None,
         "samples": smp,
         "optimizer": f.optimizer,
-        "history": f.history,
+        "history": _with_weights_history(f),
         "rollback": inp.reason.get("rollback"),
         "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
         "loss": [health_json(h) for h in result.losses],
-        "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed},
+        "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed,
+                            "persists_with_perturbed_data": f.persists_data_perturbed},
         "warnings": (list(result.warnings) + list((smp or {}).get("warnings", []))
                      + [f"the {e['replay']} replay failed: {e['error']}" for e in f.errors]),
         "errors": list(f.errors),
@@ -256,6 +259,13 @@ def _note_rank(diag: dict, d: dict) -> None:
     else:
         note = f"rank {rank} of {world} replayed; origin rank(s) {origins or 'unknown'}"
     diag["summary"] = f"{diag['summary'].rstrip()} [{note}; full weights put together from {len(d['merged_from'])} rank bundles]"
+
+
+def _with_weights_history(f: Features) -> Optional[dict]:
+    """The ring buffer's history, with ``weights_nonfinite_since`` for a weights origin."""
+    if f.weights is None or "nonfinite_since" not in f.weights:
+        return f.history
+    return dict(f.history or {}, weights_nonfinite_since=f.weights["nonfinite_since"])
 
 
 def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: Features) -> str:
@@ -297,17 +307,37 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             f.errors.append({"replay": "perturbed-weights", "error": replay_error(e)})
         finally:
             _fresh(model, inp)
+    if needs_data_perturbed_replay(f):
+        say("replaying the step with perturbed weights and continuous data (do the labels or masks decide the zero?)")
+        try:
+            sig = birth_signature(f.birth or {})
+            watch = frozenset({sig[1]}) if sig[1] else None
+            f.persists_data_perturbed = sig in replay_perturbed(model, inp, device=device, watch=watch, data=True)
+        except Exception as e:
+            f.errors.append({"replay": "perturbed-data", "error": replay_error(e)})
+        finally:
+            _fresh(model, inp)
 
 
 def _determinism(f: Features, repro: dict, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
     """No birth, recorded gradients non-finite, replay not reproduced (and not a compiler
-    difference): replay twice more; all finite is a transient fault."""
+    difference): replay twice more; disagreeing replays are nondeterminism; all finite, with a
+    float64 replay finite too, is a suspected hardware fault (``transient``)."""
     if (f.phase == "none" and repro["verdict"] == "not reproduced" and any_nonfinite(inp.recorded_grads.values())
             and not (f.compiled or {}).get("only_under_compile")):
         say("replaying the step again (determinism check)")
         f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
         f.transient = f.repeats == 3
+        f.nondeterministic = f.repeats < 3
         repro["repeats"] = f.repeats
+        if f.transient:
+            say("replaying the step in float64 (a reference for the hardware-fault verdict)")
+            try:
+                f.wide_finite = not replay_wide(model, inp, device=device)
+            except Exception as e:
+                f.errors.append({"replay": "float64", "error": replay_error(e)})
+            finally:
+                _fresh(model, inp)
 
 
 def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], times: int) -> int:
@@ -376,6 +406,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         allow=Allowlist(allow), optimizer_info=optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
         scalars=scalar_history_records(content.extra_meta.get("scalar_history")),
+        attach_scan=content.extra_meta.get("attach_scan"),
     )
     with deadline(timeout), preserve_live(model):
         load_buffers(model, content.state.buffers)
@@ -466,6 +497,7 @@ def replay(
             record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
             optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
             scalars=scalar_history_records(b.meta.get("scalar_history")),
+            attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
         )
         compiled = None

@@ -4,23 +4,33 @@
 :class:`Features` under which it holds, and how its detail and evidence read; the first row whose
 condition holds decides. Causes:
 
-* ``bad input data``: the batch already holds NaN/Inf; or the operand at fault derives only from
-  the batch (labels, masks, lengths: no weight, no random draw); or the batch decided the domain
-  error: a row whose every position a mask from the batch hid, a statistic over too few elements
-  of a batch, an empty selection made by the batch, a loss whose every target the batch marks
-  ignored, or a zero that the batch carries through the model (it derives from batch and weights,
-  and stays 0 when the step is replayed with every weight perturbed);
+* ``bad input data``: the batch is invalid for what the code assumes: it already holds NaN/Inf;
+  or the operand at fault derives only from the batch's discrete parts (integer or bool leaves:
+  labels, masks, lengths, counts, indices; no weight, no random draw); or the batch's size or
+  composition decided the domain error: a row whose every position a mask from the batch hid, a
+  statistic over too few elements of a batch, an empty selection made by the batch, a loss whose
+  every target the batch marks ignored;
 * ``optimizer update``: the update from finite gradients, or weights an earlier update corrupted;
 * ``explosion``: values grew step over step (grad-norm history, learning-rate spike) past the range;
 * ``overflow``: a value out of its dtype's range that is finite in a wider dtype;
 * ``underflow``: a value that rounded to 0 (or onto a domain boundary) in its dtype, where the
   step replayed in float64 is finite;
-* ``numerics``: the op outside its mathematical domain on values from the weights or the code;
+* ``numerics``: valid values reach the op's singular point or an ill-conditioned formula: on
+  values from the weights or the code, or on continuous batch values (a distance exactly 0 for a
+  duplicate pair, a silent clip's magnitude 0): the fix is in the formula (an eps, a clamp);
 * ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (only
   with ``replay(..., compile=True)`` / ``nanreplay replay --compile``);
-* ``transient``: the recorded gradients are non-finite and every replay is finite (suspect the
-  hardware or nondeterminism, as Megatron-LM's rerun state machine classifies);
+* ``nondeterminism``: no birth in the monitored replay, and repeated plain replays of the step on
+  the same device disagree (some finite, some not);
+* ``transient``: "not reproduced: suspected hardware fault", only when everything checked agrees
+  on finite: the model's recorded forward inputs are finite (no code between ``record`` and the
+  model made them non-finite), every repeat replay is finite, and the step replayed in float64
+  is finite too (as Megatron-LM's rerun state machine classifies); where a check did not run or
+  disagrees, the verdict is ``unknown`` and says which;
 * ``unknown``: nothing above can be shown.
+
+The cause says what to fix; :func:`trigger` says what set it off: the samples and the batch
+property (``classification.trigger``), for every cause the batch took part in.
 """
 
 from __future__ import annotations
@@ -33,9 +43,10 @@ import torch
 from ..core.numerics import kinds
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
-__all__ = ["CAUSES", "Features", "RULES", "classify"]
+__all__ = ["CAUSES", "Features", "RULES", "classify", "trigger", "needs_data_perturbed_replay"]
 
-CAUSES = ("bad input data", "optimizer update", "explosion", "overflow", "underflow", "numerics", "compiler", "transient", "unknown")
+CAUSES = ("bad input data", "optimizer update", "explosion", "overflow", "underflow", "numerics", "compiler", "nondeterminism", "transient",
+          "unknown")
 
 
 @dataclass
@@ -50,10 +61,13 @@ class Features:
     weights: Optional[dict] = None            # weights_evidence for a weights origin
     wide_finite: Optional[bool] = None        # the step in float64 is finite (None: not tried)
     persists_perturbed: Optional[bool] = None  # the birth persists with perturbed weights (None: not tried)
+    persists_data_perturbed: Optional[bool] = None  # ... with the weights and the batch's continuous leaves perturbed
     transient: bool = False                   # recorded non-finite, every replay finite
+    nondeterministic: bool = False            # recorded non-finite, the repeat replays disagree
     compiled: Optional[dict] = None           # the compile check (nanreplay.engine.compiled), when asked for
     repeats: int = 0
     batch_size: Optional[int] = None
+    discrete: dict[str, bool] = field(default_factory=dict)  # batch leaf path -> integer/bool dtype (discrete_leaves)
     evidence: list[str] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)  # replays that raised: {"replay", "error"}
 
@@ -100,21 +114,35 @@ class Features:
         return dtype not in (None, "float64", "complex128")
 
     @property
-    def from_batch(self) -> bool:
-        """The batch decided the domain error (see the module docstring)."""
-        op = self.operand or {}
+    def only_discrete_batch(self) -> bool:
+        """The operand at fault derives only from the batch, and only from its discrete leaves
+        (integer or bool: labels, masks, lengths, counts, indices)."""
         src = self.sources
-        only_batch = bool(src["batch"]) and not src["weights"] and not src["rng"]
+        return (bool(src["batch"]) and not src["weights"] and not src["rng"] and not src["buffers"]
+                and all(self.discrete.get(leaf, False) for leaf in src["batch"]))
+
+    @property
+    def from_batch(self) -> bool:
+        """The batch is invalid for what the code assumes (see the module docstring): its
+        composition decided the domain error (a fully masked row, a count, an empty selection,
+        every target ignored), or the operand derives only from its discrete parts. Continuous
+        batch values at an op's singular point are not: that is ``numerics``, the samples its trigger."""
+        op = self.operand or {}
         kind = self.domain_kind
         operands = ((self.birth or {}).get("operands") or {}).get("tensors") or []
         batch_in = lambda prov: any(p.startswith("batch:") for p in prov or [])  # noqa: E731
-        if kind == "zero":
-            return bool(op.get("zeros")) and (only_batch or (bool(src["batch"]) and not src["rng"] and self.persists_perturbed is True))
         if kind == "masked":
             return batch_in(op.get("masked_by"))
         if kind in ("ignored", "count", "empty"):
             return any(batch_in(o.get("prov")) for o in operands)
-        return only_batch
+        if kind == "zero":
+            return bool(op.get("zeros")) and (self.only_discrete_batch or self.persists_data_perturbed is True)
+        return self.only_discrete_batch
+
+    @property
+    def discrete_sources(self) -> list[str]:
+        """The batch's discrete leaves (integer, bool) the operand at fault derives from."""
+        return [leaf for leaf in self.sources["batch"] if self.discrete.get(leaf, False)]
 
 
 def _g(x: Optional[float]) -> str:
@@ -130,6 +158,9 @@ def _field(h: object, key: str) -> object:
 
 def _input(f: Features) -> tuple[str, list[str]]:
     o = f.origin
+    if o.get("recorded_forward_inputs"):
+        return (f"non-finite value in the model's recorded forward input {o.get('leaf')}, made by code between record(batch) and the model",
+                [o["between_record_and_model"]])
     return (f"non-finite value in the recorded batch at {o.get('leaf')}",
             [f"the batch leaf {o.get('leaf')} holds {o.get('nonfinite') or 'non-finite values'} before any op runs"
              + (f", in samples {o.get('samples')}" if o.get("samples") else "")])
@@ -152,11 +183,25 @@ def _explosion_grad_norm(f: Features) -> tuple[str, list[str]]:
             [f"the largest gradient ({_g(o.get('largest_gradient'))}) is in {o.get('param')}"] + _history_evidence(f))
 
 
+def _checked(f: Features) -> list[str]:
+    """What the not-reproduced verdicts rest on: every check that ran, and what was not checked."""
+    return [f"{f.repeats} replay(s) of the step, with the recorded batch, weights and RNG states, are all finite"
+            if f.transient else f"{f.repeats} of 3 replays of the step on this device are finite, the others are not",
+            "the recorded gradients hold non-finite values the replay does not produce",
+            "the model's forward inputs the Recorder captured are finite (no code between record(batch) and the model made them non-finite)",
+            {True: "the step replayed in float64 is finite too", False: "the step replayed in float64 is non-finite",
+             None: "the step was not replayed in float64"}[f.wide_finite],
+            "whether the model ran under torch.compile in training is not known here: nanreplay replay --compile checks the compiled step"]
+
+
 def _transient(f: Features) -> tuple[str, list[str]]:
-    return ("the recorded gradients are non-finite but the step replays finite: suspect the hardware or nondeterminism "
-            "(same device: a transient fault; another device: compare there)",
-            [f"{f.repeats} replay(s) of the step, with the recorded batch, weights and RNG states, are all finite",
-             "the recorded gradients hold non-finite values the replay does not produce"])
+    return ("not reproduced: suspected hardware fault (every check agrees the step is finite; on another device, compare there)",
+            _checked(f))
+
+
+def _nondeterminism(f: Features) -> tuple[str, list[str]]:
+    return ("the step's replays on the same device disagree: nondeterministic kernels or a race, not the data or the weights "
+            "(torch.use_deterministic_algorithms(True) makes the replays comparable)", _checked(f))
 
 
 def _compiler(f: Features) -> tuple[str, list[str]]:
@@ -173,6 +218,8 @@ def _compiler(f: Features) -> tuple[str, list[str]]:
 def _unknown(f: Features) -> tuple[str, list[str]]:
     if f.phase == "none" and f.errors:
         return f.errors[0]["error"], [f"the {x['replay']} replay raised {x['error']}" for x in f.errors]
+    if f.phase == "none" and f.repeats:
+        return ("not reproduced, and the checks do not agree on a hardware fault: the cause is unknown", _checked(f))
     if f.phase == "none":
         return "no non-finite value in the replay", []
     if f.origin.get("loss_replayed") is False:
@@ -291,8 +338,13 @@ def _zero_detail(f: Features, b: dict, op: dict, src: str) -> Optional[str]:
     if not op.get("zeros"):
         return None
     name = "divisor" if op.get("name") == "other" and b["op"].strip("_") == "div" else f"operand {op.get('name') or ''}".strip()
-    carried = f"derives from {src} and stays 0 with the weights perturbed" if f.sources["weights"] else f"derives only from {src}"
-    return f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and {carried}: this batch makes it 0"
+    if not f.sources["weights"]:
+        carried = f"derives only from {src}"
+    elif f.persists_perturbed:
+        carried = f"derives from {src} and stays 0 with the weights perturbed"
+    else:
+        carried = f"derives from {src}"
+    return f"the {name} is 0 at {op['zeros']} of its {op.get('numel')} entries and {carried}" + (": this batch makes it 0" if f.from_batch else "")
 
 
 #: how the batch's part is said, by the domain kind of the birth op (a row answering ``None``
@@ -317,14 +369,27 @@ def _batch_detail(f: Features) -> str:
 
 def _bad_input(f: Features) -> tuple[str, list[str]]:
     ev = _op_evidence(f)
-    if f.persists_perturbed:
+    if f.persists_data_perturbed:
+        ev.append(f"with every weight and every continuous batch leaf perturbed by 1% of its spread the same op still gives a non-finite "
+                  f"value: the batch's discrete parts ({', '.join(f.discrete_sources)}) decide it")
+    elif f.persists_perturbed:
         ev.append("with every weight perturbed by 1% of its spread the same op still gives a non-finite value: the weights do not decide it")
+    elif f.sources["batch"] and f.only_discrete_batch:
+        ev.append(f"the operand derives only from the batch's discrete parts ({', '.join(f.discrete_sources)}: integer or bool leaves)")
     return _batch_detail(f), ev
+
+
+def _continuous(f: Features) -> str:
+    leaves = [x for x in f.sources["batch"] if not f.discrete.get(x, False)]
+    return ", ".join(leaves)
 
 
 def _numerics(f: Features) -> tuple[str, list[str]]:
     b = f.birth or {}
     ev = _op_evidence(f)
+    if f.sources["batch"] and _continuous(f):
+        ev.append(f"the batch values it derives from ({_continuous(f)}) are continuous and finite: valid data that reach the op's "
+                  "singular point; the fix is in the formula (an eps, a clamp), the samples are its trigger")
     w = b.get("wider")
     if w is not None and not w.get("finite"):
         ev.append(f"{b['op']} is non-finite in {w.get('dtype')} too: a domain error, not a range problem")
@@ -332,6 +397,12 @@ def _numerics(f: Features) -> tuple[str, list[str]]:
         ev.append("the step replayed in float64 fails the same way")
     if f.persists_perturbed is False:
         ev.append("with every weight perturbed by 1% of its spread the op is finite: these weights put it outside its domain")
+    elif f.persists_perturbed is True:
+        ev.append("with every weight perturbed by 1% of its spread the same op still gives a non-finite value: the batch triggers "
+                  "the singular point, the weights do not decide it")
+    if f.persists_data_perturbed is False:
+        ev.append("with the batch's continuous leaves perturbed too (its discrete parts kept) the op is finite: the values, not the "
+                  "labels or masks, reach the singular point")
     return explanation(b) or f"{b.get('op')} outside its domain", ev
 
 
@@ -341,11 +412,13 @@ Rule = tuple[str, Callable[[Features], bool], Callable[[Features], tuple[str, li
 RULES: tuple[Rule, ...] = (
     ("bad input data", lambda f: f.phase == "input", _input),
     ("optimizer update", lambda f: f.phase == "optimizer", _optimizer),
+    ("unknown", lambda f: f.phase == "weights" and (f.weights or {}).get("nonfinite_since") == "before recording", _weights),
     ("optimizer update", lambda f: f.phase == "weights" and f.origin.get("kind") == "parameter", _weights),
     ("numerics", lambda f: f.phase == "weights", _weights),
     ("explosion", lambda f: f.origin.get("kind") == "explosion", _explosion_grad_norm),
     ("compiler", lambda f: f.phase == "none" and bool((f.compiled or {}).get("only_under_compile")), _compiler),
-    ("transient", lambda f: f.phase == "none" and f.transient, _transient),
+    ("nondeterminism", lambda f: f.phase == "none" and f.nondeterministic, _nondeterminism),
+    ("transient", lambda f: f.phase == "none" and f.transient and f.wide_finite is True, _transient),
     ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
     ("explosion", lambda f: f.overflow and f.exploding, _explosion),
     # a division whose true result fits the dtype, yet gives Inf: its divisor (or an intermediate
@@ -368,6 +441,23 @@ def classify(f: Features) -> dict:
     raise AssertionError("the last rule always holds")  # pragma: no cover
 
 
+def trigger(f: Features, samples: Optional[dict]) -> Optional[dict]:
+    """What set the failure off, apart from what to fix: ``{"samples", "batch_level",
+    "batch_size", "property"}`` (``property``: what the batch does at the origin, in words, when
+    the operand at fault derives from the batch); ``None`` when neither the samples nor the batch
+    take part (weights, the update, an explosion)."""
+    smp = samples or {}
+    prop: Optional[str] = None
+    if f.phase == "input":
+        prop = f"the batch leaf {f.origin.get('leaf')} holds {f.origin.get('nonfinite') or 'non-finite values'}"
+    elif f.birth is not None and (f.sources["batch"] or f.from_batch):
+        prop = _batch_detail(f)
+    if not smp and prop is None:
+        return None
+    return {"samples": list(smp.get("indices") or []), "batch_level": bool(smp.get("batch_level")), "batch_size": smp.get("batch_size", f.batch_size),
+            "property": prop}
+
+
 def needs_perturbed_replay(f: Features) -> bool:
     """Whether the perturbed-weights replay can change the verdict: a zero-domain birth whose
     operand at fault derives from the batch and the weights (and no random draw)."""
@@ -375,6 +465,14 @@ def needs_perturbed_replay(f: Features) -> bool:
     src = f.sources
     return (f.birth is not None and not f.overflow and f.domain_kind == "zero" and bool(op.get("zeros"))
             and bool(src["batch"]) and src["weights"] and not src["rng"])
+
+
+def needs_data_perturbed_replay(f: Features) -> bool:
+    """Whether the replay with the weights and the batch's continuous leaves perturbed can change
+    the verdict: a zero that persists with the weights perturbed, on an operand that derives from
+    discrete batch leaves and continuous ones (do the labels/masks decide it, or the values?)."""
+    return (f.persists_perturbed is True and f.domain_kind == "zero" and bool(f.discrete_sources)
+            and not f.only_discrete_batch and not f.sources["rng"])
 
 
 def needs_wide_replay(f: Features) -> bool:

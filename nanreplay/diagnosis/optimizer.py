@@ -230,7 +230,10 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
 
     Returns:
         ``{"detail", "evidence": [str], "state_keys": [str], "update_step": int | None,
-        "hyperparameters": [str], "nonfinite_lr": [step, lr] | None}``.
+        "hyperparameters": [str], "nonfinite_lr": [step, lr] | None, "nonfinite_since"}``;
+        ``nonfinite_since`` is ``"before recording"`` (the Recorder's attach-time scan found the
+        tensor non-finite), ``{"after": step, "by": step}`` (finite at attach, non-finite at the
+        failing step's start) or ``None`` (no attach scan in the bundle).
     """
     ev: list[str] = []
     out: dict[str, Any] = {"state_keys": [], "update_step": None, "hyperparameters": [], "nonfinite_lr": None}
@@ -241,10 +244,23 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
         return out
     history = [r for r in inp.history if r.step < inp.record.step]
     passed = [r for r in history if r.finite]
-    if passed:
+    scan = inp.attach_scan if isinstance(inp.attach_scan, dict) else None
+    before = scan is not None and tensor in (scan.get("nonfinite") or [])
+    if before:
+        out["nonfinite_since"] = "before recording"
+        ev.append(f"the Recorder's scan when it attached (step {scan.get('step')}) found {tensor} already non-finite: a loaded checkpoint, "
+                  "the initialisation or code that ran before it; no recorded update made it non-finite")
+    elif scan is not None:
+        out["nonfinite_since"] = {"after": scan.get("step"), "by": inp.record.step}
+        ev.append(f"{tensor} was finite when the Recorder attached (step {scan.get('step')}) and is non-finite at the start of step "
+                  f"{inp.record.step}: a step in between made it non-finite")
+    else:
+        out["nonfinite_since"] = None
+        ev.append("the bundle has no attach-time scan (an older Recorder): when the weights became non-finite is unknown")
+    if passed and not before:
         out["update_step"] = passed[-1].step
-        ev.append(f"the last step whose check passed is {passed[-1].step}: its optimizer update made {tensor} non-finite "
-                  "(check_update=True catches this at that update)")
+        ev.append(f"the last step whose check passed is {passed[-1].step}; its optimizer update ran after that check and was not re-executed "
+                  "here (check_update=True checks each update)")
     bad_lr = next(((r.step, lr) for r in history for lr in r.lrs if lr is not None and not math.isfinite(lr)), None)
     if bad_lr is not None:
         out["nonfinite_lr"] = [bad_lr[0], repr(bad_lr[1])]
@@ -262,9 +278,14 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
         _hyperparameter_evidence(group, param.dtype, out["hyperparameters"], ev)
     grads_finite = not any_nonfinite(inp.recorded_grads.values())
     ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
-    where = f"the update of step {out['update_step']}" if out["update_step"] is not None else "an earlier optimizer update"
     why = out["hyperparameters"][0] if out["hyperparameters"] else (f"learning rate {out['nonfinite_lr'][1]} at step {out['nonfinite_lr'][0]}"
                                                                      if out["nonfinite_lr"] else None)
-    out["detail"] = f"{tensor} is non-finite before the step: {where} corrupted it" + (f" ({why})" if why else "")
+    if before:
+        out["detail"] = (f"{tensor} was already non-finite when the Recorder attached (step {scan.get('step')}): how it became so is "
+                         "unknown (check the checkpoint or the initialisation that produced it)")
+    else:
+        where = (f"the update of step {out['update_step']}" if out["update_step"] is not None else "an earlier optimizer update")
+        out["detail"] = (f"{tensor} is non-finite before the step; the last update that ran is {where}, unreplayed: check_update=True "
+                         "checks each update") + (f" ({why})" if why else "")
     out["evidence"] = ev
     return out

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..core.numerics import Health, any_nonfinite, kinds
-from ..engine.run import ReplayResult, StepInputs
+from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves
 
 __all__ = ["Found", "STAGES", "find_origin", "report_origin", "health_json"]
 
@@ -153,6 +153,27 @@ def _cotangent(c: Context) -> Optional[Found]:
     return Found("loss", {"module": None, "class": None, "kind": "outside the model", "loss_replayed": False, "nonfinite": bad[0].kinds()})
 
 
+def _recorded_forward_inputs(c: Context) -> Optional[Found]:
+    """The replay fed the recorded batch through the loss function and found no birth, yet the
+    model's forward inputs the Recorder captured in training hold NaN/+Inf: code between
+    ``record(batch)`` and the model (preprocessing after ``record``) changed the inputs, and the
+    model saw invalid ones. The origin is the recorded forward input leaf (phase ``input``)."""
+    if not c.inp.uses_loss or c.result.births or c.result.products_nonfinite():
+        return None
+    bad = [dict(x, micro_batch=i) for i, fw in enumerate(c.inp.record.forwards) for x in nonfinite_leaves(fw.inputs, f"inputs[{i}]")
+           if x["health"].nan or x["health"].posinf]
+    if not bad:
+        return None
+    x = bad[0]
+    origin = {"module": None, "class": None, "kind": "bad input data", "leaf": x["leaf"], "samples": x["samples"],
+              "nonfinite": x["health"].kinds(), "recorded_forward_inputs": True,
+              "between_record_and_model": (f"the model's recorded forward input {x['leaf']} holds {x['health'].kinds()}; the recorded batch, "
+                                           "fed through the loss function, replays finite: code between record(batch) and the model changed "
+                                           "the inputs (preprocessing after record); record the batch the model consumes, or move that code "
+                                           "into the loss function")}
+    return Found("input", origin, extra={"leaves": bad})
+
+
 def _explosion(c: Context) -> Optional[Found]:
     """Every recorded gradient is finite, but the recorder saw their float32 2-norm overflow."""
     grads = c.inp.recorded_grads
@@ -191,6 +212,7 @@ STAGES: tuple[tuple[str, Callable[[Context], Optional[Found]]], ...] = (
     ("ops of the backward pass", _backward_ops),
     ("modules (op monitor off)", _modules),
     ("any birth", _any_birth),
+    ("recorded forward inputs (code between record and the model)", _recorded_forward_inputs),
     ("grad norm overflow", _explosion),
     ("optimizer update", _optimizer),
 )
@@ -214,7 +236,7 @@ def report_origin(found: Optional[Found], result: ReplayResult, inp: StepInputs,
     if found is None:
         return None
     origin = dict(found.origin)
-    if samples is not None and found.phase != "input":
+    if samples is not None and (found.phase != "input" or samples.get("batch_level")):
         origin["samples"] = samples["indices"] or None
     if found.birth is not None:
         origin["operands"] = found.birth.get("operands")

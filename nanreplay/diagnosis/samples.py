@@ -43,7 +43,7 @@ def step_batch_size(rec: StepRecord, uses_loss: bool, micro_batch: Optional[int]
 
 
 def _rows_result(indices: list[int], size: Optional[int], method: str, **more: Any) -> dict:
-    return {"indices": sorted(indices)[:64], "batch_size": size, "method": method, "batch_level": False, "warnings": [], **more}
+    return {"indices": sorted(indices), "count": len(indices), "batch_size": size, "method": method, "batch_level": False, "warnings": [], **more}
 
 
 def _batch_level(size: Optional[int], why: str) -> dict:
@@ -67,8 +67,12 @@ def _from_batch_rows(c: _Case) -> Optional[dict]:
         return None
     leaves = c.found.extra.get("leaves") or []
     rows = sorted({i for x in leaves for i in x["samples"]})
-    size = step_batch_size(c.inp.record, c.inp.uses_loss)
-    return _rows_result(rows, size, "non-finite rows of the recorded batch")
+    recorded_forward = bool(c.found.origin.get("recorded_forward_inputs"))
+    size = step_batch_size(c.inp.record, c.inp.uses_loss and not recorded_forward)
+    where = "recorded forward inputs" if recorded_forward else "recorded batch"
+    if size is not None and size > 1 and len(rows) == size:
+        return _batch_level(size, f"every one of the {size} rows of the {where} holds a non-finite value")
+    return _rows_result(rows, size, f"non-finite rows of the {where}")
 
 
 #: a method's answer "no sample applies": stop, report no samples
@@ -105,10 +109,14 @@ def _from_birth_rows(c: _Case) -> Optional[dict]:
     rows = b["rows"]
     if size is None or rows["size"] != size or not rows["indices"]:
         return None
-    if len(rows["indices"]) == size and size > 1:
+    if max(rows.get("count", 0), len(rows["indices"])) == size and size > 1:
         return _batch_level(size, f"every one of the {size} rows of the {b['op']} output is non-finite")
     multi = len(c.inp.record.batches if c.inp.uses_loss else c.inp.record.forwards) > 1
-    return _rows_result(rows["indices"], size, "non-finite rows of the producer op's output", **({"micro_batch": mb} if multi else {}))
+    out = _rows_result(rows["indices"], size, "non-finite rows of the producer op's output", **({"micro_batch": mb} if multi else {}))
+    if rows.get("count", 0) > len(rows["indices"]):  # the birth keeps the first rows only: say how many there are
+        out.update(count=rows["count"], complete=False)
+        out["warnings"].append(f"{rows['count']} rows of the {b['op']} output are non-finite; the first {len(rows['indices'])} are listed")
+    return out
 
 
 def _whole_batch(c: _Case) -> Optional[dict]:
@@ -159,8 +167,16 @@ def samples_for(found: Found, inp: StepInputs, result: ReplayResult, model: torc
         if out is NOT_APPLICABLE:
             return None
         if out is not None:
-            return out
+            return _one_sample_batch(out)
     return None
+
+
+def _one_sample_batch(out: dict) -> dict:
+    """A batch of one sample: the failure belongs to the batch, whatever method named row 0."""
+    if out.get("batch_size") == 1 and not out.get("batch_level"):
+        return dict(out, indices=[], count=0, batch_level=True,
+                    reason="the batch holds one sample: the failure belongs to the batch, not to a sample of it")
+    return out
 
 
 def _slice_record(rec: StepRecord, idx: list[int], size: int) -> StepRecord:

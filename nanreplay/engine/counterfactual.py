@@ -96,10 +96,14 @@ def replay_wide(model: torch.nn.Module, inp: StepInputs, *, device: Optional[tor
 
 
 def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None, scale: float = 1e-2,
-                     seed: int = 0, watch: Optional[frozenset] = None) -> list[tuple]:
+                     seed: int = 0, watch: Optional[frozenset] = None, data: bool = False) -> list[tuple]:
     """Replay the step under the op monitor with every floating weight ``w`` replaced by
     ``w + scale * std(w) * noise`` (noise from a private generator seeded with ``seed``), and
     return the signatures (:func:`birth_signature`) of the births that reach what it produces.
+
+    With ``data`` every floating (continuous) leaf of the recorded batches and forward inputs is
+    perturbed the same way too, so only the batch's discrete leaves (integer, bool: labels, masks,
+    lengths, indices) keep their recorded values: a birth that persists is decided by them.
 
     With ``watch`` (aten op names, e.g. the origin's op) only those ops are checked, which costs a
     plain replay plus one health read per watched op instead of the full op monitor; every birth
@@ -115,6 +119,12 @@ def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optiona
         return (t.float() + scale * spread.to(t.device) * noise).to(t.dtype)
 
     sub = dataclasses.replace(inp, recorded_grads={})
+    if data:
+        cont = lambda t: nudge(t) if (t.is_floating_point() or t.is_complex()) else t  # noqa: E731
+        rec = sub.record
+        sub = dataclasses.replace(sub, record=dataclasses.replace(
+            rec, batches=[map_tensors(cont, b) for b in rec.batches],
+            forwards=[dataclasses.replace(fw, inputs=map_tensors(cont, fw.inputs)) for fw in rec.forwards]))
     with _params_as(model, nudge, buffers=False):
         res = run_step(model, sub, ops=True, device=device, sources=False, watch=watch)  # signatures only: no anomaly-mode stacks
     if watch is not None:

@@ -32,7 +32,7 @@ from .state import replay_scaler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves"]
+__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves", "discrete_leaves"]
 
 
 @dataclass
@@ -49,6 +49,7 @@ class StepInputs:
     optimizer_info: Optional[dict] = None        # bundle meta["optimizer"]: class path, param_groups_fqns
     history: list = field(default_factory=list)  # ring-buffer StepRecords up to the failing step
     reason: dict = field(default_factory=dict)   # why the recorder dumped (meta["reason"])
+    attach_scan: Optional[dict] = None           # meta["attach_scan"]: tensors non-finite when the Recorder attached
     scalars: list = field(default_factory=list)  # the scalar history (meta["scalar_history"]) as light records
 
     def long_history(self) -> list:
@@ -171,6 +172,16 @@ def _nonfinite_state(state: Any) -> list:
         except AttributeError:  # a state type without a __dict__: no cache
             pass
     return cached
+
+
+def discrete_leaves(inp: "StepInputs") -> dict[str, bool]:
+    """Every tensor leaf of the step's recorded batches (or forward inputs), by the path the
+    replay's provenance names it with (``batch['mask']``), and whether it is discrete: an integer
+    or bool dtype (labels, masks, lengths, counts, indices), not continuous values."""
+    rec = inp.record
+    trees = rec.batches if inp.uses_loss else [fw.inputs for fw in rec.forwards]
+    return {path: not (leaf.is_floating_point() or leaf.is_complex())
+            for i, tree in enumerate(trees) for path, leaf in _leaves_with_paths(tree, _batch_root(rec, inp.uses_loss, i))}
 
 
 def _batch_root(rec: StepRecord, uses_loss: bool, i: int) -> str:

@@ -45,6 +45,7 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
     ("none", "compiled only"): ("step {step}: {compiled_kinds} only under torch.compile (backend {backend}): the step replayed eagerly "
                                 "is finite, replayed compiled its {compiled_parts} are not{compiled_vs_recording}"),
     ("none", "transient"): "step {step}: the recorded gradients are non-finite, but {repeats} replays of the step are finite",
+    ("none", "nondeterminism"): "step {step}: the recorded gradients are non-finite, and the replays of the step disagree ({repeats} of 3 finite)",
     ("none", "replay failed"): "step {step}: the {failed_replay} replay failed, so the origin is unknown",
     ("none", None): "step {step}: the replay produced no non-finite value",
 }
@@ -54,6 +55,7 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
 HEAD_KINDS: tuple[tuple[str, str], ...] = (
     ("compiled_only", "compiled only"),
     ("transient", "transient"),
+    ("nondeterministic", "nondeterminism"),
     ("replay_failed", "replay failed"),
 )
 
@@ -101,7 +103,8 @@ def _fields(diag: dict) -> dict:
     comp = diag.get("compile") or {}
     return {
         "step": diag.get("step"),
-        "leaf": o.get("leaf"),
+        "leaf": str(o.get("leaf")) + (" (the model's recorded forward input: code between record(batch) and the model made it)"
+                                       if o.get("recorded_forward_inputs") else ""),
         "tensor": o.get("tensor"),
         "kinds": o.get("nonfinite") or "non-finite value",
         "optimizer": o.get("optimizer"),
@@ -119,6 +122,7 @@ def _fields(diag: dict) -> dict:
         "masked_forward": fwd is not None and diag.get("phase") == "backward",
         "forward_finite": bool(diag.get("forward_finite")),
         "transient": (diag.get("classification") or {}).get("cause") == "transient",
+        "nondeterministic": (diag.get("classification") or {}).get("cause") == "nondeterminism",
         "compiled_only": bool(comp.get("only_under_compile")) and diag.get("phase") in (None, "none"),
         "replay_failed": bool(diag.get("errors")) and diag.get("phase") in (None, "none"),
         "failed_replay": (diag.get("errors") or [{}])[0].get("replay"),

@@ -28,7 +28,7 @@ CASES_DIR = Path(__file__).resolve().parent / "cases"
 #: the six fields every case's EXPECTED names
 FIELDS = ("step", "phase", "module", "op", "samples", "cause")
 PHASES = ("input", "weights", "forward", "loss", "backward", "optimizer", "none")
-CAUSES = ("bad input data", "numerics", "overflow", "underflow", "explosion", "optimizer update", "transient")
+CAUSES = ("bad input data", "numerics", "overflow", "underflow", "explosion", "optimizer update", "nondeterminism", "transient", "unknown")
 
 # name given to case modules; they are not put in sys.modules, so no other process (nor this one)
 # can import them by name: the Recorder stores their functions as "/path/to/case.py:fn" and

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 SOURCE = "https://github.com/pytorch/pytorch/issues/37154"
-EXPECTED = dict(step=2, phase="backward", module=None, op="sqrt", samples=[5], cause="bad input data")
+EXPECTED = dict(step=2, phase="backward", module=None, op="sqrt", samples=[5], cause="numerics")
 TAGS = ("backward", "cdist-norm", "float32", "metric-learning", "duplicate-data")
 RECORDER = dict()
 

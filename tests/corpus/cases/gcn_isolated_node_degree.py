@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 SOURCE = "https://github.com/pyg-team/pytorch_geometric/issues/61"
-EXPECTED = dict(step=1, phase="forward", module="gcn1", op="pow", samples=[2], cause="bad input data")
+EXPECTED = dict(step=1, phase="forward", module="gcn1", op="pow", samples=[2], cause="numerics")
 TAGS = ("forward", "float32", "graph", "degree")
 RECORDER = dict()
 
