@@ -472,7 +472,13 @@ class ProgramModel(torch.nn.Module):
         if self.kind != "loss":
             raise ReplayError("this embedded program holds only the model's forward; pass the loss function (--loss-fn) or replay without one")
         leaves = _match_inputs(self.program_meta["inputs"], batch, "the batch")
-        return _run_root(self, leaves, direct=False)
+        loss = _run_root(self, leaves, direct=False)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            what = f"a {loss.dtype} tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ReplayError(f"the embedded program's loss function returned {what}, expected a floating scalar: the program is "
+                              "damaged; replay with your own model code: model_factory='module:function'"
+                              ).with_cli_fix("model_factory='module:function'", "--model-factory module:function")
+        return loss
 
     def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> "ProgramModel":
         # .to(device) / .double() may replace the root's own buffers (and, with

@@ -231,6 +231,16 @@ def swapped_operand(prog: dict, out: Path) -> None:
     lin["inputs"][1]["arg"]["as_tensor"]["name"] = lin["inputs"][2]["arg"]["as_tensor"]["name"]
 
 
+def loss_not_scalar(prog: dict, out: Path) -> None:
+    """The loss program's output rerouted to the model's (non-scalar) activations."""
+    gm = prog["program"]["graph_module"]
+    name = _node(prog, "aten.gelu")["outputs"][0]["as_tensor"]["name"]
+    gm["graph"]["outputs"] = [{"as_tensor": {"name": name}}]
+    for spec in gm["signature"]["output_specs"]:
+        if "user_output" in spec:
+            spec["user_output"]["arg"] = {"as_tensor": {"name": name}}
+
+
 def damaged_node_inputs(prog: dict, out: Path) -> None:
     _graph(prog)["nodes"][1]["inputs"] = {"not": "a list"}
 
@@ -272,6 +282,7 @@ ATTACKS: list[ProgramAttack] = [
     ProgramAttack("signature_spec_import", "the module call graph's out_spec: a defaultdict naming a module", signature_spec_import, 4, "tree of tuples, lists and dicts", 4),
     ProgramAttack("output_spec_import", "outputs.spec: a defaultdict naming a module (decoded by nanreplay: never imported)", output_spec_import, 0, "reproduced exactly"),
     ProgramAttack("swapped_operand", "a valid, allowed program that cannot run (a weight swapped for a bias)", swapped_operand, 5, "failed while running"),
+    ProgramAttack("loss_not_scalar", "a loss program whose output is not a scalar", loss_not_scalar, 5, "expected a floating scalar"),
     ProgramAttack("damaged_node_inputs", "a node's inputs replaced by an object", damaged_node_inputs, 4, ".inputs", 4),
     ProgramAttack("damaged_argument_union", "an argument with two kinds", damaged_argument_union, 4, "Argument union", 4),
     ProgramAttack("damaged_state_entry", "a state entry without its kind", damaged_state_entry, 4, "meta.program.state", 4),
