@@ -26,6 +26,7 @@ import torch
 from ..core.allowlist import Allowlist
 from ..core.numerics import any_nonfinite, kinds
 from ..core.quiet import quietly
+from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import DEFAULT_BACKEND, compile_check
@@ -117,8 +118,8 @@ def diagnose(
     counterfactuals: bool = True,
     replayed: bool = True,
     progress: Optional[Progress] = None,
-    compiled: Optional[dict] = None,
-) -> dict:
+    compiled: Optional[CompileCheck] = None,
+) -> DiagnosisDict:
     """Turn one replay into the diagnosis dict (fields in ``docs/report.md``).
 
     The stages, in order: the reproduction verdict, the origin (:func:`find_origin`, which may
@@ -157,7 +158,7 @@ def diagnose(
     return diag
 
 
-def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> dict:
+def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> Reproduction:
     """The reproduction verdict: the replayed gradients and loss against the recorded ones."""
     if not replayed:
         return {"verdict": "not replayed", "max_abs_diff": None, "detail": "the recorded data shows the cause; nanreplay replay verifies it"}
@@ -201,8 +202,8 @@ def _history(inp: StepInputs) -> Optional[dict]:
     return grad_norm_history(inp.history, inp.record.step) if inp.history else None
 
 
-def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dict, repro: dict, smp: Optional[dict],
-                    origin: Optional[dict]) -> dict:
+def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dict, repro: Reproduction, smp: Optional[Samples],
+                    origin: Optional[Origin]) -> DiagnosisDict:
     """The diagnosis dict (``docs/report.md``) but its summary and report facts."""
     births = list(result.births) + list((f.optimizer or {}).get("births") or [])
     ob = f.birth
@@ -280,7 +281,7 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             _fresh(model, inp)
 
 
-def _determinism(f: Features, repro: dict, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
+def _determinism(f: Features, repro: Reproduction, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
     """No birth, recorded gradients non-finite, replay not reproduced (and not a compiler
     difference): replay twice more; all finite is a transient fault."""
     if (f.phase == "none" and repro["verdict"] == "not reproduced" and any_nonfinite(inp.recorded_grads.values())
@@ -303,7 +304,7 @@ def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[tor
 
 
 def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
-                progress: Optional[Progress] = None, quick: bool = False, compiled: Optional[dict] = None) -> dict:
+                progress: Optional[Progress] = None, quick: bool = False, compiled: Optional[CompileCheck] = None) -> DiagnosisDict:
     """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict.
 
     Args:
@@ -329,7 +330,7 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
 
 @quietly
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
-                  progress: Optional[Progress] = None, timeout: Optional[float] = None) -> dict:
+                  progress: Optional[Progress] = None, timeout: Optional[float] = None) -> DiagnosisDict:
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
     (``content.steps[-1]``) on the live ``model``, whose weights are still the pre-step weights,
     then puts back the live gradients, buffers, module modes and RNG states, so training can
@@ -380,7 +381,7 @@ def replay(
     trust: bool = False,
     batch_types: Types = None,
     compile: Union[bool, str] = False,
-) -> dict:
+) -> DiagnosisDict:
     """Replay a bundle's failing step and diagnose it.
 
     Code the bundle names (its model factory or ``model_init`` class, loss function, optimizer
