@@ -1,18 +1,24 @@
-"""The typed diagnosis (``nanreplay.core.results``) against its documentation.
+"""The typed diagnosis (``nanreplay.core.results``) against its documentation and its JSON Schema.
 
 * ``docs/report.md`` names exactly the keys of the types: every field a section documents is a key
   of the section's type, and every key of the type is documented there. A renamed key fails here.
+* The JSON Schemas shipped in the package and in ``docs/schema/`` are the ones the types generate.
+* Real diagnoses (a few scenarios of ``tests/scenarios.py``, in process and through
+  ``nanreplay replay --json``) validate against the shipped schema; a renamed key does not.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import typing
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from nanreplay.core import results as R
+from nanreplay.core import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_MD = ROOT / "docs" / "report.md"
@@ -132,3 +138,82 @@ def test_a_renamed_field_on_the_page_fails(tmp_path):
     page.write_text(REPORT_MD.read_text().replace("| `forward_finite` |", "| `forward_ok` |"))
     with pytest.raises(AssertionError, match=r"documents \['forward_ok'\], which DiagnosisDict \(nanreplay/core/results.py\) lacks"):
         _check_page("Top level", page)
+
+
+# -- the shipped JSON Schemas --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(schema.SCHEMAS))
+def test_shipped_schema_is_the_generated_one(name):
+    want = schema.schema_text(name)
+    regenerate = "regenerate both with: python -m nanreplay.core.schema"
+    assert schema.schema_path(name).read_text() == want, f"nanreplay/schema/{name}.schema.json is stale; {regenerate}"
+    assert (ROOT / "docs" / "schema" / f"{name}.schema.json").read_text() == want, f"docs/schema/{name}.schema.json is stale; {regenerate}"
+
+
+def test_the_schema_is_package_data():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'\[tool\.setuptools\.package-data\]\s*\nnanreplay = \[[^\]]*"schema/\*\.json"', text), "pyproject.toml must ship nanreplay/schema/*.json"
+
+
+def test_the_generator_refuses_what_it_cannot_say():
+    with pytest.raises(TypeError, match="no JSON Schema for the annotation"):
+        schema._schema(set[int], {})
+
+
+def _validator(name: str):
+    jsonschema = pytest.importorskip("jsonschema")
+    s = schema.shipped_schema(name)
+    jsonschema.Draft202012Validator.check_schema(s)
+    return jsonschema.Draft202012Validator(s)
+
+
+def _errors(v, doc) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}" for e in v.iter_errors(doc)]
+
+
+@pytest.fixture(scope="module")
+def diagnoses(tmp_path_factory) -> dict[str, dict]:
+    """Real diagnoses: three scenarios replayed, and the in-process diagnoses the Recorder stored."""
+    import scenarios
+
+    from nanreplay import replay
+
+    out = {}
+    for name, build in [("div", scenarios.division_by_zero_in_a_submodule), ("sqrt", scenarios.sqrt_at_zero), ("unreproducible", scenarios.unreproducible)]:
+        err = build(tmp_path_factory.mktemp(name))
+        out[f"{name} live"] = json.loads(json.dumps(err.diagnosis, default=str))
+        out[f"{name} replay"] = json.loads(json.dumps(replay(err.bundle_path), default=str))
+        out[f"{name} bundle"] = err.bundle_path
+    return out
+
+
+@pytest.mark.parametrize("case", ["div live", "div replay", "sqrt live", "sqrt replay", "unreproducible live", "unreproducible replay"])
+def test_real_diagnoses_validate_against_the_shipped_schema(diagnoses, case):
+    assert _errors(_validator("diagnosis"), diagnoses[case]) == []
+
+
+def test_a_renamed_key_does_not_validate(diagnoses):
+    v = _validator("diagnosis")
+    d = dict(diagnoses["sqrt replay"])
+    d["verdict"] = d.pop("classification")
+    assert _errors(v, d) == ["(top): 'classification' is a required property", "(top): Additional properties are not allowed ('verdict' was unexpected)"]
+
+
+def test_replay_json_carries_the_schema_version_and_validates(diagnoses):
+    from nanreplay.cli import main
+
+    res = CliRunner().invoke(main, ["replay", str(diagnoses["sqrt bundle"]), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["schema_version"] == R.SCHEMA_VERSION == schema.shipped_schema("diagnosis")["x-schema-version"]
+    assert _errors(_validator("diagnosis"), out) == []
+
+
+def test_bisect_json_carries_the_schema_version_and_validates(diagnoses):
+    from nanreplay.cli import main
+
+    res = CliRunner().invoke(main, ["bisect", str(diagnoses["sqrt bundle"]), "--over", "samples", "--json"])
+    assert res.exit_code in (0, 6), res.output
+    out = json.loads(res.output)
+    assert out["schema_version"] == R.SCHEMA_VERSION
+    assert _errors(_validator("bisect"), out) == []

@@ -275,6 +275,7 @@ class DiagnosisDict(TypedDict):
     device: NotRequired[str]
     model_source: NotRequired[Optional[str]]
     rollback: NotRequired[Any]
+    schema_version: NotRequired[str]
 
 
 class BisectResult(TypedDict):
@@ -293,6 +294,7 @@ class BisectResult(TypedDict):
     warnings: list[str]
     trials: list[dict[str, Any]]
     model_source: NotRequired[Optional[str]]
+    schema_version: NotRequired[str]
 
 
 #: the objects that may hold keys beyond those declared (their content varies by case)
