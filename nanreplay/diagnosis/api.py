@@ -35,8 +35,10 @@ from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
 from ..engine.state import ReplayRequest, load_state, opened_subject
-from ..format.bundle import Bundle, Types
+from ..errors import BundleFormatError, ReplayError
+from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import BundleContent
+from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
 from .classify import Features, classify, needs_perturbed_replay, needs_wide_replay
 from .evidence import grad_norm_history
@@ -47,7 +49,7 @@ from .timeline import health_table, report_facts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay", "replay_step", "diagnose", "diagnose_live", "Progress"]
+__all__ = ["replay", "load_diagnosis", "replay_step", "diagnose", "diagnose_live", "Progress"]
 
 #: ``progress(message)``: told what the diagnosis is doing, for work that takes more than a moment
 Progress = Callable[[str], None]
@@ -381,7 +383,7 @@ def replay(
     trust: bool = False,
     batch_types: Types = None,
     compile: Union[bool, str] = False,
-) -> DiagnosisDict:
+) -> Diagnosis:
     """Replay a bundle's failing step and diagnose it.
 
     Code the bundle names (its model factory or ``model_init`` class, loss function, optimizer
@@ -423,7 +425,9 @@ def replay(
             bare replays of the step plus the compile time.
 
     Returns:
-        the diagnosis dict (``docs/report.md``), with ``bundle`` and ``device`` added.
+        the diagnosis (``docs/report.md``), with ``bundle``, ``device`` and ``model_source``
+        added: a :class:`~nanreplay.report.notebook.Diagnosis`, the dict it always was, whose
+        ``repr`` is the summary sentence and which shows the report inline in a notebook.
 
     Raises:
         FileNotFoundError, BundleFormatError: unreadable bundle.
@@ -459,5 +463,37 @@ def replay(
         diag["device"] = str(dev)
         diag["model_source"] = subject.source
         diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
-        return diag
+        return Diagnosis(diag, meta=dict(b.meta))
+
+
+def load_diagnosis(bundle: Union[str, Path, Bundle]) -> Diagnosis:
+    """The diagnosis the Recorder stored in ``bundle`` (``meta["diagnosis"]``, the in-process
+    diagnosis), without replaying: no code runs and the bundle need not be trusted.
+
+    >>> load_diagnosis("nanreplay_bundles/nanreplay-step28.h5")  # doctest: +SKIP
+    NaN born in ...; cause: ...; reproduced exactly.
+
+    Raises:
+        FileNotFoundError, BundleFormatError: unreadable bundle, or a stored diagnosis that is
+            not an object.
+        ReplayError: the bundle stores no diagnosis (``Recorder(..., diagnose=False)``, or the
+            in-process diagnosis failed: ``meta["diagnosis_error"]`` says why); replay it instead.
+    """
+    if isinstance(bundle, Bundle):
+        return _stored(bundle)
+    with open_bundle(bundle) as b:
+        return _stored(b)
+
+
+def _stored(b: Bundle) -> Diagnosis:
+    diag = b.meta.get("diagnosis")
+    if diag is None:
+        why = b.meta.get("diagnosis_error")
+        raise ReplayError(f"{b.path}: expected a stored diagnosis, found none"
+                          + (f" (the in-process diagnosis failed: {why})" if isinstance(why, str) else " (written with Recorder(..., diagnose=False)?)")
+                          + "; replay the step instead: nanreplay.replay(bundle) or `nanreplay replay BUNDLE`")
+    if not isinstance(diag, dict):
+        raise BundleFormatError(f"{b.path}: expected the stored diagnosis to be an object (docs/report.md), found {type(diag).__name__}; "
+                                "replay the step instead: nanreplay.replay(bundle)")
+    return Diagnosis(diag, meta=dict(b.meta))
 

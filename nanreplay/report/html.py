@@ -25,7 +25,7 @@ from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotl
 from .summary import verdict_phrase
 from .text import fmt_health
 
-__all__ = ["render_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
+__all__ = ["render_html", "render_inline_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
 
 _CSS = """
 :root { --fg:#263238; --muted:#607d8b; --line:#e0e6ea; --bg:#fafbfc; --card:#fff; --bad:@NAN@; --ok:#2e7d32; --warn:#ef6c00; }
@@ -347,6 +347,53 @@ def render_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bundle_name
         MissingExtraError: matplotlib (the ``report`` extra) is not installed.
     """
     require_matplotlib()
+    sections = _report_sections(diag, meta=meta, bundle_name=bundle_name)
+    sections.append(
+        h("<footer>Written by <code>nanreplay report</code>. The diagnosis is embedded below as JSON (fields in nanreplay's docs/report.md); "
+          "this page loads nothing from the network.</footer>{}", _json_script(diag, "nanreplay-diagnosis"))
+    )
+    return _page(f"nanreplay: step {diag.get('step')}: {str(diag.get('summary', ''))[:80]}", join(sections, "\n"))
+
+
+def render_inline_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bundle_name: Optional[str] = None) -> str:
+    """The report of :func:`render_html` as a fragment for a notebook cell (``_repr_html_``): the
+    same sections, without the page chrome (document head, footer, embedded JSON), inside one
+    ``<div class="nanreplay-report">`` whose style applies to it alone (:func:`_scoped_css`).
+    Every value is escaped as in :func:`render_html`.
+
+    Raises:
+        MissingExtraError: matplotlib (the ``report`` extra) is not installed.
+    """
+    require_matplotlib()
+    sections = _report_sections(diag, meta=meta, bundle_name=bundle_name)
+    return str(h('<div class="nanreplay-report"><style>{}</style>{}</div>', Markup(_scoped_css(_CSS, ".nanreplay-report")), join(sections, "\n")))
+
+
+def _scoped_css(css: str, scope: str) -> str:
+    """``css`` with every selector under ``scope`` (``:root``, ``body`` and ``main`` become
+    ``scope`` itself), so the inline report does not restyle the notebook around it; one level of
+    ``@media`` nesting."""
+    def selectors(sel: str) -> str:
+        out = []
+        for one in (x.strip() for x in sel.split(",")):
+            out.append(scope if one in (":root", "body", "main") else f"{scope}, {scope} *" if one == "*" else f"{scope} {one}")
+        return ", ".join(out)
+
+    result, i = [], 0
+    while (brace := css.find("{", i)) >= 0:
+        head, depth, close = css[i:brace].strip(), 0, brace
+        for close in range(brace, len(css)):  # the matching brace
+            depth += {"{": 1, "}": -1}.get(css[close], 0)
+            if depth == 0:
+                break
+        body = css[brace + 1:close]
+        result.append(f"{head} {{ {_scoped_css(body, scope)} }}" if head.startswith("@media") else f"{selectors(head)} {{{body}}}")
+        i = close + 1
+    return "\n".join(result)
+
+
+def _report_sections(diag: DiagnosisDict, *, meta: Optional[dict], bundle_name: Optional[str]) -> list[Markup]:
+    """The sections of the report of ``diag``, header first: the page's body without its footer."""
     r = diag.get("reproduction") or {}
     cls = diag.get("classification") or {}
     name = bundle_name or (os.path.basename(str(diag["bundle"])) if diag.get("bundle") else "bundle")
@@ -397,11 +444,7 @@ def render_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bundle_name
         ])))
     if diag.get("warnings"):
         sections.append(h('<section id="warnings"><h2>Warnings</h2><ul>{}</ul></section>', join(h("<li>{}</li>", w) for w in diag["warnings"])))
-    sections.append(
-        h("<footer>Written by <code>nanreplay report</code>. The diagnosis is embedded below as JSON (fields in nanreplay's docs/report.md); "
-          "this page loads nothing from the network.</footer>{}", _json_script(diag, "nanreplay-diagnosis"))
-    )
-    return _page(f"nanreplay: step {diag.get('step')}: {str(diag.get('summary', ''))[:80]}", join(sections, "\n"))
+    return sections
 
 
 def render_bisect_html(res: BisectResult, *, meta: Optional[dict] = None) -> str:
