@@ -27,6 +27,8 @@ _EXPORTS = {
     "untrust_bundle": ".format.bundle",
     "BundleContent": ".format.records",
     "replay": ".diagnosis.api",
+    "load_diagnosis": ".diagnosis.api",
+    "Diagnosis": ".report.notebook",
     "bisect": ".search.api",
     "NanReplayError": ".errors",
     "BundleFormatError": ".errors",
@@ -53,8 +55,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .capture.recorder import Recorder, RecorderConfig
-    from .diagnosis.api import replay
+    from .diagnosis.api import load_diagnosis, replay
     from .errors import BundleFormatError, ModelMismatchError, NanReplayError, NonFiniteGradientError, ReplayError, UntrustedBundleError
     from .format.bundle import Bundle, open_bundle, trust_bundle, untrust_bundle, write_bundle
     from .format.records import BundleContent
+    from .report.notebook import Diagnosis
     from .search.api import bisect

@@ -46,6 +46,7 @@ import click
 
 from .errors import BundleFormatError, MissingExtraError, ModelMismatchError, ReplayError, UntrustedBundleError
 from .core.inert import inert, inert_name, inert_tree
+from .core.results import SCHEMA_VERSION, BisectResult, DiagnosisDict
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_BAD_BUNDLE, EXIT_REPLAY, EXIT_NOT_FOUND, EXIT_UNTRUSTED = 0, 1, 2, 3, 4, 5, 6, 7
 
@@ -313,6 +314,13 @@ def _dump_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str, allow_nan=False)
 
 
+def _versioned(result: Any) -> dict:
+    """``result`` (a :class:`~nanreplay.core.results.DiagnosisDict` or
+    :class:`~nanreplay.core.results.BisectResult`) as ``--json`` prints it: ``schema_version`` first,
+    the version of the shipped JSON Schema (``nanreplay/schema/``) the output follows."""
+    return {"schema_version": SCHEMA_VERSION, **result}
+
+
 _color_option = click.option(
     "--color/--no-color", "color", default=None,
     help="Colour the report (default: colour when stdout is a terminal, plain text when piped).",
@@ -365,7 +373,7 @@ class _Status:
             sys.stderr.flush()
 
 
-def _replay_with_status(bundle: Path, **kwargs: Any) -> dict:
+def _replay_with_status(bundle: Path, **kwargs: Any) -> DiagnosisDict:
     """``nanreplay.replay(bundle, **kwargs)`` with a status line on a terminal's stderr and the
     library's errors mapped to exit codes. Validates ``allow`` rules first (exit 2)."""
     from .core.allowlist import AllowRule
@@ -428,7 +436,7 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
                                allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script,
                                trust=trust, batch_types=_import_types(batch_types), compile=compile_backend if compile_ else False)
     if as_json:
-        click.echo(_dump_json(diag), color=False)
+        click.echo(_dump_json(_versioned(diag)), color=False)
     else:
         click.echo(render_report(diag, rows=rows, color=color is not False), color=color)
     if not _reproduced(diag):
@@ -465,7 +473,7 @@ def check(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], de
         sys.exit(EXIT_NOT_REPRODUCED)
 
 
-def _reproduced(diag: dict) -> bool:
+def _reproduced(diag: DiagnosisDict) -> bool:
     """The eager replay reproduced the failure, or (``--compile``) the compiled one did."""
     compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
     return (diag.get("reproduction") or {}).get("verdict") != "not reproduced" or compiled.startswith("reproduced")
@@ -633,10 +641,10 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
     err = sys.stderr
     show = err.isatty()
     with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
-        res = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None,
+        res: BisectResult = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None,
                                  trust=trust, batch_types=types))
     if as_json:
-        click.echo(_dump_json(res))
+        click.echo(_dump_json(_versioned(res)))
     else:
         st = styler(color is not False)
         res_text = inert_tree(res, one_line=True)  # the result quotes bundle strings (layer names, warnings)

@@ -4,7 +4,7 @@ Each case is recorded under a Recorder (``diagnose=False``) and its bundle repla
 with ``nanreplay.replay``:
 
 * ``test_report_invariants`` checks what must hold whatever the diagnosis says (the report is
-  coherent with itself and with the model);
+  coherent with itself and with the model, and follows the shipped JSON Schema);
 * ``test_diagnosis_fields`` (marker ``corpus``, select with ``-m corpus``) checks the six EXPECTED
   fields of each case (step, phase, module, op, samples, cause) with ``runner.field_matches``;
   the diagnosis is being fixed to pass it, so it fails on many cases today;
@@ -83,12 +83,23 @@ def _texts(diag: dict) -> list[str]:
     return [t for t in out if isinstance(t, str)]
 
 
+def _validates_against_the_shipped_schema(diag: dict) -> None:
+    """The diagnosis follows nanreplay/schema/diagnosis.schema.json (generated from core.results)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from nanreplay.core.schema import shipped_schema
+
+    errors = [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}"
+              for e in jsonschema.Draft202012Validator(shipped_schema("diagnosis")).iter_errors(diag)]
+    assert not errors, "the diagnosis does not follow the shipped JSON Schema:\n" + "\n".join(errors)
+
+
 @pytest.mark.slow
 def test_report_invariants(case_name, tmp_path_factory):
     case = CASES[case_name]
     _, diag = _recorded_and_replayed(case_name, tmp_path_factory)
 
     json.dumps(diag, allow_nan=False)  # non-finite floats are written as strings
+    _validates_against_the_shipped_schema(json.loads(json.dumps(diag, default=str)))
 
     origin = diag.get("origin") or {}
     op = origin.get("op")

@@ -215,3 +215,14 @@ def test_bundle_format_documents_every_meta_field_the_recorder_writes(sqrt_bundl
     node = json.loads(treespec_dumps(flatten_typed(pair(torch.ones(1), 2))[1]))[1]
     assert node["type"] == "nanreplay.tree.TypedNode" and node["context"] == [f"{__name__}:Pair", "namedtuple", ["a", "b"]]
     assert "whose context is the three-element list\n`[<\"module:QualName\">, <\"namedtuple\"|\"dataclass\">, [<field name>, ...]]`" in text
+
+
+# -- docs/guide.md against the CLI --------------------------------------------------------------
+
+def test_the_guide_lists_every_exit_code_and_is_linked_from_the_readme():
+    from nanreplay.cli import EXIT_CODES
+
+    text = (ROOT / "docs" / "guide.md").read_text()
+    rows = [int(m) for m in re.findall(r"^\| (\d+) \|", text, re.M)]
+    assert rows == sorted(EXIT_CODES), f"docs/guide.md's exit-code table lists {rows}, nanreplay.cli.EXIT_CODES has {sorted(EXIT_CODES)}"
+    assert "(docs/guide.md)" in (ROOT / "README.md").read_text(), "README.md must link docs/guide.md"

@@ -23,6 +23,7 @@ from browser import load_page, missing_reason
 from helpers import fail_once
 from nanreplay import replay
 from nanreplay.cli import EXIT_BAD_BUNDLE, EXIT_NOT_REPRODUCED, EXIT_OK, EXIT_REPLAY, EXIT_USAGE, _Status, main
+from nanreplay.core.results import SCHEMA_VERSION
 from nanreplay.report.text import render_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +250,7 @@ def test_replay_output_is_plain_and_unchanged_when_piped(nested_div_bundle):
     assert r.stdout == render_report(diag) + "\n"
     assert "\x1b[" not in r.stdout and r.stderr == ""  # no colour, no progress line
     j = _run("replay", "--json", nested_div_bundle)
-    assert json.loads(j.stdout) == json.loads(json.dumps(diag, default=str))
+    assert json.loads(j.stdout) == {"schema_version": SCHEMA_VERSION, **json.loads(json.dumps(diag, default=str))}  # the one field --json adds
     assert j.stdout == json.dumps(json.loads(j.stdout), indent=2) + "\n" and "\x1b[" not in j.stdout
     assert _run("replay", "--json", "--color", nested_div_bundle).stdout == j.stdout  # --json stays plain
 

@@ -26,6 +26,7 @@ import torch
 from ..core.allowlist import Allowlist
 from ..core.numerics import any_nonfinite, kinds
 from ..core.quiet import quietly
+from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import DEFAULT_BACKEND, compile_check
@@ -34,8 +35,10 @@ from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
 from ..engine.state import ReplayRequest, load_state, opened_subject
-from ..format.bundle import Bundle, Types
+from ..errors import BundleFormatError, ReplayError
+from ..format.bundle import Bundle, Types, open_bundle
 from ..format.records import BundleContent
+from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
 from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
@@ -47,7 +50,7 @@ from .timeline import health_table, report_facts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay", "replay_step", "diagnose", "diagnose_live", "Progress"]
+__all__ = ["replay", "load_diagnosis", "replay_step", "diagnose", "diagnose_live", "Progress"]
 
 #: ``progress(message)``: told what the diagnosis is doing, for work that takes more than a moment
 Progress = Callable[[str], None]
@@ -118,8 +121,8 @@ def diagnose(
     counterfactuals: bool = True,
     replayed: bool = True,
     progress: Optional[Progress] = None,
-    compiled: Optional[dict] = None,
-) -> dict:
+    compiled: Optional[CompileCheck] = None,
+) -> DiagnosisDict:
     """Turn one replay into the diagnosis dict (fields in ``docs/report.md``).
 
     The stages, in order: the reproduction verdict, the origin (:func:`find_origin`, which may
@@ -160,7 +163,7 @@ def diagnose(
     return diag
 
 
-def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> dict:
+def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> Reproduction:
     """The reproduction verdict: the replayed gradients and loss against the recorded ones."""
     if not replayed:
         return {"verdict": "not replayed", "max_abs_diff": None, "detail": "the recorded data shows the cause; nanreplay replay verifies it"}
@@ -205,8 +208,8 @@ def _history(inp: StepInputs) -> Optional[dict]:
     return grad_norm_history(inp.long_history(), inp.record.step) if inp.history or inp.scalars else None
 
 
-def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dict, repro: dict, smp: Optional[dict],
-                    origin: Optional[dict]) -> dict:
+def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dict, repro: Reproduction, smp: Optional[Samples],
+                    origin: Optional[Origin]) -> DiagnosisDict:
     """The diagnosis dict (``docs/report.md``) but its summary and report facts."""
     births = list(result.births) + list((f.optimizer or {}).get("births") or [])
     ob = f.birth
@@ -319,7 +322,7 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             _fresh(model, inp)
 
 
-def _determinism(f: Features, repro: dict, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
+def _determinism(f: Features, repro: Reproduction, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
     """No birth, recorded gradients non-finite, replay not reproduced (and not a compiler
     difference): replay twice more; disagreeing replays are nondeterminism; all finite, with a
     float64 replay finite too, is a suspected hardware fault (``transient``)."""
@@ -352,7 +355,7 @@ def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[tor
 
 
 def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
-                progress: Optional[Progress] = None, quick: bool = False, compiled: Optional[dict] = None) -> dict:
+                progress: Optional[Progress] = None, quick: bool = False, compiled: Optional[CompileCheck] = None) -> DiagnosisDict:
     """Replay one step on ``model`` (weights already loaded) and return the diagnosis dict.
 
     Args:
@@ -378,7 +381,7 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
 
 @quietly
 def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Optional[Callable] = None, allow: Sequence[Any] = (),
-                  progress: Optional[Progress] = None, timeout: Optional[float] = None) -> dict:
+                  progress: Optional[Progress] = None, timeout: Optional[float] = None) -> DiagnosisDict:
     """In-process diagnosis, run by the Recorder right after detection: replays the failing step
     (``content.steps[-1]``) on the live ``model``, whose weights are still the pre-step weights,
     then puts back the live gradients, buffers, module modes and RNG states, so training can
@@ -431,7 +434,7 @@ def replay(
     trust: bool = False,
     batch_types: Types = None,
     compile: Union[bool, str] = False,
-) -> dict:
+) -> Diagnosis:
     """Replay a bundle's failing step and diagnose it.
 
     Code the bundle names (its model factory or ``model_init`` class, loss function, optimizer
@@ -473,7 +476,9 @@ def replay(
             bare replays of the step plus the compile time.
 
     Returns:
-        the diagnosis dict (``docs/report.md``), with ``bundle`` and ``device`` added.
+        the diagnosis (``docs/report.md``), with ``bundle``, ``device`` and ``model_source``
+        added: a :class:`~nanreplay.report.notebook.Diagnosis`, the dict it always was, whose
+        ``repr`` is the summary sentence and which shows the report inline in a notebook.
 
     Raises:
         FileNotFoundError, BundleFormatError: unreadable bundle.
@@ -511,5 +516,37 @@ def replay(
         diag["device"] = str(dev)
         diag["model_source"] = subject.source
         diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
-        return diag
+        return Diagnosis(diag, meta=dict(b.meta))
+
+
+def load_diagnosis(bundle: Union[str, Path, Bundle]) -> Diagnosis:
+    """The diagnosis the Recorder stored in ``bundle`` (``meta["diagnosis"]``, the in-process
+    diagnosis), without replaying: no code runs and the bundle need not be trusted.
+
+    >>> load_diagnosis("nanreplay_bundles/nanreplay-step28.h5")  # doctest: +SKIP
+    NaN born in ...; cause: ...; reproduced exactly.
+
+    Raises:
+        FileNotFoundError, BundleFormatError: unreadable bundle, or a stored diagnosis that is
+            not an object.
+        ReplayError: the bundle stores no diagnosis (``Recorder(..., diagnose=False)``, or the
+            in-process diagnosis failed: ``meta["diagnosis_error"]`` says why); replay it instead.
+    """
+    if isinstance(bundle, Bundle):
+        return _stored(bundle)
+    with open_bundle(bundle) as b:
+        return _stored(b)
+
+
+def _stored(b: Bundle) -> Diagnosis:
+    diag = b.meta.get("diagnosis")
+    if diag is None:
+        why = b.meta.get("diagnosis_error")
+        raise ReplayError(f"{b.path}: expected a stored diagnosis, found none"
+                          + (f" (the in-process diagnosis failed: {why})" if isinstance(why, str) else " (written with Recorder(..., diagnose=False)?)")
+                          + "; replay the step instead: nanreplay.replay(bundle) or `nanreplay replay BUNDLE`")
+    if not isinstance(diag, dict):
+        raise BundleFormatError(f"{b.path}: expected the stored diagnosis to be an object (docs/report.md), found {type(diag).__name__}; "
+                                "replay the step instead: nanreplay.replay(bundle)")
+    return Diagnosis(diag, meta=dict(b.meta))
 

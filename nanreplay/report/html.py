@@ -20,11 +20,12 @@ from html import escape
 from typing import Any, Iterable, Optional, Sequence
 
 from ..core.inert import inert
+from ..core.results import BisectResult, DiagnosisDict, ForwardModule, TimelineStep
 from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotlib, samples_svg, timeline_svg, trials_svg, moves_svg
 from .summary import verdict_phrase
 from .text import fmt_health
 
-__all__ = ["render_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
+__all__ = ["render_html", "render_inline_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
 
 _CSS = """
 :root { --fg:#263238; --muted:#607d8b; --line:#e0e6ea; --bg:#fafbfc; --card:#fff; --bad:@NAN@; --ok:#2e7d32; --warn:#ef6c00; }
@@ -125,7 +126,7 @@ def _kv(rows: Iterable[tuple[str, Any]]) -> Markup:
     return h('<table class="kv">{}</table>', body)
 
 
-def environment_rows(meta: Optional[dict], diag: Optional[dict] = None) -> list[tuple[str, str]]:
+def environment_rows(meta: Optional[dict], diag: Optional[DiagnosisDict] = None) -> list[tuple[str, str]]:
     """The bundle's environment as ``(label, value)`` rows: versions, devices and dtypes of the
     recorded parameters, the failing step's autocast, determinism flags, model and optimizer.
 
@@ -189,7 +190,7 @@ def _source(src: Any) -> Markup:
             + (h('<pre class="src">{}</pre>', src.get("code")) if src.get("code") else Markup("")))
 
 
-def _births_html(diag: dict) -> Markup:
+def _births_html(diag: DiagnosisDict) -> Markup:
     """The births, forward and backward, in execution order; those of the causal chain first
     marked, the origin highlighted, with source line and code."""
     births = diag.get("births") or []
@@ -236,7 +237,7 @@ def _births_html(diag: dict) -> Markup:
     return h('<ol class="chain">{}</ol>{}', join(items), more)
 
 
-def _origin_rows(diag: dict) -> list[tuple[str, Any]]:
+def _origin_rows(diag: DiagnosisDict) -> list[tuple[str, Any]]:
     o = diag.get("origin") or {}
     cls = diag.get("classification") or {}
     r = diag.get("reproduction") or {}
@@ -262,7 +263,7 @@ def _origin_rows(diag: dict) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in rows if v]
 
 
-def _timeline_rows(diag: dict, meta: Optional[dict]) -> list[dict]:
+def _timeline_rows(diag: DiagnosisDict, meta: Optional[dict]) -> list[TimelineStep]:
     """``timeline`` of the diagnosis, else rebuilt from the bundle's ``meta["steps"]`` (a stored
     diagnosis written before the key existed), else from ``history``."""
     if diag.get("timeline"):
@@ -295,7 +296,7 @@ def _fmt(x: Any) -> str:
     return f"{v:.5g}"
 
 
-def _module_table(mods: Sequence[dict]) -> Markup:
+def _module_table(mods: Sequence[ForwardModule]) -> Markup:
     body = []
     for m in mods:
         out, g = m.get("output") or {}, m.get("grad")
@@ -307,7 +308,7 @@ def _module_table(mods: Sequence[dict]) -> Markup:
              "<th>gradient at output</th><th>allowlisted births</th></tr>{}</table>", join(body))
 
 
-def _samples_html(diag: dict) -> Markup:
+def _samples_html(diag: DiagnosisDict) -> Markup:
     smp = diag.get("samples")
     parts = []
     if smp:
@@ -325,7 +326,7 @@ def _samples_html(diag: dict) -> Markup:
     return join(parts) or Markup('<p class="muted">No per-sample information (the replay ran with --no-samples, or the step has no batch).</p>')
 
 
-def render_html(diag: dict, *, meta: Optional[dict] = None, bundle_name: Optional[str] = None) -> str:
+def render_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bundle_name: Optional[str] = None) -> str:
     """The HTML report of one diagnosis.
 
     Every value taken from ``diag`` and ``meta`` is escaped (:func:`esc`, through :func:`h`):
@@ -346,6 +347,53 @@ def render_html(diag: dict, *, meta: Optional[dict] = None, bundle_name: Optiona
         MissingExtraError: matplotlib (the ``report`` extra) is not installed.
     """
     require_matplotlib()
+    sections = _report_sections(diag, meta=meta, bundle_name=bundle_name)
+    sections.append(
+        h("<footer>Written by <code>nanreplay report</code>. The diagnosis is embedded below as JSON (fields in nanreplay's docs/report.md); "
+          "this page loads nothing from the network.</footer>{}", _json_script(diag, "nanreplay-diagnosis"))
+    )
+    return _page(f"nanreplay: step {diag.get('step')}: {str(diag.get('summary', ''))[:80]}", join(sections, "\n"))
+
+
+def render_inline_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bundle_name: Optional[str] = None) -> str:
+    """The report of :func:`render_html` as a fragment for a notebook cell (``_repr_html_``): the
+    same sections, without the page chrome (document head, footer, embedded JSON), inside one
+    ``<div class="nanreplay-report">`` whose style applies to it alone (:func:`_scoped_css`).
+    Every value is escaped as in :func:`render_html`.
+
+    Raises:
+        MissingExtraError: matplotlib (the ``report`` extra) is not installed.
+    """
+    require_matplotlib()
+    sections = _report_sections(diag, meta=meta, bundle_name=bundle_name)
+    return str(h('<div class="nanreplay-report"><style>{}</style>{}</div>', Markup(_scoped_css(_CSS, ".nanreplay-report")), join(sections, "\n")))
+
+
+def _scoped_css(css: str, scope: str) -> str:
+    """``css`` with every selector under ``scope`` (``:root``, ``body`` and ``main`` become
+    ``scope`` itself), so the inline report does not restyle the notebook around it; one level of
+    ``@media`` nesting."""
+    def selectors(sel: str) -> str:
+        out = []
+        for one in (x.strip() for x in sel.split(",")):
+            out.append(scope if one in (":root", "body", "main") else f"{scope}, {scope} *" if one == "*" else f"{scope} {one}")
+        return ", ".join(out)
+
+    result, i = [], 0
+    while (brace := css.find("{", i)) >= 0:
+        head, depth, close = css[i:brace].strip(), 0, brace
+        for close in range(brace, len(css)):  # the matching brace
+            depth += {"{": 1, "}": -1}.get(css[close], 0)
+            if depth == 0:
+                break
+        body = css[brace + 1:close]
+        result.append(f"{head} {{ {_scoped_css(body, scope)} }}" if head.startswith("@media") else f"{selectors(head)} {{{body}}}")
+        i = close + 1
+    return "\n".join(result)
+
+
+def _report_sections(diag: DiagnosisDict, *, meta: Optional[dict], bundle_name: Optional[str]) -> list[Markup]:
+    """The sections of the report of ``diag``, header first: the page's body without its footer."""
     r = diag.get("reproduction") or {}
     cls = diag.get("classification") or {}
     name = bundle_name or (os.path.basename(str(diag["bundle"])) if diag.get("bundle") else "bundle")
@@ -396,14 +444,10 @@ def render_html(diag: dict, *, meta: Optional[dict] = None, bundle_name: Optiona
         ])))
     if diag.get("warnings"):
         sections.append(h('<section id="warnings"><h2>Warnings</h2><ul>{}</ul></section>', join(h("<li>{}</li>", w) for w in diag["warnings"])))
-    sections.append(
-        h("<footer>Written by <code>nanreplay report</code>. The diagnosis is embedded below as JSON (fields in nanreplay's docs/report.md); "
-          "this page loads nothing from the network.</footer>{}", _json_script(diag, "nanreplay-diagnosis"))
-    )
-    return _page(f"nanreplay: step {diag.get('step')}: {str(diag.get('summary', ''))[:80]}", join(sections, "\n"))
+    return sections
 
 
-def render_bisect_html(res: dict, *, meta: Optional[dict] = None) -> str:
+def render_bisect_html(res: BisectResult, *, meta: Optional[dict] = None) -> str:
     """The HTML page of a ``bisect`` result: the answer, the culprits, the replays tried
     (``trials``) and the search's details (steps timeline, weight movement). Every value is
     escaped (:func:`esc`).

@@ -16,14 +16,16 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ..core.results import DiagnosisDict, Origin, Reproduction, Source
+
 __all__ = ["summary_sentence", "verdict_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
-def _where_src(src: Optional[dict]) -> str:
+def _where_src(src: Optional[Source]) -> str:
     return f" at {os.path.basename(src['file'])}:{src['line']}" if src else ""
 
 
-def _in_module(o: dict) -> str:
+def _in_module(o: Origin) -> str:
     mod = o.get("module")
     if mod is None:
         return ""
@@ -79,7 +81,7 @@ TAILS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
-def verdict_phrase(repro: dict) -> str:
+def verdict_phrase(repro: Reproduction) -> str:
     """The reproduction verdict as the summary says it: ``reproduced exactly``, ``reproduced (max
     abs difference X)``, ``reproduced up to one gradient factor C that the loop applied after
     backward`` (see :func:`nanreplay.engine.compare.common_factor`), ``not reproduced``, or
@@ -96,7 +98,7 @@ def verdict_phrase(repro: dict) -> str:
     return v
 
 
-def _fields(diag: dict) -> dict:
+def _fields(diag: DiagnosisDict) -> dict:
     o = diag.get("origin") or {}
     chain = diag.get("chain") or []
     fwd = next((c for c in chain if c.get("phase") in ("forward", "loss")), None)
@@ -134,7 +136,7 @@ def _fields(diag: dict) -> dict:
     }
 
 
-def summary_sentence(diag: dict) -> str:
+def summary_sentence(diag: DiagnosisDict) -> str:
     """The one actionable sentence, e.g. ``NaN born in backward of sqrt (SqrtBackward0) at
     model.py:41 in module encoder.norm, step 4711, samples [17]; forward was finite; cause:
     numerics (sqrt derivative at 0); reproduced exactly.``"""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
+from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
 
 __all__ = ["render_report", "fmt_health", "styler"]
 
@@ -45,7 +46,7 @@ def _hst(text: str, st: Callable[..., str]) -> str:
     return text if text.strip() in ("finite", "-") else st(text, fg="red")
 
 
-def fmt_health(h: Optional[dict]) -> str:
+def fmt_health(h: Optional[Health]) -> str:
     """``finite`` or ``3 NaN, 1 +Inf of 4096`` for a Health dict; ``-`` when absent."""
     if not h:
         return "-"
@@ -53,7 +54,7 @@ def fmt_health(h: Optional[dict]) -> str:
     return (", ".join(bad) + f" of {h['numel']}") if bad else "finite"
 
 
-def _origin_details(o: dict, st: Callable[..., str]) -> list[str]:
+def _origin_details(o: Origin, st: Callable[..., str]) -> list[str]:
     """Source line, autograd node, dtype/shape, health and optimizer fields of the origin."""
     out = []
     src = o.get("source")
@@ -71,7 +72,7 @@ def _origin_details(o: dict, st: Callable[..., str]) -> list[str]:
     return out
 
 
-def _compile_line(c: dict, st: Callable[..., str]) -> str:
+def _compile_line(c: CompileCheck, st: Callable[..., str]) -> str:
     """``eager finite; compiled (backend inductor) NaN in loss and gradients: only under compile``."""
     def said(bad: Optional[bool], parts: Optional[list], kinds: Optional[str]) -> str:
         if bad is None:
@@ -89,7 +90,7 @@ def _compile_line(c: dict, st: Callable[..., str]) -> str:
     return out
 
 
-def render_report(diag: dict, *, rows: int = 8, color: bool = False) -> str:
+def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) -> str:
     """The human-readable replay report: one actionable sentence first, then the origin, the
     reproduction verdict, and the health table of the modules around the origin.
 

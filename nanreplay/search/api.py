@@ -25,6 +25,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..core.quiet import quietly
+from ..core.results import BisectResult
 from ..engine.state import ReplayRequest, opened_subject
 from ..format.bundle import Bundle, Types
 from .common import STATUSES, Runner, Search
@@ -63,7 +64,7 @@ def bisect(
     progress: Optional[Callable[[int], None]] = None,
     trust: bool = False,
     batch_types: Types = None,
-) -> dict:
+) -> BisectResult:
     """Search a bundle for the cause of its non-finite step by replaying variations of it.
 
     Code the bundle names runs only when it is trusted (or ``trust=True``); otherwise pass your

@@ -1,0 +1,304 @@
+"""The typed results nanreplay hands out: the diagnosis (``nanreplay.replay()``, ``nanreplay replay
+--json``, ``docs/report.md``) and the bisect result (``nanreplay.bisect()``, ``docs/bisect.md``).
+
+They are ``TypedDict`` s: at run time each is the plain ``dict`` it always was (the JSON shape does
+not change), and for a type checker and a reader each key is named once, here. ``diagnosis/``
+builds a :class:`DiagnosisDict`, ``report/`` and ``cli.py`` read one; ``tests/test_results.py`` checks
+``docs/report.md`` against these types (every documented field is a key here and every key is
+documented), and :mod:`nanreplay.core.schema` turns them into the JSON Schema shipped in
+``nanreplay/schema/``. A renamed key fails one of those tests.
+
+Keys other engineers are adding (``classification.trigger``, ``classification.fix``,
+``history.weights_nonfinite_since``, ``rollback``) are declared ``NotRequired``: a diagnosis
+without them is still one.
+
+Conventions: a float that may be non-finite is :data:`JFloat` (``core.jsonable`` writes NaN and
+Inf as the strings ``"nan"``, ``"inf"``, ``"-inf"``); ``Optional`` means the key is present and
+may be ``null``; ``NotRequired`` means the key may be absent. The objects listed in :data:`OPEN`
+may hold keys beyond those declared (their content varies by case, e.g. the origin of an
+optimizer update against a forward op); every other object holds only its declared keys.
+"""
+
+# no ``from __future__ import annotations``: a TypedDict reads NotRequired off evaluated annotations
+import sys
+from typing import Any, Literal, Optional, Union
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequired
+    from typing_extensions import NotRequired, TypedDict
+
+__all__ = [
+    "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Classification", "Reproduction", "ChainLink",
+    "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
+    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "OPEN",
+]
+
+#: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
+#: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
+#: version when one is renamed, removed or changes type
+SCHEMA_VERSION = "1.0"
+
+#: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
+JFloat = Union[float, Literal["nan", "inf", "-inf"]]
+
+#: where the first non-finite value was born
+Phase = Literal["input", "weights", "forward", "loss", "backward", "optimizer", "none"]
+
+#: how the step was replayed
+Mode = Literal["loss_fn", "cotangent", "forward-only"]
+
+#: the health of a tensor (``core.numerics``): counts of non-finite values, statistics of the finite ones
+Health = TypedDict("Health", {
+    "nan": int, "posinf": int, "neginf": int, "numel": int,
+    "min": NotRequired[Optional[JFloat]], "max": NotRequired[Optional[JFloat]], "mean": NotRequired[Optional[JFloat]],
+    "absmax": NotRequired[Optional[JFloat]], "dtype": NotRequired[str], "shape": NotRequired[list[int]],
+})
+
+#: the user's frame of an op
+Source = TypedDict("Source", {"file": str, "line": Optional[int], "function": Optional[str], "code": NotRequired[Optional[str]]})
+
+#: the producer of the first non-finite value (``docs/report.md``, "origin"); which keys are
+#: present depends on the phase
+Origin = TypedDict("Origin", {
+    "module": Optional[str], "class": NotRequired[Optional[str]], "kind": NotRequired[Optional[str]],
+    "op": NotRequired[Optional[str]], "aten": NotRequired[Optional[str]], "op_index": NotRequired[Optional[int]],
+    "node": NotRequired[Optional[str]], "forward_op": NotRequired[Optional[str]], "source": NotRequired[Optional[Source]],
+    "nonfinite": NotRequired[Optional[str]], "dtype": NotRequired[Optional[str]], "shape": NotRequired[Optional[list[int]]],
+    "inputs": NotRequired[Any], "output": NotRequired[Any], "operands": NotRequired[Any],
+    "samples": NotRequired[Optional[list[int]]], "micro_batch": NotRequired[Optional[int]], "leaf": NotRequired[Optional[str]],
+    "tensor": NotRequired[Optional[str]], "first_nonfinite_gradient": NotRequired[Optional[str]],
+    "param": NotRequired[Optional[str]], "state_key": NotRequired[Optional[str]], "optimizer": NotRequired[Optional[str]],
+    "largest_gradient": NotRequired[Optional[JFloat]], "loss_replayed": NotRequired[bool],
+    "between_record_and_model": NotRequired[Optional[bool]], "recorded_forward_inputs": NotRequired[Any],
+})
+
+
+class Classification(TypedDict):
+    """The cause verdict (``diagnosis.classify.classify``, less its rule index)."""
+
+    cause: str
+    detail: str
+    evidence: list[str]
+    trigger: NotRequired[Any]
+    fix: NotRequired[Any]
+
+
+class Reproduction(TypedDict):
+    """The replayed gradients and loss against the recorded ones (``engine.compare``)."""
+
+    verdict: str
+    max_abs_diff: Optional[JFloat]
+    nonfinite_recorded: NotRequired[Optional[int]]
+    nonfinite_replayed: NotRequired[Optional[int]]
+    detail: NotRequired[Optional[str]]
+    loss_recorded: NotRequired[Any]
+    grad_factor: NotRequired[Optional[JFloat]]
+    repeats: NotRequired[int]
+
+
+class ChainLink(TypedDict):
+    """One birth of the causal chain, up to the origin."""
+
+    phase: str
+    op: Optional[str]
+    node: Optional[str]
+    module: Optional[str]
+    source: Optional[Source]
+    kinds: Optional[str]
+    op_index: Optional[int]
+
+
+class Birth(TypedDict):
+    """One op-level birth (``engine.monitors``)."""
+
+    phase: str
+    op: Optional[str]
+    aten: NotRequired[Optional[str]]
+    module: NotRequired[Optional[str]]
+    op_index: NotRequired[Optional[int]]
+    micro_batch: NotRequired[Optional[int]]
+    inputs: NotRequired[Any]
+    output: NotRequired[Any]
+    node: NotRequired[Optional[str]]
+    forward_op: NotRequired[Optional[str]]
+    source: NotRequired[Optional[Source]]
+    wider: NotRequired[Any]
+    input_zeros: NotRequired[Any]
+    rows: NotRequired[Any]
+
+
+class Samples(TypedDict):
+    """The samples to blame (``diagnosis.samples``)."""
+
+    indices: list[int]
+    batch_size: Optional[int]
+    method: Optional[str]
+    count: NotRequired[int]
+    batch_level: NotRequired[bool]
+    runs: NotRequired[int]
+    complete: NotRequired[bool]
+    warnings: NotRequired[list[str]]
+    micro_batch: NotRequired[Optional[int]]
+    reason: NotRequired[Optional[str]]
+    cannot_tell: NotRequired[Optional[str]]
+
+
+OptimizerReplay = TypedDict("OptimizerReplay", {
+    "class": NotRequired[Optional[str]], "nonfinite": NotRequired[Optional[bool]], "param": NotRequired[Optional[str]],
+    "state_key": NotRequired[Optional[str]], "params": NotRequired[Any], "state": NotRequired[Any], "group": NotRequired[Any],
+    "hyperparameters": NotRequired[Any], "births": NotRequired[Any], "detail": NotRequired[Optional[str]],
+    "evidence": NotRequired[Any], "error": NotRequired[Optional[str]], "zero_state": NotRequired[Any],
+})
+OptimizerReplay.__doc__ = "The optimizer-update replay (``diagnosis.optimizer``)."
+
+
+class History(TypedDict):
+    """Ring-buffer evidence (``diagnosis.evidence.grad_norm_history``)."""
+
+    grad_norms: list[list[Any]]
+    losses: list[list[Any]]
+    lrs: list[list[Any]]
+    growth: Optional[JFloat]
+    exploding: bool
+    lr_spike: Optional[dict[str, Any]]
+    nonfinite_lr: Any
+    weights_nonfinite_since: NotRequired[Any]
+
+
+HealthRow = TypedDict("HealthRow", {
+    "index": int, "module": Optional[str], "class": Optional[str], "role": str, "inputs_finite": Optional[bool],
+    "output": Optional[Health],
+})
+
+
+class NonfiniteLeaf(TypedDict, total=False):
+    """A non-finite batch leaf or step-start tensor."""
+
+    leaf: str
+    health: Health
+    samples: Any
+
+
+class Counterfactuals(TypedDict):
+    """What the counterfactual replays said (``null`` when they did not run)."""
+
+    float64_finite: Optional[bool]
+    persists_with_perturbed_weights: Optional[bool]
+    persists_with_perturbed_data: NotRequired[Optional[bool]]
+
+
+class ReplayFailure(TypedDict):
+    """A replay of the diagnosis that raised."""
+
+    replay: str
+    error: str
+
+
+class CompileCheck(TypedDict):
+    """The eager against the compiled replay (``engine.compiled.compile_check``)."""
+
+    backend: str
+    target: str
+    eager: bool
+    compiled: Optional[bool]
+    only_under_compile: bool
+    eager_nonfinite: Optional[list[str]]
+    compiled_nonfinite: Optional[list[str]]
+    eager_kinds: Optional[str]
+    compiled_kinds: Optional[str]
+    compiled_reproduction: Optional[str]
+    max_abs_diff: Optional[JFloat]
+    error: Optional[str]
+
+
+class TimelineStep(TypedDict):
+    """One step of the ring buffer (``diagnosis.timeline``)."""
+
+    step: int
+    loss: Optional[JFloat]
+    grad_norm: Optional[JFloat]
+    lrs: list[JFloat]
+    finite: Optional[bool]
+    failing: bool
+
+
+ForwardModule = TypedDict("ForwardModule", {
+    "index": int, "module": str, "class": str, "depth": int, "role": str, "output": Optional[Health], "grad": Optional[Health],
+    "allowed": dict[str, int],
+})
+
+
+class BatchLeaf(TypedDict):
+    """One tensor leaf of the recorded batch (``diagnosis.timeline``)."""
+
+    leaf: str
+    micro_batch: Optional[int]
+    shape: list[int]
+    dtype: str
+    floating: bool
+    rows: list[int]
+    nan: int
+    posinf: int
+    neginf: int
+
+
+class DiagnosisDict(TypedDict):
+    """The diagnosis of one failing step (``docs/report.md``, "Top level")."""
+
+    step: int
+    phase: Phase
+    origin: Optional[Origin]
+    cause: str
+    classification: Classification
+    summary: str
+    mode: Mode
+    reproduction: Reproduction
+    forward_finite: bool
+    chain: list[ChainLink]
+    births: list[Birth]
+    allowed_births: Optional[int]
+    allowlist: Optional[list[str]]
+    propagated_ops: Optional[int]
+    samples: Optional[Samples]
+    optimizer: Optional[OptimizerReplay]
+    history: Optional[History]
+    health: list[HealthRow]
+    nonfinite_inputs: list[NonfiniteLeaf]
+    nonfinite_weights: list[NonfiniteLeaf]
+    loss: list[Optional[Health]]
+    counterfactuals: Counterfactuals
+    warnings: list[str]
+    errors: list[ReplayFailure]
+    compile: Optional[CompileCheck]
+    timeline: NotRequired[list[TimelineStep]]
+    forward_modules: NotRequired[list[ForwardModule]]
+    batch_leaves: NotRequired[list[BatchLeaf]]
+    bundle: NotRequired[str]
+    device: NotRequired[str]
+    model_source: NotRequired[Optional[str]]
+    rollback: NotRequired[Any]
+    schema_version: NotRequired[str]
+
+
+class BisectResult(TypedDict):
+    """The result of ``nanreplay.bisect()`` (``docs/bisect.md``)."""
+
+    over: str
+    bundle: str
+    step: Optional[int]
+    status: str
+    answer: str
+    culprits: list[dict[str, Any]]
+    replays: int
+    max_replays: int
+    device: str
+    details: dict[str, Any]
+    warnings: list[str]
+    trials: list[dict[str, Any]]
+    model_source: NotRequired[Optional[str]]
+    schema_version: NotRequired[str]
+
+
+#: the objects that may hold keys beyond those declared (their content varies by case)
+OPEN: frozenset = frozenset({"Origin", "Reproduction", "Birth", "Samples", "OptimizerReplay", "NonfiniteLeaf"})
