@@ -768,6 +768,7 @@ def worst_cases(env: dict) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mutants", type=int, default=10000)
+    ap.add_argument("--start", type=int, default=0, help="first mutant index (resume a campaign: mutants are drawn from (--seed, index))")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mutant (all stages)")
@@ -807,7 +808,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     results: list[dict] = []
     pending = {p: None for p in procs}
-    next_index = 0
+    next_index = args.start
     import selectors
 
     sel = selectors.DefaultSelector()
