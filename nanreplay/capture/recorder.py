@@ -36,10 +36,10 @@ from ..core.numerics import fused_norm
 from ..core.rng import RNGState
 from ..core.state import load_buffers
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
-from .actions import SPIKE_ACTIONS, Actions, Incident
+from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
-from .early import EarlyWarning, ScalarHistory, describe as describe_spike
+from .early import ScalarHistory, SpikeWatch
 from .check import lr_value, overflowed_norm, read_check, warn_explosion
 from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
 from .inputs import InputCapture
@@ -170,12 +170,10 @@ class Recorder:
                           extra_meta=self.extra_meta)
         self._actions = Actions(self.config.action, optimizer, dump=self._dump, max_consecutive=self.config.max_consecutive,
                                 param_fqn=self._param_fqn)
-        # the early warning (capture.early): bands of the loss and grad norm, and the scalar history
-        self._early = EarlyWarning() if self.config.on_spike is not None else None
+        # the early warning and rollback plan (capture.early), and the scalar history
+        self._watch = SpikeWatch(self.config.on_spike, ring=self.ring, extra_meta=self.extra_meta, actions=self._actions, dump=self._dump)
         self._history = ScalarHistory(self.config.history_steps)
         self._dump.history = self._history
-        self._alert: Optional[int] = None  # the last step found non-finite or out of band (should_rollback)
-        self._rollback: Optional[tuple[int, Snapshot]] = None  # the healthy snapshot secured for the rollback plan
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
@@ -379,8 +377,7 @@ class Recorder:
             self._actions.finite()
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
-            if self._early is not None:
-                self._judge(rec, grads)
+            self._watch.judge(rec, grads, self._live)
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
@@ -445,8 +442,8 @@ class Recorder:
         first = self._lagged.read()
         for r in pending:  # the values just read: the history and the early warning stay sync-free
             self._history.add(r.step, r.loss, r.grad_norm, r.lrs, r.finite)
-            if self._early is not None and r.finite:
-                self._judge(r, None)
+            if r.finite:
+                self._watch.judge(r, None, self._live)
         if first is None:
             self._actions.finite()
             return
@@ -528,8 +525,7 @@ class Recorder:
         opening words of the error message (used for GradScaler and cross-rank decisions).
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
-        self._alert = rec.step
-        self._secure_rollback(rec.step)
+        self._watch.alarm(rec.step)
         first = self._dump.allowed and self._actions.dumps()
         cause = dict(cause or {})
         cause.setdefault("rollback", self.rollback_plan(rec.step))
@@ -549,14 +545,14 @@ class Recorder:
             load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
         self._actions(Incident(rec.step, msg, path, self.last_diagnosis if first else None))
 
-    # -- the early warning (capture.early) --------------------------------------------------------
+    # -- the early warning and the rollback plan (capture.early.SpikeWatch) ------------------------
     @property
     def spikes(self) -> list[dict]:
         """Every step and signal found out of its band so far, oldest first: ``{"step", "signal"
         ("loss" | "grad_norm"), "kind" ("spike" | "drift"), "value", "baseline" (the signal's own
         units), "score" (spreads above the band for a spike; times the lowest smoothed loss for a
         drift), "episode", "lr"}`` (see :mod:`nanreplay.capture.early`). ``[]`` with ``on_spike=None``."""
-        return self._early.spikes if self._early is not None else []
+        return self._watch.spikes
 
     @property
     def should_rollback(self) -> bool:
@@ -566,7 +562,7 @@ class Recorder:
             if rec.should_rollback:
                 plan = rec.rollback_plan()   # {"restore_step": 120, "source": "snapshot", "skip_steps": [...]}
         """
-        return self._alert is not None and self._alert >= self.step - 1
+        return self._watch.alert is not None and self._watch.alert >= self.step - 1
 
     def rollback_plan(self, step: Optional[int] = None) -> dict:
         """The rollback plan for ``step`` (default: the last step found non-finite or out of band).
@@ -581,26 +577,11 @@ class Recorder:
             through ``step``), "data_position": ``extra_meta["data_position"]`` where an
             integration knows it, else ``None``}``; JSON-able.
         """
-        step = self._alert if step is None else step
-        if step is None:
-            return {"step": None, "first_abnormal_step": None, "restore_step": None, "source": None, "skip_steps": [], "data_position": None}
-        first = self._first_abnormal(step)
-        snaps = [r.step for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
-        if self._rollback is not None and self._rollback[0] < first:
-            snaps.append(self._rollback[0])
-        ckpt = self.extra_meta.get("last_checkpoint_step")
-        ckpt = ckpt if isinstance(ckpt, int) and ckpt < first else None
-        restore, source = (max(snaps), "snapshot") if snaps else ((ckpt, "checkpoint") if ckpt is not None else (None, None))
-        if snaps and ckpt is not None and ckpt > max(snaps):
-            restore, source = ckpt, "checkpoint"
-        return {"step": step, "first_abnormal_step": first, "restore_step": restore, "source": source,
-                "skip_steps": list(range(first, step + 1)), "data_position": self.extra_meta.get("data_position")}
+        return self._watch.plan(step)
 
     def snapshot_at(self, step: int) -> Optional[Snapshot]:
         """The step-start weight snapshot of ``step`` held in the ring buffer (``snapshot_every``), else ``None``."""
-        if self._rollback is not None and self._rollback[0] == step:
-            return self._rollback[1]
-        return next((r.snapshot for r in self.ring if r.step == step and r.snapshot is not None), None)
+        return self._watch.snapshot_at(step)
 
     def roll_back(self, plan: Optional[dict] = None) -> Optional[int]:
         """Carry out ``plan`` (default: :meth:`rollback_plan`) when its source is a snapshot: copy
@@ -609,67 +590,7 @@ class Recorder:
         ``source`` is ``"checkpoint"`` or ``None``, and loading it is the loop's job). Skipping
         the plan's ``skip_steps`` batches is the loop's job too; the learning rate schedule is
         left as it is."""
-        plan = self.rollback_plan() if plan is None else plan
-        if plan.get("source") != "snapshot" or plan.get("restore_step") is None:
-            return None
-        snap = self.snapshot_at(plan["restore_step"])
-        if snap is None:
-            return None
-        restore_into(self.model, self.optimizer, snap)
-        self._alert = None
-        logger.warning("nanreplay: rolled back to the step-start weights and optimizer state of step %d (steps %s to skip)",
-                       plan["restore_step"], plan.get("skip_steps"))
-        return plan["restore_step"]
-
-    def _first_abnormal(self, step: int) -> int:
-        """The first step of the spike episode that ``step`` ends or belongs to, else ``step``."""
-        e = self._early
-        return e.first_step if e is not None and e.first_step is not None and e.first_step <= step else step
-
-    def _secure_rollback(self, step: int) -> None:
-        """At an alarm: copy the latest healthy weight snapshot before its first abnormal step,
-        so that eviction cannot lose it before the plan is used. The copy is counted against
-        ``memory_budget`` as ``"rollback"`` (skipped when it does not fit: the plan then names
-        what the ring still holds); the ring's own record keeps its snapshot, for the bundle and
-        bisect. It stays until a later alarm secures a newer one. Cost: one copy per episode."""
-        first = self._first_abnormal(step)
-        held = [r for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
-        if not held or (self._rollback is not None and self._rollback[0] >= held[-1].step):
-            return
-        r = held[-1]
-        snap = r.snapshot
-        if not self.ring.reserve("rollback", snap.nbytes()):
-            return
-        copy = Snapshot(params={k: v.detach().clone() for k, v in snap.params.items()},
-                        buffers={k: v.detach().clone() for k, v in (snap.buffers or {}).items()},
-                        optimizer=pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, snap.optimizer),
-                        extra=dict(snap.extra or {}))
-        self._rollback = (r.step, copy)
-        self.ring.keep("rollback", copy)
-
-    def _judge(self, rec: StepRecord, grads: Optional[list]) -> None:
-        """Feed a finite step to the early warning; on a spike, act through ``SPIKE_ACTIONS``.
-        ``grads``: the step's gradients while its update has not run (``None`` in the sync-free
-        mode, where the step is long past: then every row acts as ``"warn"``)."""
-        assert self._early is not None
-        rows = self._early.observe(rec.step, loss=rec.loss, grad_norm=rec.grad_norm, lrs=[x for x in rec.lrs if not isinstance(x, torch.Tensor)])
-        if not rows:
-            return
-        self._alert = rec.step
-        new = self._early.new_episode
-        if new:
-            self._secure_rollback(rec.step)
-        name = self.config.on_spike if grads is not None else "warn"
-        action = SPIKE_ACTIONS[name]
-        plan = self.rollback_plan(rec.step)
-        path = None
-        if new and action.dumps(self._actions) and self._dump.spike_allowed:
-            path = self._dump(rec, grads, self._live, spike=True, cause={"spike": rows, "rollback": plan,
-                                                                            "message": "spike: " + describe_spike(rows)})
-        msg = (f"early warning at step {rec.step}: {describe_spike(rows)}; rollback plan: "
-               + (f"restore step {plan['restore_step']} ({plan['source']})" if plan["restore_step"] is not None else "no healthy weights held (set snapshot_every)")
-               + f", skip the batches of steps {plan['first_abnormal_step']}..{plan['step']}" + (f"; bundle: {path}" if path else ""))
-        self._actions.action_for(action, Incident(rec.step, msg, path, None, spikes=rows, rollback=plan, new_episode=new))
+        return self._watch.roll_back(self.model, self.optimizer, self.rollback_plan() if plan is None else plan)
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
