@@ -41,12 +41,12 @@ from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
 from .early import ScalarHistory, SpikeWatch
 from .check import lr_value, overflowed_norm, read_check, warn_explosion
-from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
+from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import check_sharded_options, is_sharded, local
-from .snapshots import StepStartBuffers, live_state, restore_into
+from .snapshots import StepStartBuffers, attach_scan, live_state, restore_into
 from .update import UpdateCheck
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class Recorder:
                  scaler: Any = None, config: Optional[RecorderConfig] = None, **options: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        optimizer = _unwrap_optimizer(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
         check_out_dir(self.config.out_dir)
@@ -601,27 +601,3 @@ class Recorder:
     def _live(self) -> Snapshot:
         return self.snapshot_state(clone=False)
 
-
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """``optimizer``, or the ``torch.optim.Optimizer`` a wrapper holds as ``.optimizer``
-    (accelerate's ``AcceleratedOptimizer`` and similar).
-
-    Raises:
-        TypeError: neither is a ``torch.optim.Optimizer``.
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return inner
-
-
-def attach_scan(model: torch.nn.Module, step: int) -> dict:
-    """The weights and buffers that are already non-finite when the Recorder attaches (a loaded
-    checkpoint, the initialisation), scanned once: ``{"step", "nonfinite": [FQN] (up to 64),
-    "count"}``; stored in every bundle (``meta["attach_scan"]``) so a diagnosis can tell weights
-    non-finite before recording from weights a recorded step made non-finite."""
-    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-           if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t.detach()).all())]
-    return {"step": step, "nonfinite": bad[:64], "count": len(bad)}
