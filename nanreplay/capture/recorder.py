@@ -45,7 +45,7 @@ from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model, u
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
-from .sharded import check_sharded_options, is_sharded, local
+from .sharded import local
 from .snapshots import StepStartBuffers, attach_scan, live_state, restore_into
 from .update import UpdateCheck
 
@@ -157,14 +157,10 @@ class Recorder:
 
         # hooks, each behind a handle this Recorder owns
         self._handles: list[Any] = []
-        from .ddp import RankContext, unwrap_ddp_only
+        from .ddp import RankContext
 
-        sharded = is_sharded(self.model)
-        if sharded:
-            check_sharded_options(self.config)
-        self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
-                                       optimizer=optimizer, step=lambda: self.step, sharded=sharded,
-                                       cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])
+        self.dist = RankContext.for_recorder(model, self.model, self.config, param_fqn=self._param_fqn, optimizer=optimizer,
+                                             step=lambda: self.step, cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])
         self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
                           loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
                           extra_meta=self.extra_meta)
@@ -186,11 +182,8 @@ class Recorder:
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
-        ddp = unwrap_ddp_only(model)
-        if self.dist is not None and self.config.origin_hook and ddp is not None:
-            self.dist.attach_origin_hook(ddp)
-        elif self.dist is not None and sharded:
-            self.dist.attach_sharded_hooks(self.model, hook=self.config.origin_hook)
+        if self.dist is not None:
+            self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook)
 
     @property
     def _current(self) -> Optional[StepRecord]:
