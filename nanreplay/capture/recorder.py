@@ -47,7 +47,7 @@ from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import local
 from .snapshots import StepStartBuffers, attach_scan, live_state, restore_into
-from .update import UpdateCheck
+from .update import UpdateCheck, check_update
 
 logger = logging.getLogger(__name__)
 
@@ -399,31 +399,14 @@ class Recorder:
         self.step += 1
         self.ring.end()
         self._pending_loss = None
-        if pre is not None and rec is not None and self._check_update(rec, pre):
+        if pre is not None and rec is not None and check_update(rec, pre, model=self.model, optimizer=self.optimizer, actions=self._actions,
+                                                              dump=self._dump, live_copy=lambda: self.snapshot_state(clone=True),
+                                                              grads=self._grads, nonfinite_steps=self.nonfinite_steps):
             self._update.recycle(pre)
         self.ring.evict()  # after the release: the recycled slot counts against the budget too
         if self.ring.over_budget and self._lagged is not None and self._lagged.pending:
             self._check_pending(final=False)  # only unchecked steps are left to evict: read their verdicts now (one sync)
             self.ring.evict()
-
-    # -- check_update ---------------------------------------------------------------------------
-    def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
-        """``check_update``: one fused norm over the updated parameters and floating optimizer
-        state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
-        and diagnose, then act. Returns ``True`` when the update was finite."""
-        if UpdateCheck.finite(self.optimizer):
-            return True
-        post = None if self._actions.restores else self.snapshot_state(clone=True)
-        restore_into(self.model, self.optimizer, pre)
-        grads = self._grads()
-        self.nonfinite_steps.append(rec.step)
-        path = self._dump(rec, grads, pre, update=True) if self._dump.allowed else None
-        msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
-               f"norm {rec.grad_norm})" + self._dump.outcome(path))
-        if post is not None:
-            restore_into(self.model, self.optimizer, post)  # the action keeps the update
-        self._actions(Incident(rec.step, msg, path, self.last_diagnosis, update=True))
-        return False
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
     def _check_pending(self, *, final: bool) -> None:
