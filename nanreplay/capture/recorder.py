@@ -14,7 +14,9 @@ It coordinates rooms with one job each. The walk of a step, default options:
    :mod:`~nanreplay.capture.update`);
 3. on a non-finite step: the dump (:mod:`~nanreplay.capture.dump`: bundle, program, in-process
    diagnosis), then the action (:data:`nanreplay.capture.actions.ACTIONS`: raise, skip, warn);
-4. the step post-hook ends the step (the update check, eviction).
+   a finite step goes to the early warning and the rollback plan
+   (:class:`~nanreplay.capture.early.SpikeWatch`);
+4. the step post-hook ends the step (the update check, :func:`~nanreplay.capture.update.check_update`; eviction).
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step state is still in place when the pre-hook fires.
