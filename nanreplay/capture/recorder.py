@@ -48,7 +48,7 @@ from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import local
-from .snapshots import StepStartBuffers, attach_scan, live_state, restore_into
+from .snapshots import StepStartBuffers, attach_scan, live_state
 from .update import UpdateCheck, check_update
 
 logger = logging.getLogger(__name__)
@@ -425,26 +425,16 @@ class Recorder:
         if first is None:
             self._actions.finite()
             return
-        latch = self._lagged.latch
-        state = latch.snapshot(self.optimizer.state_dict(), first)
-        restore = self._actions.restores
-        saved = None
-        if restore or self.config.diagnose:
-            saved = None if restore else self.snapshot_state(clone=True)
-            restore_into(self.model, self.optimizer, state)
         bad_grad = first.grad_norm is not None and not math.isfinite(first.grad_norm)
         bad_loss = first.loss is not None and not math.isfinite(first.loss)
-        try:
+        with self._lagged.pre_step_state(first, self.model, self.optimizer, restore=self._actions.restores, diagnose=self.config.diagnose,
+                                         live_copy=lambda: self.snapshot_state(clone=True)) as (state, grads):
             if final:
                 self.nonfinite_steps.append(first.step)
                 if self._dump.allowed:
-                    self._dump(first, latch.grad_list(), state, bad_grad=bad_grad, bad_loss=bad_loss)
+                    self._dump(first, grads, state, bad_grad=bad_grad, bad_loss=bad_loss)
                 return
-            self._handle_nonfinite(first, latch.grad_list(), bad_grad, bad_loss, state=state)
-        finally:
-            if saved is not None:
-                restore_into(self.model, self.optimizer, saved)
-            latch.reset()
+            self._handle_nonfinite(first, grads, bad_grad, bad_loss, state=state)
 
     def _lagged_off(self) -> None:
         """The latch cannot grow to the size it needs within ``memory_budget``: read the verdicts
