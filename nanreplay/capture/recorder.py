@@ -42,7 +42,7 @@ from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
 from .early import ScalarHistory, SpikeWatch
-from .check import lr_value, overflowed_norm, read_check, warn_explosion
+from .check import explosion, lr_value, read_check
 from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
@@ -356,12 +356,8 @@ class Recorder:
             self._lagged_off()
         rec.grad_norm, rec.loss, agreed = read_check(norm, loss, self.dist)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
-        if bad_grad and math.isinf(rec.grad_norm) and agreed is None:
-            wide = overflowed_norm([g for _, g in grads])
-            if wide is not None:  # every gradient is finite: the float32 2-norm overflowed
-                rec.grad_norm = wide
-                bad_grad = False
-                self._on_explosion(rec, grads)
+        if bad_grad and explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
+            bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._seal(rec)
@@ -376,12 +372,6 @@ class Recorder:
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
-
-    def _on_explosion(self, rec: StepRecord, grads: list) -> None:
-        """A step whose finite gradients have a float32 2-norm that overflows (sum of squares)."""
-        warn_explosion(rec, grads, self.ring.upto(rec.step), dumping=self.config.dump_on_explosion)
-        if self.config.dump_on_explosion and self._dump.allowed:
-            self._dump(rec, grads, self._live, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
 
     def _seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
