@@ -19,7 +19,7 @@ from ..format.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_check", "overflowed_norm", "warn_explosion", "lr_value"]
+__all__ = ["read_check", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
 def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None) -> tuple[Optional[float], Optional[float], Optional[bool]]:
@@ -65,6 +65,24 @@ def warn_explosion(rec: StepRecord, grads: list, steps: list[StepRecord], *, dum
         "steps held: %s. Training goes on; the bundle is written at the first non-finite gradient%s",
         rec.step, rec.grad_norm, float(largest[1].detach().abs().max()), largest[0],
         ", ".join(f"{k}: {v:.3g}" for k, v in history), "" if not dumping else " (and now: dump_on_explosion)")
+
+
+def explosion(rec: StepRecord, grads: list, agreed: Optional[bool], *, ring: Any, dump: Any, live: Any, dumping: bool) -> bool:
+    """Whether the step ``rec``, whose grad norm read ``inf`` on this rank alone (``agreed`` is
+    ``None``), is an exploding step: every gradient finite, the float32 2-norm overflowed. Then
+    its true norm (float64) replaces ``rec.grad_norm``, it is logged with the grad-norm history
+    of ``ring`` and, with ``dumping`` (``dump_on_explosion``), dumped through ``dump`` (``live``:
+    the live state for the bundle)."""
+    if rec.grad_norm is None or not math.isinf(rec.grad_norm) or agreed is not None:
+        return False
+    wide = overflowed_norm([g for _, g in grads])
+    if wide is None:
+        return False
+    rec.grad_norm = wide
+    warn_explosion(rec, grads, ring.upto(rec.step), dumping=dumping)
+    if dumping and dump.allowed:
+        dump(rec, grads, live, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
+    return True
 
 
 def lr_value(lr: Any) -> Any:

@@ -155,6 +155,29 @@ class RankContext:
             return None
         return cls(group=group, **kwargs)
 
+    @classmethod
+    def for_recorder(cls, wrapper: torch.nn.Module, model: torch.nn.Module, config: Any, **kwargs: Any) -> Optional["RankContext"]:
+        """The Recorder's context (see :meth:`detect`) for ``wrapper`` (what the loop calls) around
+        ``model`` (the unwrapped module); a sharded ``model`` (``DTensor`` parameters) first has
+        its options checked (:func:`nanreplay.capture.sharded.check_sharded_options`), with or
+        without ``torch.distributed``. ``kwargs``: the constructor's other keywords."""
+        from .sharded import check_sharded_options, is_sharded
+
+        sharded = is_sharded(model)
+        if sharded:
+            check_sharded_options(config)
+        return cls.detect(is_ddp=isinstance(wrapper, torch.nn.parallel.DistributedDataParallel), sharded=sharded, **kwargs)
+
+    def attach_hooks(self, wrapper: torch.nn.Module, model: torch.nn.Module, *, origin_hook: bool) -> None:
+        """The Recorder's last construction step: the DDP origin comm hook on ``wrapper``'s
+        ``DistributedDataParallel`` (with ``origin_hook``), else for a sharded ``model`` the FSDP2
+        reduce-scatter hooks (:meth:`attach_sharded_hooks`)."""
+        ddp = unwrap_ddp_only(wrapper)
+        if origin_hook and ddp is not None:
+            self.attach_origin_hook(ddp)
+        elif self.sharded:
+            self.attach_sharded_hooks(model, hook=origin_hook)
+
     def device(self) -> torch.device:
         """Where the agreement vector lives when there is no gradient to take it from."""
         backend = str(dist.get_backend(self.group)).lower()

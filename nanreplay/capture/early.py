@@ -30,6 +30,11 @@ steps and false alarms per 10,000 clean steps). A loss that is zero or negative 
 :class:`ScalarHistory` keeps ``(step, loss, grad norm, learning rates, finite)`` of the last
 ``HISTORY_STEPS`` steps (about 40 bytes a step plus the learning rates), independent of the ring
 buffer's ``capacity``; every bundle stores it (``meta["scalar_history"]``).
+
+:class:`SpikeWatch` is the Recorder's room for what follows an alarm (a non-finite step or a
+spike): it feeds finite steps to the :class:`EarlyWarning`, acts on a spike through
+:data:`nanreplay.capture.actions.SPIKE_ACTIONS`, keeps the last alarm, secures a healthy weight
+snapshot against eviction and answers the rollback plan.
 """
 
 from __future__ import annotations
@@ -41,8 +46,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
-__all__ = ["EarlyWarning", "Band", "ScalarHistory", "Z_SPIKE", "DRIFT_RATIO", "WARMUP", "WINDOW", "HISTORY_STEPS", "SIGNALS"]
+from ..format.records import Snapshot, StepRecord
+from .actions import SPIKE_ACTIONS, Incident
+from .snapshots import restore_into
+
+__all__ = ["EarlyWarning", "Band", "ScalarHistory", "SpikeWatch", "Z_SPIKE", "DRIFT_RATIO", "WARMUP", "WINDOW", "HISTORY_STEPS", "SIGNALS"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,3 +251,123 @@ class ScalarHistory:
             "lrs": [[fnum(float(x)) for x in r[3]] for r in rows],
             "finite": [r[4] for r in rows],
         }
+
+
+class SpikeWatch:
+    """The alarms of one Recorder and their rollback plan.
+
+    Args:
+        on_spike: the ``on_spike`` option (``None``: no early warning, only non-finite steps alarm).
+        ring: the Recorder's :class:`~nanreplay.capture.ring.RingBuffer` (the snapshots it holds).
+        extra_meta: the Recorder's ``extra_meta`` (``last_checkpoint_step``, ``data_position``).
+        actions: the Recorder's :class:`~nanreplay.capture.actions.Actions`. dump: its
+            :class:`~nanreplay.capture.dump.Dump`.
+
+    Attributes:
+        early: the :class:`EarlyWarning`, else ``None``. alert: the last step found non-finite
+        or out of band. secured: ``(step, snapshot)``, the healthy snapshot secured for the plan.
+    """
+
+    def __init__(self, on_spike: Optional[str], *, ring: Any, extra_meta: dict, actions: Any, dump: Any) -> None:
+        self.on_spike = on_spike
+        self.early = EarlyWarning() if on_spike is not None else None
+        self.ring, self.extra_meta, self.actions, self.dump = ring, extra_meta, actions, dump
+        self.alert: Optional[int] = None
+        self.secured: Optional[tuple[int, Snapshot]] = None
+
+    @property
+    def spikes(self) -> list[dict]:
+        return self.early.spikes if self.early is not None else []
+
+    def alarm(self, step: int) -> None:
+        """A non-finite step: remember it and secure a healthy snapshot before it."""
+        self.alert = step
+        self.secure(step)
+
+    def first_abnormal(self, step: int) -> int:
+        """The first step of the spike episode that ``step`` ends or belongs to, else ``step``."""
+        e = self.early
+        return e.first_step if e is not None and e.first_step is not None and e.first_step <= step else step
+
+    def plan(self, step: Optional[int] = None) -> dict:
+        """The rollback plan (see :meth:`nanreplay.capture.recorder.Recorder.rollback_plan`)."""
+        step = self.alert if step is None else step
+        if step is None:
+            return {"step": None, "first_abnormal_step": None, "restore_step": None, "source": None, "skip_steps": [], "data_position": None}
+        first = self.first_abnormal(step)
+        snaps = [r.step for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
+        if self.secured is not None and self.secured[0] < first:
+            snaps.append(self.secured[0])
+        ckpt = self.extra_meta.get("last_checkpoint_step")
+        ckpt = ckpt if isinstance(ckpt, int) and ckpt < first else None
+        restore, source = (max(snaps), "snapshot") if snaps else ((ckpt, "checkpoint") if ckpt is not None else (None, None))
+        if snaps and ckpt is not None and ckpt > max(snaps):
+            restore, source = ckpt, "checkpoint"
+        return {"step": step, "first_abnormal_step": first, "restore_step": restore, "source": source,
+                "skip_steps": list(range(first, step + 1)), "data_position": self.extra_meta.get("data_position")}
+
+    def snapshot_at(self, step: int) -> Optional[Snapshot]:
+        """The step-start weight snapshot of ``step`` held (secured, or in the ring buffer), else ``None``."""
+        if self.secured is not None and self.secured[0] == step:
+            return self.secured[1]
+        return next((r.snapshot for r in self.ring if r.step == step and r.snapshot is not None), None)
+
+    def roll_back(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: dict) -> Optional[int]:
+        """Restore the snapshot ``plan`` names into ``model`` and ``optimizer``; the step restored, else ``None``."""
+        if plan.get("source") != "snapshot" or plan.get("restore_step") is None:
+            return None
+        snap = self.snapshot_at(plan["restore_step"])
+        if snap is None:
+            return None
+        restore_into(model, optimizer, snap)
+        self.alert = None
+        logger.warning("nanreplay: rolled back to the step-start weights and optimizer state of step %d (steps %s to skip)",
+                       plan["restore_step"], plan.get("skip_steps"))
+        return plan["restore_step"]
+
+    def secure(self, step: int) -> None:
+        """At an alarm: copy the latest healthy weight snapshot before its first abnormal step,
+        so that eviction cannot lose it before the plan is used. The copy is counted against
+        ``memory_budget`` as ``"rollback"`` (skipped when it does not fit: the plan then names
+        what the ring still holds); the ring's own record keeps its snapshot, for the bundle and
+        bisect. It stays until a later alarm secures a newer one. Cost: one copy per episode."""
+        first = self.first_abnormal(step)
+        held = [r for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
+        if not held or (self.secured is not None and self.secured[0] >= held[-1].step):
+            return
+        r = held[-1]
+        snap = r.snapshot
+        if not self.ring.reserve("rollback", snap.nbytes()):
+            return
+        copy = Snapshot(params={k: v.detach().clone() for k, v in snap.params.items()},
+                        buffers={k: v.detach().clone() for k, v in (snap.buffers or {}).items()},
+                        optimizer=pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, snap.optimizer),
+                        extra=dict(snap.extra or {}))
+        self.secured = (r.step, copy)
+        self.ring.keep("rollback", copy)
+
+    def judge(self, rec: StepRecord, grads: Optional[list], live: Any) -> None:
+        """Feed a finite step to the early warning; on a spike, act through ``SPIKE_ACTIONS``.
+        ``grads``: the step's gradients while its update has not run (``None`` in the sync-free
+        mode, where the step is long past: then every row acts as ``"warn"``). ``live``: the
+        live state for the bundle (a callable returning a :class:`Snapshot`)."""
+        if self.early is None:
+            return
+        rows = self.early.observe(rec.step, loss=rec.loss, grad_norm=rec.grad_norm, lrs=[x for x in rec.lrs if not isinstance(x, torch.Tensor)])
+        if not rows:
+            return
+        self.alert = rec.step
+        new = self.early.new_episode
+        if new:
+            self.secure(rec.step)
+        name = self.on_spike if grads is not None else "warn"
+        action = SPIKE_ACTIONS[name]
+        plan = self.plan(rec.step)
+        path = None
+        if new and action.dumps(self.actions) and self.dump.spike_allowed:
+            path = self.dump(rec, grads, live, spike=True, cause={"spike": rows, "rollback": plan,
+                                                                  "message": "spike: " + describe(rows)})
+        msg = (f"early warning at step {rec.step}: {describe(rows)}; rollback plan: "
+               + (f"restore step {plan['restore_step']} ({plan['source']})" if plan["restore_step"] is not None else "no healthy weights held (set snapshot_every)")
+               + f", skip the batches of steps {plan['first_abnormal_step']}..{plan['step']}" + (f"; bundle: {path}" if path else ""))
+        self.actions.action_for(action, Incident(rec.step, msg, path, None, spikes=rows, rollback=plan, new_episode=new))

@@ -34,7 +34,7 @@ from ..format.records import ForwardRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["unwrap_model", "ForwardTap", "keep_cotangent", "autocast_state"]
+__all__ = ["unwrap_model", "unwrap_optimizer", "ForwardTap", "keep_cotangent", "autocast_state"]
 
 
 def _optimized_module_type() -> Optional[type]:
@@ -56,6 +56,21 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """``optimizer``, or the ``torch.optim.Optimizer`` a wrapper holds as ``.optimizer``
+    (accelerate's ``AcceleratedOptimizer`` and similar).
+
+    Raises:
+        TypeError: neither is a ``torch.optim.Optimizer``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return inner
 
 
 def _eager_target(model: torch.nn.Module) -> torch.nn.Module:

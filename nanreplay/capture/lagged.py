@@ -16,8 +16,9 @@ the ring over its budget, the Recorder reads their verdicts early (one host sync
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+import contextlib
 import logging
 import math
 
@@ -217,6 +218,28 @@ class LaggedCheck:
         if first is None:
             self.latch.reset()
         return first
+
+    @contextlib.contextmanager
+    def pre_step_state(self, first: StepRecord, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, restore: bool,
+                       diagnose: bool, live_copy: Callable[[], Snapshot]) -> Iterator[tuple[Snapshot, list]]:
+        """For the non-finite step ``first`` that :meth:`read` returned: its pre-step state from the
+        latch and its gradients. With ``restore`` (the action puts the state back) the state is
+        put into ``model`` and ``optimizer`` for good; with ``diagnose`` only, for the block (the
+        live state, ``live_copy()``, comes back after it). The latch opens again after the block."""
+        from .snapshots import restore_into
+
+        latch = self.latch
+        state = latch.snapshot(optimizer.state_dict(), first)
+        saved = None
+        if restore or diagnose:
+            saved = None if restore else live_copy()
+            restore_into(model, optimizer, state)
+        try:
+            yield state, latch.grad_list()
+        finally:
+            if saved is not None:
+                restore_into(model, optimizer, saved)
+            latch.reset()
 
     def close(self, required: int) -> None:
         """The mode is over because its latch needed :attr:`refused` bytes, and the budget

@@ -14,7 +14,9 @@ It coordinates rooms with one job each. The walk of a step, default options:
    :mod:`~nanreplay.capture.update`);
 3. on a non-finite step: the dump (:mod:`~nanreplay.capture.dump`: bundle, program, in-process
    diagnosis), then the action (:data:`nanreplay.capture.actions.ACTIONS`: raise, skip, warn);
-4. the step post-hook ends the step (the update check, eviction).
+   a finite step goes to the early warning and the rollback plan
+   (:class:`~nanreplay.capture.early.SpikeWatch`);
+4. the step post-hook ends the step (the update check, :func:`~nanreplay.capture.update.check_update`; eviction).
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step state is still in place when the pre-hook fires.
@@ -36,18 +38,18 @@ from ..core.numerics import fused_norm
 from ..core.rng import RNGState
 from ..core.state import load_buffers
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
-from .actions import SPIKE_ACTIONS, Actions, Incident
+from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info, shell_path
-from .early import EarlyWarning, ScalarHistory, describe as describe_spike
-from .check import lr_value, overflowed_norm, read_check, warn_explosion
-from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model
+from .early import ScalarHistory, SpikeWatch
+from .check import explosion, lr_value, read_check
+from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
-from .sharded import check_sharded_options, is_sharded, local
-from .snapshots import StepStartBuffers, live_state, restore_into
-from .update import UpdateCheck
+from .sharded import local
+from .snapshots import StepStartBuffers, attach_scan, live_state
+from .update import UpdateCheck, check_update
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ class Recorder:
                  scaler: Any = None, config: Optional[RecorderConfig] = None, **options: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        optimizer = _unwrap_optimizer(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         cfg = config or RecorderConfig()
         self.config = dataclasses.replace(cfg, **options) if options else cfg
         check_out_dir(self.config.out_dir)
@@ -157,25 +159,19 @@ class Recorder:
 
         # hooks, each behind a handle this Recorder owns
         self._handles: list[Any] = []
-        from .ddp import RankContext, unwrap_ddp_only
+        from .ddp import RankContext
 
-        sharded = is_sharded(self.model)
-        if sharded:
-            check_sharded_options(self.config)
-        self.dist = RankContext.detect(is_ddp=isinstance(model, torch.nn.parallel.DistributedDataParallel), param_fqn=self._param_fqn,
-                                       optimizer=optimizer, step=lambda: self.step, sharded=sharded,
-                                       cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])
+        self.dist = RankContext.for_recorder(model, self.model, self.config, param_fqn=self._param_fqn, optimizer=optimizer,
+                                             step=lambda: self.step, cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])
         self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
                           loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
                           extra_meta=self.extra_meta)
         self._actions = Actions(self.config.action, optimizer, dump=self._dump, max_consecutive=self.config.max_consecutive,
                                 param_fqn=self._param_fqn)
-        # the early warning (capture.early): bands of the loss and grad norm, and the scalar history
-        self._early = EarlyWarning() if self.config.on_spike is not None else None
+        # the early warning and rollback plan (capture.early), and the scalar history
+        self._watch = SpikeWatch(self.config.on_spike, ring=self.ring, extra_meta=self.extra_meta, actions=self._actions, dump=self._dump)
         self._history = ScalarHistory(self.config.history_steps)
         self._dump.history = self._history
-        self._alert: Optional[int] = None  # the last step found non-finite or out of band (should_rollback)
-        self._rollback: Optional[tuple[int, Snapshot]] = None  # the healthy snapshot secured for the rollback plan
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
@@ -188,11 +184,8 @@ class Recorder:
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
-        ddp = unwrap_ddp_only(model)
-        if self.dist is not None and self.config.origin_hook and ddp is not None:
-            self.dist.attach_origin_hook(ddp)
-        elif self.dist is not None and sharded:
-            self.dist.attach_sharded_hooks(self.model, hook=self.config.origin_hook)
+        if self.dist is not None:
+            self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook)
 
     @property
     def _current(self) -> Optional[StepRecord]:
@@ -363,12 +356,8 @@ class Recorder:
             self._lagged_off()
         rec.grad_norm, rec.loss, agreed = read_check(norm, loss, self.dist)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
-        if bad_grad and math.isinf(rec.grad_norm) and agreed is None:
-            wide = overflowed_norm([g for _, g in grads])
-            if wide is not None:  # every gradient is finite: the float32 2-norm overflowed
-                rec.grad_norm = wide
-                bad_grad = False
-                self._on_explosion(rec, grads)
+        if bad_grad and explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
+            bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._seal(rec)
@@ -379,17 +368,10 @@ class Recorder:
             self._actions.finite()
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
-            if self._early is not None:
-                self._judge(rec, grads)
+            self._watch.judge(rec, grads, self._live)
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
-
-    def _on_explosion(self, rec: StepRecord, grads: list) -> None:
-        """A step whose finite gradients have a float32 2-norm that overflows (sum of squares)."""
-        warn_explosion(rec, grads, self.ring.upto(rec.step), dumping=self.config.dump_on_explosion)
-        if self.config.dump_on_explosion and self._dump.allowed:
-            self._dump(rec, grads, self._live, cause={"explosion": True, "message": "exploding gradients (finite, float32 2-norm overflows)"})
 
     def _seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
@@ -409,31 +391,14 @@ class Recorder:
         self.step += 1
         self.ring.end()
         self._pending_loss = None
-        if pre is not None and rec is not None and self._check_update(rec, pre):
+        if pre is not None and rec is not None and check_update(rec, pre, model=self.model, optimizer=self.optimizer, actions=self._actions,
+                                                              dump=self._dump, live_copy=lambda: self.snapshot_state(clone=True),
+                                                              grads=self._grads, nonfinite_steps=self.nonfinite_steps):
             self._update.recycle(pre)
         self.ring.evict()  # after the release: the recycled slot counts against the budget too
         if self.ring.over_budget and self._lagged is not None and self._lagged.pending:
             self._check_pending(final=False)  # only unchecked steps are left to evict: read their verdicts now (one sync)
             self.ring.evict()
-
-    # -- check_update ---------------------------------------------------------------------------
-    def _check_update(self, rec: StepRecord, pre: Snapshot) -> bool:
-        """``check_update``: one fused norm over the updated parameters and floating optimizer
-        state, one host read; on a non-finite update, restore ``pre`` (unless ``warn``), dump
-        and diagnose, then act. Returns ``True`` when the update was finite."""
-        if UpdateCheck.finite(self.optimizer):
-            return True
-        post = None if self._actions.restores else self.snapshot_state(clone=True)
-        restore_into(self.model, self.optimizer, pre)
-        grads = self._grads()
-        self.nonfinite_steps.append(rec.step)
-        path = self._dump(rec, grads, pre, update=True) if self._dump.allowed else None
-        msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
-               f"norm {rec.grad_norm})" + self._dump.outcome(path))
-        if post is not None:
-            restore_into(self.model, self.optimizer, post)  # the action keeps the update
-        self._actions(Incident(rec.step, msg, path, self.last_diagnosis, update=True))
-        return False
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
     def _check_pending(self, *, final: bool) -> None:
@@ -445,31 +410,21 @@ class Recorder:
         first = self._lagged.read()
         for r in pending:  # the values just read: the history and the early warning stay sync-free
             self._history.add(r.step, r.loss, r.grad_norm, r.lrs, r.finite)
-            if self._early is not None and r.finite:
-                self._judge(r, None)
+            if r.finite:
+                self._watch.judge(r, None, self._live)
         if first is None:
             self._actions.finite()
             return
-        latch = self._lagged.latch
-        state = latch.snapshot(self.optimizer.state_dict(), first)
-        restore = self._actions.restores
-        saved = None
-        if restore or self.config.diagnose:
-            saved = None if restore else self.snapshot_state(clone=True)
-            restore_into(self.model, self.optimizer, state)
         bad_grad = first.grad_norm is not None and not math.isfinite(first.grad_norm)
         bad_loss = first.loss is not None and not math.isfinite(first.loss)
-        try:
+        with self._lagged.pre_step_state(first, self.model, self.optimizer, restore=self._actions.restores, diagnose=self.config.diagnose,
+                                         live_copy=lambda: self.snapshot_state(clone=True)) as (state, grads):
             if final:
                 self.nonfinite_steps.append(first.step)
                 if self._dump.allowed:
-                    self._dump(first, latch.grad_list(), state, bad_grad=bad_grad, bad_loss=bad_loss)
+                    self._dump(first, grads, state, bad_grad=bad_grad, bad_loss=bad_loss)
                 return
-            self._handle_nonfinite(first, latch.grad_list(), bad_grad, bad_loss, state=state)
-        finally:
-            if saved is not None:
-                restore_into(self.model, self.optimizer, saved)
-            latch.reset()
+            self._handle_nonfinite(first, grads, bad_grad, bad_loss, state=state)
 
     def _lagged_off(self) -> None:
         """The latch cannot grow to the size it needs within ``memory_budget``: read the verdicts
@@ -528,8 +483,7 @@ class Recorder:
         opening words of the error message (used for GradScaler and cross-rank decisions).
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
-        self._alert = rec.step
-        self._secure_rollback(rec.step)
+        self._watch.alarm(rec.step)
         first = self._dump.allowed and self._actions.dumps()
         cause = dict(cause or {})
         cause.setdefault("rollback", self.rollback_plan(rec.step))
@@ -549,14 +503,14 @@ class Recorder:
             load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
         self._actions(Incident(rec.step, msg, path, self.last_diagnosis if first else None))
 
-    # -- the early warning (capture.early) --------------------------------------------------------
+    # -- the early warning and the rollback plan (capture.early.SpikeWatch) ------------------------
     @property
     def spikes(self) -> list[dict]:
         """Every step and signal found out of its band so far, oldest first: ``{"step", "signal"
         ("loss" | "grad_norm"), "kind" ("spike" | "drift"), "value", "baseline" (the signal's own
         units), "score" (spreads above the band for a spike; times the lowest smoothed loss for a
         drift), "episode", "lr"}`` (see :mod:`nanreplay.capture.early`). ``[]`` with ``on_spike=None``."""
-        return self._early.spikes if self._early is not None else []
+        return self._watch.spikes
 
     @property
     def should_rollback(self) -> bool:
@@ -566,7 +520,7 @@ class Recorder:
             if rec.should_rollback:
                 plan = rec.rollback_plan()   # {"restore_step": 120, "source": "snapshot", "skip_steps": [...]}
         """
-        return self._alert is not None and self._alert >= self.step - 1
+        return self._watch.alert is not None and self._watch.alert >= self.step - 1
 
     def rollback_plan(self, step: Optional[int] = None) -> dict:
         """The rollback plan for ``step`` (default: the last step found non-finite or out of band).
@@ -581,26 +535,11 @@ class Recorder:
             through ``step``), "data_position": ``extra_meta["data_position"]`` where an
             integration knows it, else ``None``}``; JSON-able.
         """
-        step = self._alert if step is None else step
-        if step is None:
-            return {"step": None, "first_abnormal_step": None, "restore_step": None, "source": None, "skip_steps": [], "data_position": None}
-        first = self._first_abnormal(step)
-        snaps = [r.step for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
-        if self._rollback is not None and self._rollback[0] < first:
-            snaps.append(self._rollback[0])
-        ckpt = self.extra_meta.get("last_checkpoint_step")
-        ckpt = ckpt if isinstance(ckpt, int) and ckpt < first else None
-        restore, source = (max(snaps), "snapshot") if snaps else ((ckpt, "checkpoint") if ckpt is not None else (None, None))
-        if snaps and ckpt is not None and ckpt > max(snaps):
-            restore, source = ckpt, "checkpoint"
-        return {"step": step, "first_abnormal_step": first, "restore_step": restore, "source": source,
-                "skip_steps": list(range(first, step + 1)), "data_position": self.extra_meta.get("data_position")}
+        return self._watch.plan(step)
 
     def snapshot_at(self, step: int) -> Optional[Snapshot]:
         """The step-start weight snapshot of ``step`` held in the ring buffer (``snapshot_every``), else ``None``."""
-        if self._rollback is not None and self._rollback[0] == step:
-            return self._rollback[1]
-        return next((r.snapshot for r in self.ring if r.step == step and r.snapshot is not None), None)
+        return self._watch.snapshot_at(step)
 
     def roll_back(self, plan: Optional[dict] = None) -> Optional[int]:
         """Carry out ``plan`` (default: :meth:`rollback_plan`) when its source is a snapshot: copy
@@ -609,67 +548,7 @@ class Recorder:
         ``source`` is ``"checkpoint"`` or ``None``, and loading it is the loop's job). Skipping
         the plan's ``skip_steps`` batches is the loop's job too; the learning rate schedule is
         left as it is."""
-        plan = self.rollback_plan() if plan is None else plan
-        if plan.get("source") != "snapshot" or plan.get("restore_step") is None:
-            return None
-        snap = self.snapshot_at(plan["restore_step"])
-        if snap is None:
-            return None
-        restore_into(self.model, self.optimizer, snap)
-        self._alert = None
-        logger.warning("nanreplay: rolled back to the step-start weights and optimizer state of step %d (steps %s to skip)",
-                       plan["restore_step"], plan.get("skip_steps"))
-        return plan["restore_step"]
-
-    def _first_abnormal(self, step: int) -> int:
-        """The first step of the spike episode that ``step`` ends or belongs to, else ``step``."""
-        e = self._early
-        return e.first_step if e is not None and e.first_step is not None and e.first_step <= step else step
-
-    def _secure_rollback(self, step: int) -> None:
-        """At an alarm: copy the latest healthy weight snapshot before its first abnormal step,
-        so that eviction cannot lose it before the plan is used. The copy is counted against
-        ``memory_budget`` as ``"rollback"`` (skipped when it does not fit: the plan then names
-        what the ring still holds); the ring's own record keeps its snapshot, for the bundle and
-        bisect. It stays until a later alarm secures a newer one. Cost: one copy per episode."""
-        first = self._first_abnormal(step)
-        held = [r for r in self.ring if r.snapshot is not None and r.step < first and r.finite is not False]
-        if not held or (self._rollback is not None and self._rollback[0] >= held[-1].step):
-            return
-        r = held[-1]
-        snap = r.snapshot
-        if not self.ring.reserve("rollback", snap.nbytes()):
-            return
-        copy = Snapshot(params={k: v.detach().clone() for k, v in snap.params.items()},
-                        buffers={k: v.detach().clone() for k, v in (snap.buffers or {}).items()},
-                        optimizer=pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, snap.optimizer),
-                        extra=dict(snap.extra or {}))
-        self._rollback = (r.step, copy)
-        self.ring.keep("rollback", copy)
-
-    def _judge(self, rec: StepRecord, grads: Optional[list]) -> None:
-        """Feed a finite step to the early warning; on a spike, act through ``SPIKE_ACTIONS``.
-        ``grads``: the step's gradients while its update has not run (``None`` in the sync-free
-        mode, where the step is long past: then every row acts as ``"warn"``)."""
-        assert self._early is not None
-        rows = self._early.observe(rec.step, loss=rec.loss, grad_norm=rec.grad_norm, lrs=[x for x in rec.lrs if not isinstance(x, torch.Tensor)])
-        if not rows:
-            return
-        self._alert = rec.step
-        new = self._early.new_episode
-        if new:
-            self._secure_rollback(rec.step)
-        name = self.config.on_spike if grads is not None else "warn"
-        action = SPIKE_ACTIONS[name]
-        plan = self.rollback_plan(rec.step)
-        path = None
-        if new and action.dumps(self._actions) and self._dump.spike_allowed:
-            path = self._dump(rec, grads, self._live, spike=True, cause={"spike": rows, "rollback": plan,
-                                                                            "message": "spike: " + describe_spike(rows)})
-        msg = (f"early warning at step {rec.step}: {describe_spike(rows)}; rollback plan: "
-               + (f"restore step {plan['restore_step']} ({plan['source']})" if plan["restore_step"] is not None else "no healthy weights held (set snapshot_every)")
-               + f", skip the batches of steps {plan['first_abnormal_step']}..{plan['step']}" + (f"; bundle: {path}" if path else ""))
-        self._actions.action_for(action, Incident(rec.step, msg, path, None, spikes=rows, rollback=plan, new_episode=new))
+        return self._watch.roll_back(self.model, self.optimizer, self.rollback_plan() if plan is None else plan)
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).
@@ -680,27 +559,3 @@ class Recorder:
     def _live(self) -> Snapshot:
         return self.snapshot_state(clone=False)
 
-
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """``optimizer``, or the ``torch.optim.Optimizer`` a wrapper holds as ``.optimizer``
-    (accelerate's ``AcceleratedOptimizer`` and similar).
-
-    Raises:
-        TypeError: neither is a ``torch.optim.Optimizer``.
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return inner
-
-
-def attach_scan(model: torch.nn.Module, step: int) -> dict:
-    """The weights and buffers that are already non-finite when the Recorder attaches (a loaded
-    checkpoint, the initialisation), scanned once: ``{"step", "nonfinite": [FQN] (up to 64),
-    "count"}``; stored in every bundle (``meta["attach_scan"]``) so a diagnosis can tell weights
-    non-finite before recording from weights a recorded step made non-finite."""
-    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-           if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t.detach()).all())]
-    return {"step": step, "nonfinite": bad[:64], "count": len(bad)}

@@ -8,6 +8,7 @@
   optimizer, in place (a skipped or rolled-back step).
 * :class:`StepStartBuffers`: the buffers at a step's start; buffers seen to change within a step
   (BatchNorm running stats) are copied, the others referenced.
+* :func:`attach_scan`: the weights and buffers already non-finite when the Recorder attaches.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .sharded import is_sharded, local
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["live_state", "SnapshotPool", "restore_into", "StepStartBuffers", "storage_bytes"]
+__all__ = ["attach_scan", "live_state", "SnapshotPool", "restore_into", "StepStartBuffers", "storage_bytes"]
 
 #: bytes: buffers up to this size are copied at every step start
 SMALL_BUFFER = 1 << 20
@@ -218,3 +219,13 @@ def replace_snapshot(snap: Snapshot, **changes: Any) -> Snapshot:
     fields = {f.name: getattr(snap, f.name) for f in dataclasses.fields(Snapshot)}
     fields.update(changes)
     return Snapshot(**fields)
+
+
+def attach_scan(model: torch.nn.Module, step: int) -> dict:
+    """The weights and buffers that are already non-finite when the Recorder attaches (a loaded
+    checkpoint, the initialisation), scanned once: ``{"step", "nonfinite": [FQN] (up to 64),
+    "count"}``; stored in every bundle (``meta["attach_scan"]``) so a diagnosis can tell weights
+    non-finite before recording from weights a recorded step made non-finite."""
+    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+           if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t.detach()).all())]
+    return {"step": step, "nonfinite": bad[:64], "count": len(bad)}

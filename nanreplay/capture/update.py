@@ -4,7 +4,8 @@
 optimizer state taken in the step pre-hook (into the recycled snapshot slot, counted in the ring
 buffer as ``"check_update"`` while the step runs), and whether the mode is still on. After
 ``optimizer.step()``, :meth:`UpdateCheck.finite` is one fused ``_foreach_norm`` over the updated
-parameters and floating optimizer state and one host read; the Recorder acts on a non-finite one.
+parameters and floating optimizer state and one host read; :func:`check_update` acts on a
+non-finite one (restore, dump, action).
 
 Memory: the copy counts against ``memory_budget``. A copy that cannot fit beside the step in
 progress (the optimizer creates its state at its first step, after the check at construction)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -27,7 +28,7 @@ from .sharded import local
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UpdateCheck"]
+__all__ = ["UpdateCheck", "check_update"]
 
 
 class UpdateCheck:
@@ -75,6 +76,31 @@ class UpdateCheck:
         params = [local(p).detach() for g in optimizer.param_groups for p in g["params"]]  # DTensor: this rank's shard
         norm = fused_norm(params + state)
         return norm is None or math.isfinite(norm.item())
+
+
+def check_update(rec: Any, pre: Snapshot, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, actions: Any, dump: Any,
+                 live_copy: Callable[[], Snapshot], grads: Callable[[], list], nonfinite_steps: list) -> bool:
+    """After ``optimizer.step()`` of the step ``rec``: :meth:`UpdateCheck.finite`; on a
+    non-finite update, put back ``pre`` (the copy taken in the pre-hook), dump and diagnose
+    (``dump``, a :class:`~nanreplay.capture.dump.Dump`), put the update back again when the
+    action keeps the step (``live_copy``: a copy of the live state), then act (``actions``).
+    Returns ``True`` when the update was finite."""
+    from .actions import Incident
+    from .snapshots import restore_into
+
+    if UpdateCheck.finite(optimizer):
+        return True
+    post = None if actions.restores else live_copy()
+    restore_into(model, optimizer, pre)
+    found = grads()
+    nonfinite_steps.append(rec.step)
+    path = dump(rec, found, pre, update=True) if dump.allowed else None
+    msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
+           f"norm {rec.grad_norm})" + dump.outcome(path))
+    if post is not None:
+        restore_into(model, optimizer, post)  # the action keeps the update
+    actions(Incident(rec.step, msg, path, dump.last_diagnosis, update=True))
+    return False
 
 
 def _copy_bytes(live: Snapshot) -> int:
