@@ -40,7 +40,7 @@ from ..core.state import load_buffers
 from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
 from .actions import Actions, Incident
 from .config import RecorderConfig
-from .dump import Dump, check_out_dir, model_info, shell_path
+from .dump import Dump, check_out_dir, model_info
 from .early import ScalarHistory, SpikeWatch
 from .check import explosion, lr_value, read_check
 from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model, unwrap_optimizer
