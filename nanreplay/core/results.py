@@ -70,7 +70,7 @@ Origin = TypedDict("Origin", {
     "tensor": NotRequired[Optional[str]], "first_nonfinite_gradient": NotRequired[Optional[str]],
     "param": NotRequired[Optional[str]], "state_key": NotRequired[Optional[str]], "optimizer": NotRequired[Optional[str]],
     "largest_gradient": NotRequired[Optional[JFloat]], "loss_replayed": NotRequired[bool],
-    "between_record_and_model": NotRequired[Optional[bool]], "recorded_forward_inputs": NotRequired[Any],
+    "between_record_and_model": NotRequired[Optional[str]], "recorded_forward_inputs": NotRequired[Optional[bool]],
 })
 
 

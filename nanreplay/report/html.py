@@ -366,7 +366,12 @@ def render_inline_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bund
     """
     require_matplotlib()
     sections = _report_sections(diag, meta=meta, bundle_name=bundle_name)
-    return str(h('<div class="nanreplay-report"><style>{}</style>{}</div>', Markup(_scoped_css(_CSS, ".nanreplay-report")), join(sections, "\n")))
+    return str(h('<div class="nanreplay-report"><style>{}</style>{}</div>', Markup(_scoped()), join(sections, "\n")))
+
+
+def _scoped() -> str:
+    """The page's own stylesheet (the literal ``_CSS``) scoped to the inline report's div."""
+    return _scoped_css(_CSS, ".nanreplay-report")
 
 
 def _scoped_css(css: str, scope: str) -> str:
