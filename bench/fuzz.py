@@ -778,6 +778,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--code", help="the directory holding the nanreplay package to test (default: this checkout), e.g. an older release for a before/after figure")
     ap.add_argument("--worst-cases", action="store_true", help="measure the files crafted for the most memory and time instead of fuzzing")
     ap.add_argument("--same-name", action="store_true", help="give every mutant its seed's extension (by default names vary: .h5, .safetensors, .txt, none)")
+    ap.add_argument("--report", nargs="+", metavar="JSONL", help="print the report of earlier runs' --json files (one campaign resumed with --start) instead of fuzzing; --seconds gives their summed wall time")
+    ap.add_argument("--seconds", type=float, default=0.0, help="with --report: the campaign's wall time in seconds (the sum of its runs')")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--make-seeds", help=argparse.SUPPRESS)
     ap.add_argument("--seeds", help=argparse.SUPPRESS)
@@ -788,6 +790,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.report:
+        results = [json.loads(line) for f in args.report for line in open(f) if line.strip()]
+        return report(results, args.seconds, args)
 
     home = tempfile.mkdtemp(prefix="nanreplay-fuzz-home-")
     if args.code:
