@@ -658,6 +658,13 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         echo(f"  replays:  {res_text['replays']} (max {res_text['max_replays']}) on {res_text['device']}")
         for c in res_text["culprits"]:
             echo("  culprit:  " + st(", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))), fg="red"))
+        w = res_text.get("window")
+        if w:  # --over layers searched around the first abnormal step (search.window)
+            names = lambda ls: ", ".join(L or "(root)" for L in ls) or "none"  # noqa: E731
+            healthy = f"step {w['good_step']}" if w["good_step"] is not None else "none held"
+            echo(f"  window:   last healthy {healthy}, first abnormal step {w['first_abnormal_step']}, failing step {w['failing_step']}")
+            if w["good_step"] is not None:
+                echo(f"  spread:   abnormal at step {w['bad_step']}: {names(w['corrupted'])}; spread to by step {w['failing_step']}: {names(w['spread_to'])}")
         d = res_text["details"]
         if d.get("verification"):
             echo(f"  replay:   {d['verification']}")
