@@ -90,7 +90,7 @@ def test_layers_finds_a_corruption_made_outside_the_optimizer(reload_bundle):
     res = bisect(path, over="layers")
     _check_window(res, failing)
     # the update of step 6 is the recorded one (the snapshots), not a replayed optimizer step
-    assert "the optimizer update norm" in res["window"]["anomalies"][0]
+    assert res["window"]["anomalies"][0].startswith(f"the recorded update (step {CORRUPT_STEP}'s weights to step {CORRUPT_STEP + 1}'s) norm")
 
 
 def test_layers_finds_an_lr_spike_bridged_by_the_optimizer(tmp_path):
@@ -99,6 +99,7 @@ def test_layers_finds_an_lr_spike_bridged_by_the_optimizer(tmp_path):
     path, failing = _train(tmp_path, "lr", snapshot_every=2)
     res = bisect(path, over="layers")
     _check_window(res, failing)
+    assert res["window"]["anomalies"][0].startswith("the optimizer update norm")
 
 
 def test_layers_says_when_no_healthy_snapshot_is_held(tmp_path):
@@ -136,3 +137,37 @@ def test_cli_bisect_layers_window_text_and_json(reload_bundle):
     _check_window(data, failing)
     errors = [e.message for e in jsonschema.Draft202012Validator(shipped_schema("bisect")).iter_errors(data)]
     assert not errors, errors
+
+
+def test_layers_says_when_the_trouble_began_with_a_batch(tmp_path):
+    """Step 6's targets are off by 1e6 (a unit bug in one shard): its gradients blow every layer up
+    and the loss is non-finite two steps later. No layer was corrupted first: step 6 is abnormal on
+    the last healthy weights too, and the search says the data began it, not "layers.0"."""
+    torch.manual_seed(0)
+    model = models.make_deep()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with Recorder(model, opt, loss_fn=models.mse_loss, model_factory=models.make_deep, out_dir=tmp_path, snapshot_every=1,
+                  capacity=16, diagnose=False, on_spike=None) as rec:
+        for step in range(40):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if step == CORRUPT_STEP:
+                y = y * 1e6
+            rec.record((x, y))
+            loss = models.mse_loss(model, (x, y))
+            rec.log_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                path, failing = e.bundle_path, e.step
+                break
+    res = bisect(path, over="layers")
+    assert res["status"] == "not in search space" and res["culprits"] == []
+    w = res["window"]
+    assert (w["first_abnormal_step"], w["good_step"], w["bad_step"], w["probe_step"]) == (CORRUPT_STEP, CORRUPT_STEP - 1, CORRUPT_STEP, CORRUPT_STEP)
+    assert w["anomalies"][0].startswith("grad norm") and w["corrupted"] == []
+    assert sorted(w["spread_to"]) == sorted([CORRUPT_LAYER, *OTHERS])
+    assert f"the trouble began with the data of step {CORRUPT_STEP}, not with a layer's weights" in res["answer"]
+    assert f"By step {failing} the corruption had spread to 7 layer(s)" in res["answer"]

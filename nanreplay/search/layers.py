@@ -25,6 +25,8 @@ Needs a snapshot of a step before the failing one (``Recorder(snapshot_every=...
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any, Optional
 
 from ..engine.state import load_state
@@ -170,6 +172,9 @@ def _search_window(search: Search, layers: list[str], walk: Walk, win: Window) -
     except BudgetExhausted:
         return search.out_of_replays(base, before=" before testing the first abnormal step's weights")
     why = judge(full, ref, thr)
+    data_why = walk.grad_anomalies(ref, ref.grad_norm) if win.kind == "step" else []
+    if why is None and data_why:
+        return _in_the_data(search, layers, walk, win, data_why, base)
     if why is None:
         search.warnings.append(
             f"the steps search's first abnormal step is {win.step} ({'; '.join(win.first_abnormal['anomalies'])}), but step {P}'s batch "
@@ -226,7 +231,7 @@ def _report_window(search: Search, status: str, culprits: list[str], layers: lis
     answer = (
         f"Step {F} becomes non-finite {F - A} step(s) after {'layer' if one else f'these {len(rows)} layers together,'} {names}"
         f"{'' if one else ','} {'was' if one else 'were'} corrupted at step {A} "
-        f"({'its update' if win.kind == 'update' else 'its replay'}: {'; '.join(win.first_abnormal.get('anomalies', []))}): "
+        f"({'' if win.kind == 'update' else f'the replay of step {A}: '}{'; '.join(win.first_abnormal.get('anomalies', []))}): "
         f"with only {'its' if one else 'their'} step-{B} weights (the others at step {G}'s), step {win.probe_step}'s batch already "
         f"leaves the healthy range ({why}); {first['layer'] or '(root)'} moved by {short(first['diff_norm'])} "
         f"(max |change| {short(first['max_abs_diff'])}, relative change {short(first['relative_change'])}). "
@@ -234,6 +239,24 @@ def _report_window(search: Search, status: str, culprits: list[str], layers: lis
     )
     res = search.result(status, answer, rows, details)
     res["window"] = window
+    return res
+
+
+def _in_the_data(search: Search, layers: list[str], walk: Walk, win: Window, why: list[str], base: dict) -> dict:
+    """The result when the first abnormal step's batch is abnormal on the last healthy weights too,
+    and no worse on its own: the trouble began with that batch, which then spread into the weights."""
+    F, A = search.step, win.step
+    assert win.good is not None and win.good_step is not None
+    at_failing = abnormal_layers(win.good, search.state, F - win.good_step, layers, walk, search.threshold)
+    spread = [L for L in layers if at_failing[L]["abnormal"]]
+    answer = (
+        f"Step {A}, the first abnormal step, leaves the healthy range even with every layer at step {win.good_step}'s weights, "
+        f"the last healthy state ({'; '.join(why)}), and no further with its own: the trouble began with the data of step {A}, "
+        f"not with a layer's weights; look at step {A}'s batch. " + _spread_sentence(F, spread, []).replace(" other layer(s)", " layer(s)")
+    )
+    res = search.result("not in search space", answer, [], {**base, "at_failing": [{"layer": L, **at_failing[L]} for L in layers]})
+    res["window"] = {"first_abnormal_step": A, "anomalies": list(win.first_abnormal.get("anomalies", [])), "good_step": win.good_step,
+                     "bad_step": win.bad_step, "probe_step": win.probe_step, "failing_step": F, "corrupted": [], "spread_to": spread}
     return res
 
 
@@ -269,9 +292,6 @@ def _no_healthy_snapshot(search: Search, layers: list[str], walk: Walk, win: Win
 def _history_onset(search: Search, min_history: int = 2) -> Optional[int]:
     """The first step of the bundle's scalar history whose grad norm exceeds ``threshold`` x the
     median of the earlier steps' (or is non-finite), else ``None``."""
-    import math
-    import statistics
-
     hist: list[float] = []
     for r in scalar_history_records(search.bundle.meta.get("scalar_history")):
         g = r.grad_norm

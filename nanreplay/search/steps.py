@@ -84,6 +84,7 @@ class _Trajectory:
         self.first_mismatch: Optional[int] = None
         self.grad_hist: list[float] = []
         self.upd_hist: list[float] = []
+        self.update_kind = "the optimizer update"  # what changed the weights of the last step, for the anomaly's words
 
     def replay_step(self, s: int) -> bool:
         """Replay step ``s`` and, before the failing step and unless it is non-finite, its
@@ -172,9 +173,9 @@ class _Trajectory:
         med = None if bad_w else self._over_median(upd, self.upd_hist)
         self.upd_hist.append(upd)
         if bad_w:
-            return [f"the optimizer update made {bad_w} weight value(s) non-finite"]
+            return [f"{self.update_kind} made {bad_w} weight value(s) non-finite"]
         if med is not None:
-            return [f"the optimizer update norm {upd:.4g} is {upd / med:.3g}x the median {med:.4g} of the earlier steps; "
+            return [f"{self.update_kind} norm {upd:.4g} is {upd / med:.3g}x the median {med:.4g} of the earlier steps; "
                     f"the largest relative change is in {top or '(root)'} ({float(per[top]['relative_change']):.3g})"]
         return []
 
@@ -264,10 +265,12 @@ class Walk(_Trajectory):
         F, nxt = self.search.step, s + 1
         snap = self.search.state if nxt == F else (self.search.bundle.step(nxt).snapshot if nxt in self.held else None)
         if snap is not None:  # the recorded weights after the step: whatever changed them, optimizer or not
+            self.update_kind = f"the recorded update (step {s}'s weights to step {nxt}'s)"
             load_state(self.search.model, snap)
             return {n: p.detach() for n, p in self.params.items()}
         if self.opt is None:
             self.opt = build_optimizer(self.search.bundle, self.search.model, self.opt_state)
+        self.update_kind = "the optimizer update"
         return super()._advance(s, lrs)
 
     def _moved(self, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], per: dict[str, dict]) -> None:
@@ -306,8 +309,10 @@ def first_abnormal(search: Search, min_history: int = 2) -> Walk:
     for s in steps:
         if s >= F:
             break
+        n = len(walk.grad_hist)
         walk.replay_step(s)
         if walk.first_bad is not None:
+            del walk.grad_hist[n:]  # the median stays that of the healthy steps
             break
         walk.keep_healthy()
     return walk
