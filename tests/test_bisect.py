@@ -268,12 +268,13 @@ def test_max_replays_bounds_the_search(spike_bundle):
 
 def test_layers_budget_spent_on_snapshots_is_incomplete(spike_bundle):
     """The newest snapshot (step 6) already holds the blown-up weights: with the budget spent before
-    the walk over the snapshots reaches the first abnormal step (5), the search is incomplete, not
-    "the cause is not in the weights"."""
+    the finite one (step 5) is tried, the search is incomplete, not "the cause is not in the weights"
+    (and too small to walk the steps for the first abnormal one, which it says)."""
     for max_replays in (1, 2):
         res = bisect(spike_bundle, over="layers", max_replays=max_replays)
         assert res["status"] == "incomplete" and res["replays"] == max_replays
-        assert "before finding the first abnormal step before step 7" in res["answer"] and res["culprits"] == []
+        assert "before finding a snapshot" in res["answer"] and res["culprits"] == []
+        assert any("leaves too few replays to walk the steps before step 7" in w for w in res["warnings"])
 
 
 def test_upcast_gives_back_autocast_hooks_and_dtypes_when_a_forward_raises():

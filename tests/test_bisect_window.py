@@ -171,3 +171,14 @@ def test_layers_says_when_the_trouble_began_with_a_batch(tmp_path):
     assert sorted(w["spread_to"]) == sorted([CORRUPT_LAYER, *OTHERS])
     assert f"the trouble began with the data of step {CORRUPT_STEP}, not with a layer's weights" in res["answer"]
     assert f"By step {failing} the corruption had spread to 7 layer(s)" in res["answer"]
+
+
+def test_a_small_budget_walks_from_a_later_snapshot(reload_bundle):
+    """--max-replays 16: walking all 10 steps before the failing one would leave too few replays for
+    the layers, so the walk starts at a later snapshot (still before the corruption) and says so."""
+    path, failing = reload_bundle
+    res = bisect(path, over="layers", max_replays=16)
+    walked = [r["step"] for r in res["details"]["walk"]]
+    assert walked[0] > 0 and walked[-1] == CORRUPT_STEP
+    assert any(w.startswith(f"walked steps {walked[0]}..{failing - 1} for the first abnormal one") for w in res["warnings"])
+    assert [c["layer"] for c in res["culprits"]] == [CORRUPT_LAYER] and res["replays"] <= 16

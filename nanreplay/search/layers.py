@@ -49,7 +49,8 @@ def bisect_layers(search: Search) -> dict:
     if not out.nonfinite:
         return search.not_reproduced("with its recorded weights", {"layers": len(layers)})
     try:
-        walk: Optional[Walk] = first_abnormal(search)
+        # leave replays for the window's two ends and ddmin over the layers (one culprit)
+        walk: Optional[Walk] = first_abnormal(search, reserve=2 + 2 * math.ceil(math.log2(max(len(layers), 2))))
     except BudgetExhausted:
         return search.out_of_replays({"layers": layers}, before=f" before finding the first abnormal step before step {F}")
     except (ReplayError, ModelMismatchError, UntrustedBundleError) as e:

@@ -284,11 +284,14 @@ class Walk(_Trajectory):
         self._per = {}
 
 
-def first_abnormal(search: Search, min_history: int = 2) -> Walk:
+def first_abnormal(search: Search, min_history: int = 2, reserve: int = 0) -> Walk:
     """The steps search's walk, for ``bisect --over layers``: from the oldest snapshot held, replay
     each step before the failing one on the recorded weights and stop at the first step out of the
     healthy range (the walk's ``first_bad``; ``None`` when every step before the failing one is
-    healthy, or when the oldest snapshot is the step just before the failing one: nothing to walk). The grad norms of up to :data:`PRIOR_STEPS` scalar-history steps before the oldest
+    healthy, or when the oldest snapshot is the step just before the failing one: nothing to walk).
+    ``reserve``: replays to leave for the caller; when the budget cannot walk from the oldest
+    snapshot, the walk starts at the oldest snapshot it can walk from (and says so in the
+    search's warnings), or does not walk at all. The grad norms of up to :data:`PRIOR_STEPS` scalar-history steps before the oldest
     snapshot seed the median, so the walk's first steps are judged too.
 
     Replays: one per step walked.
@@ -303,6 +306,16 @@ def first_abnormal(search: Search, min_history: int = 2) -> Walk:
     if start >= F - 1:  # one step before the failing one: its window is the layers search's own (that step's weights and the failing step's)
         return Walk(search, min_history, [], set())
     held = {int(s["step"]) for s in b.meta.get("steps", []) if s.get("snapshot")}
+    room = search.runner.max_replays - search.runner.count - reserve
+    if F - start > room:
+        later = sorted(s for s in held if start < s < F - 1 and F - s <= room)
+        if not later:
+            search.warnings.append(f"--max-replays {search.runner.max_replays} leaves too few replays to walk the steps before step {F} "
+                                   "for the first abnormal one; raise it")
+            return Walk(search, min_history, [], set())
+        search.warnings.append(f"walked steps {later[0]}..{F - 1} for the first abnormal one, not from the oldest snapshot (step {start}), "
+                               f"to leave replays for the layers; raise --max-replays (now {search.runner.max_replays}) to walk them all")
+        start, steps = later[0], [s for s in steps if s >= later[0]]
     prior = [r.grad_norm for r in scalar_history_records(b.meta.get("scalar_history"))
              if r.step < start and r.finite and r.grad_norm is not None and math.isfinite(r.grad_norm)][-PRIOR_STEPS:]
     walk = Walk(search, min_history, prior, held)
