@@ -139,6 +139,17 @@ def test_cli_bisect_layers_window_text_and_json(reload_bundle):
     assert not errors, errors
 
 
+def test_bisect_html_draws_the_walk(reload_bundle, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, failing = reload_bundle
+    out = tmp_path / "page.html"
+    r = CliRunner().invoke(main, ["bisect", path, "--over", "layers", f"--html={out}"])
+    assert r.exit_code == EXIT_OK, r.output
+    page = out.read_text()
+    assert '<section id="steps"><h2>Replayed steps</h2>' in page and "bisect-steps" in page
+    assert "had spread to 6 other layer(s)" in page
+
+
 def test_layers_says_when_the_trouble_began_with_a_batch(tmp_path):
     """Step 6's targets are off by 1e6 (a unit bug in one shard): its gradients blow every layer up
     and the loss is non-finite two steps later. No layer was corrupted first: step 6 is abnormal on
