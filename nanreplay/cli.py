@@ -611,7 +611,7 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
 @_bundle_arg
 @click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples"]), default="layers", show_default=True, help="What to search over.")
 @click.option("--max-replays", default=64, show_default=True, type=click.IntRange(min=1), help="Most replays the search may run.")
-@click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps: a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
+@click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps (and the walk of --over layers to the first abnormal step): a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
 @click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
 @click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
 @click.option("--device", help="Device to replay on (default: the recorded one when present).")
