@@ -611,7 +611,7 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
 @_bundle_arg
 @click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples"]), default="layers", show_default=True, help="What to search over.")
 @click.option("--max-replays", default=64, show_default=True, type=click.IntRange(min=1), help="Most replays the search may run.")
-@click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps: a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
+@click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps (and the walk of --over layers to the first abnormal step): a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
 @click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
 @click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
 @click.option("--device", help="Device to replay on (default: the recorded one when present).")
@@ -658,6 +658,13 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         echo(f"  replays:  {res_text['replays']} (max {res_text['max_replays']}) on {res_text['device']}")
         for c in res_text["culprits"]:
             echo("  culprit:  " + st(", ".join(f"{k} {v}" for k, v in c.items() if not isinstance(v, (dict, list))), fg="red"))
+        w = res_text.get("window")
+        if w:  # --over layers searched around the first abnormal step (search.window)
+            names = lambda ls: ", ".join(L or "(root)" for L in ls) or "none"  # noqa: E731
+            healthy = f"step {w['good_step']}" if w["good_step"] is not None else "none held"
+            echo(f"  window:   last healthy {healthy}, first abnormal step {w['first_abnormal_step']}, failing step {w['failing_step']}")
+            if w["good_step"] is not None:
+                echo(f"  spread:   abnormal at step {w['bad_step']}: {names(w['corrupted'])}; spread to by step {w['failing_step']}: {names(w['spread_to'])}")
         d = res_text["details"]
         if d.get("verification"):
             echo(f"  replay:   {d['verification']}")

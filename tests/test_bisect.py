@@ -99,9 +99,15 @@ def test_layers_names_the_blown_up_layer(spike_bundle):
     assert [c["layer"] for c in res["culprits"]] == [f"layers.{SPIKE_LAYER}"]
     c = res["culprits"][0]
     assert c["class"] == "Linear" and c["relative_change"] > 1e10 and c["max_abs_diff"] > 1e10
-    # the newest snapshot (step 6) already holds the blown-up weights: the baseline is step 5
+    # the newest snapshot (step 6) already holds the blown-up weights: the baseline is step 5,
+    # the last healthy state before the first abnormal step (the spiked update) found by the walk
     assert res["details"]["good_step"] == SPIKE_STEP
     assert res["details"]["largest_moves"][0]["layer"] == f"layers.{SPIKE_LAYER}"
+    w = res["window"]
+    assert (w["first_abnormal_step"], w["good_step"], w["bad_step"], w["failing_step"]) == (SPIKE_STEP, SPIKE_STEP, SPIKE_STEP + 1, SPIKE_STEP + 2)
+    # clipping kept every other layer where it was: nothing spread
+    assert w["corrupted"] == [f"layers.{SPIKE_LAYER}"] and w["spread_to"] == []
+    assert "no other layer's weights had left their healthy range" in res["answer"]
     assert _sha(spike_bundle) == before
 
 
@@ -262,11 +268,13 @@ def test_max_replays_bounds_the_search(spike_bundle):
 
 def test_layers_budget_spent_on_snapshots_is_incomplete(spike_bundle):
     """The newest snapshot (step 6) already holds the blown-up weights: with the budget spent before
-    the finite one (step 5) is tried, the search is incomplete, not "the cause is not in the weights"."""
+    the finite one (step 5) is tried, the search is incomplete, not "the cause is not in the weights"
+    (and too small to walk the steps for the first abnormal one, which it says)."""
     for max_replays in (1, 2):
         res = bisect(spike_bundle, over="layers", max_replays=max_replays)
         assert res["status"] == "incomplete" and res["replays"] == max_replays
         assert "before finding a snapshot" in res["answer"] and res["culprits"] == []
+        assert any("leaves too few replays to walk the steps before step 7" in w for w in res["warnings"])
 
 
 def test_upcast_gives_back_autocast_hooks_and_dtypes_when_a_forward_raises():
@@ -297,7 +305,8 @@ def test_cli_bisect(spike_bundle):
     r = runner.invoke(main, ["bisect", spike_bundle, "--over", "layers"])
     assert r.exit_code == EXIT_OK, r.output
     first = r.output.splitlines()[0]
-    assert first.startswith("Step 7 becomes non-finite when layer layers.2 (Linear)")
+    assert first.startswith(f"Step 7 becomes non-finite 2 step(s) after layer layers.2 (Linear) was corrupted at step {SPIKE_STEP}")
+    assert f"window:   last healthy step {SPIKE_STEP}, first abnormal step {SPIKE_STEP}, failing step 7" in r.output
     assert "replays:" in r.output
     r = runner.invoke(main, ["bisect", spike_bundle, "--over", "steps", "--json"])
     assert r.exit_code == EXIT_OK, r.output

@@ -31,7 +31,7 @@ else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequi
 __all__ = [
     "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
-    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "OPEN",
+    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
 ]
 
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
@@ -281,6 +281,21 @@ class DiagnosisDict(TypedDict):
     schema_version: NotRequired[str]
 
 
+class BisectWindow(TypedDict):
+    """``bisect --over layers`` when the steps search finds an abnormal step before the failing
+    one: the window searched and how the corruption spread (``docs/bisect.md``)."""
+
+    first_abnormal_step: int
+    anomalies: list[str]
+    good_step: Optional[int]       # the last healthy pre-step state; None: no healthy snapshot held
+    bad_step: int                  # the first abnormal pre-step state
+    probe_step: int                # the step whose batch the search replays
+    failing_step: int
+    corrupted: list[str]           # layers whose weights are already abnormal at bad_step
+    spread_to: list[str]           # layers abnormal at the failing step but not at bad_step
+    history_onset: NotRequired[Optional[int]]
+
+
 class BisectResult(TypedDict):
     """The result of ``nanreplay.bisect()`` (``docs/bisect.md``)."""
 
@@ -296,6 +311,7 @@ class BisectResult(TypedDict):
     details: dict[str, Any]
     warnings: list[str]
     trials: list[dict[str, Any]]
+    window: NotRequired[BisectWindow]
     model_source: NotRequired[Optional[str]]
     schema_version: NotRequired[str]
 

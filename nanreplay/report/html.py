@@ -492,9 +492,10 @@ def render_bisect_html(res: BisectResult, *, meta: Optional[dict] = None) -> str
                      "<table><tr><th>#</th><th>what the replay varied</th><th>result</th><th>loss</th><th>grad norm</th></tr>{}</table></section>",
                      _svg(trials_svg(trials)), rows))
     d = res.get("details") or {}
-    if d.get("timeline"):
+    if d.get("timeline") or d.get("walk"):  # --over steps; --over layers' walk to the first abnormal step
         out.append(h('<section id="steps"><h2>Replayed steps</h2>{}{}</section>',
-                     h('<p class="muted">{}</p>', d.get("verification")) if d.get("verification") else "", _svg(bisect_steps_svg(d["timeline"]))))
+                     h('<p class="muted">{}</p>', d.get("verification")) if d.get("verification") else "",
+                     _svg(bisect_steps_svg(d.get("timeline") or d["walk"]))))
     if d.get("largest_moves"):
         out.append(h('<section id="moves"><h2>Weight movement by layer</h2>{}</section>',
                      _svg(moves_svg(d["largest_moves"], [c.get("layer") for c in culprits if "layer" in c]))))

@@ -74,7 +74,9 @@ def bisect(
     Args:
         bundle: a bundle path or an open :class:`~nanreplay.format.bundle.Bundle`; read, never written.
         over: ``"layers"`` (which layers' weight change makes the step non-finite; needs a
-            snapshot of an earlier step), ``"precision"`` (first layer that must run in float32),
+            snapshot of an earlier step; when the steps search's walk finds an abnormal step
+            before the failing one, the layer corrupted there and where it spread, see
+            :mod:`~nanreplay.search.window`), ``"precision"`` (first layer that must run in float32),
             ``"steps"`` (first step leaving the healthy range; needs a snapshot), or
             ``"samples"`` (smallest non-finite subset of the batch). See each search's module.
         model: a model of the recorded architecture (its weights are overwritten); else built with
@@ -84,8 +86,10 @@ def bisect(
             recorded cotangent drives the backward pass.
         device: where to replay (default: the recorded device when present, else CPU).
         max_replays: the most replays (forward + backward runs) the search may use (>= 1).
-        threshold: ``steps`` only: a step whose grad norm or optimizer update norm exceeds
-            ``threshold`` x the median of the earlier replayed steps' leaves the healthy range.
+        threshold: ``steps`` (and the walk of ``layers``): a step whose grad norm or optimizer
+            update norm exceeds ``threshold`` x the median of the earlier replayed steps' leaves
+            the healthy range; ``layers`` also judges its window's replays and each layer's
+            movement against it (:mod:`~nanreplay.search.window`).
         progress: called with ``1`` after each replay (the CLI's progress bar).
         trust: trust this bundle for this call (run the code it names).
         batch_types: dataclass types / namedtuple classes to rebuild typed batch nodes as.
@@ -96,7 +100,9 @@ def bisect(
         weight movement, the precision layer with magnitudes vs ``torch.finfo``, the first
         anomalous step, or samples), ``replays``, ``max_replays``, ``device``, ``details``,
         ``warnings``, ``trials`` (one dict per replay in order: ``replay``, ``varied`` (what the
-        search changed), ``nonfinite``, ``loss``, ``grad_norm``).
+        search changed), ``nonfinite``, ``loss``, ``grad_norm``); ``--over layers`` around a first
+        abnormal step adds ``window`` (:class:`~nanreplay.core.results.BisectWindow`:
+        ``first_abnormal_step``, ``good_step``, ``bad_step``, ``corrupted``, ``spread_to``, ...).
 
     Raises:
         ValueError: unknown ``over``, ``max_replays`` < 1 or ``threshold`` <= 1.

@@ -78,7 +78,7 @@ class Search:
     runner: Runner
     failing: StepRecord
     state: Snapshot
-    threshold: float = 10.0        # ``--over steps`` only: a multiple of the median of earlier steps
+    threshold: float = 10.0        # ``--over steps`` and the walk of ``--over layers``: a multiple of the median of earlier steps
     warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
