@@ -435,17 +435,24 @@ def _sample_rows(diag: dict, size: int) -> list[tuple[str, list]]:
         shape = lf.get("shape") or []
         applies = lf.get("floating") and shape and shape[0] == size
         rows.append((f"{lf['leaf']}  {lf.get('dtype')} {shape}", [(bad if i in set(lf.get("rows") or []) else ok) if applies else na for i in range(size)]))
-    for b in diag.get("births") or []:
-        r = b.get("rows") or {}
-        if r.get("size") == size and b.get("phase") != "backward":
-            idx = set(r.get("indices") or [])
-            rows.append((f"{b['phase']} op {b['op']} output" + (f" in {b['module']}" if b.get("module") else ""), [bad if i in idx else ok for i in range(size)]))
+    rows += _birth_rows(diag, size, bad, ok)
     if smp.get("method") == "per-sample replay" or smp.get("batch_level"):
         idx = set(range(size)) if smp.get("batch_level") else set(smp.get("indices") or [])
         rows.append(("non-finite when replayed alone", [bad if i in idx else ok for i in range(size)]))
     if smp.get("indices"):
         idx = set(smp["indices"])
         rows.append(("blamed samples", [blamed if i in idx else ok for i in range(size)]))
+    return rows
+
+
+def _birth_rows(diag: dict, size: int, bad: tuple, ok: tuple) -> list[tuple[str, list]]:
+    """A line per forward or loss birth whose output has the batch's rows: the rows it made non-finite."""
+    rows = []
+    for b in diag.get("births") or []:
+        r = b.get("rows") or {}
+        if r.get("size") == size and b.get("phase") != "backward":
+            idx = set(r.get("indices") or [])
+            rows.append((f"{b['phase']} op {b['op']} output" + (f" in {b['module']}" if b.get("module") else ""), [bad if i in idx else ok for i in range(size)]))
     return rows
 
 
