@@ -3,11 +3,12 @@ the first non-finite gradient (or loss) dumps a self-contained bundle and diagno
 
 It coordinates rooms with one job each. The walk of a step, default options:
 
-1. a forward (or :meth:`Recorder.record`) begins the step: RNG states (host only), step-start
-   buffers (:mod:`~nanreplay.capture.snapshots`), a :class:`StepRecord` in the ring buffer
-   (:mod:`~nanreplay.capture.ring`, which evicts to stay within ``memory_budget``); the forward tap
-   (:mod:`~nanreplay.capture.forward`) keeps the inputs (:mod:`~nanreplay.capture.inputs`: by
-   reference while safe) and a hook on each output for the cotangent;
+1. a forward (or :meth:`Recorder.record`) begins the step (:mod:`~nanreplay.capture.steps`): RNG
+   states (host only), step-start buffers (:mod:`~nanreplay.capture.snapshots`), a
+   :class:`StepRecord` in the ring buffer (:mod:`~nanreplay.capture.ring`, which evicts to stay
+   within ``memory_budget``); the forward tap (:mod:`~nanreplay.capture.forward`) calls it to keep
+   the inputs (:mod:`~nanreplay.capture.inputs`: by reference while safe) and a hook on each output
+   for the cotangent;
 2. the optimizer's step pre-hook checks: one fused ``_foreach_norm``, one host read
    (:mod:`~nanreplay.capture.check`; with ``check_every > 1`` none,
    :mod:`~nanreplay.capture.lagged`; with ``check_update`` a pre-step copy,
@@ -35,20 +36,20 @@ from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
 from ..core.numerics import fused_norm
-from ..core.rng import RNGState
 from ..core.state import load_buffers
-from ..format.records import BundleContent, ForwardRecord, Snapshot, StepRecord
+from ..format.records import BundleContent, Snapshot, StepRecord
 from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info
 from .early import ScalarHistory, SpikeWatch
 from .check import explosion, lr_value, read_check
-from .forward import ForwardTap, autocast_state, keep_cotangent, unwrap_model, unwrap_optimizer
+from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import local
-from .snapshots import StepStartBuffers, attach_scan, live_state
+from .snapshots import attach_scan, live_state
+from .steps import StepStart
 from .update import UpdateCheck, check_update
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,6 @@ class Recorder:
         self.loss_fn_path = callable_path(loss_fn)
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
-        self._module_names = list(self.model.named_modules())  # walked once, not per step
         check_combination(self.config, scaler=scaler)
         check_budget(self.config, self.model, optimizer)
 
@@ -144,13 +144,11 @@ class Recorder:
         self._inputs = InputCapture(self.config.copy_batch)
         self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
                                model=self.model, inputs=self._inputs)
-        self._buffers = StepStartBuffers(self.model)
         self._lagged = LaggedCheck(self.config.check_every, self.ring) if self.config.check_every > 1 else None
         self._update = UpdateCheck(self.ring) if self.config.check_update else None
 
         # the step in progress and the outcomes so far
         self.step = self.config.step_offset
-        self._provisional = False                   # the step in progress was begun in eval mode
         self._pending_loss: Optional[torch.Tensor] = None
         self.nonfinite_steps: list[int] = []
         self.extra_meta: dict[str, Any] = {}
@@ -179,7 +177,9 @@ class Recorder:
             self._amp = ScalerWatch(scaler, optimizer, step_open=lambda: not self._closed and self._current is not None,
                                     on_skip=self._on_scaler_skip)
             self._handles.append(self._amp)
-        self._tap = ForwardTap(model, self._on_forward_pre, self._on_forward)
+        self._steps = StepStart(self.model, self.ring, self._inputs, step=lambda: self.step, active=lambda: not (self._dump.replaying or self._closed),
+                                snapshot_every=self.config.snapshot_every, snapshot_state=self._live, capture_cotangent=self.config.capture_cotangent)
+        self._tap = ForwardTap(model, self._steps.forward_pre, self._steps.forward_post)
         self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
@@ -240,10 +240,7 @@ class Recorder:
         """Capture an explicit batch (any nesting of tuples, lists, dicts, dataclasses; tensors
         and plain values as leaves) for the step in progress. Call it once per micro-batch,
         before its forward, in loops whose loss needs more than the model inputs."""
-        if self._dump.replaying or self._closed:
-            return
-        rec = self._begin_step()
-        rec.batches.append(self._inputs.capture(batch, rec.step))
+        self._steps.batch(batch)
 
     def log_loss(self, loss: torch.Tensor) -> None:
         """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
@@ -258,62 +255,6 @@ class Recorder:
         return self.ring.held_bytes()
 
     # -- steps ---------------------------------------------------------------------------------
-    def _begin_step(self, *, capture: bool = True) -> StepRecord:
-        """The step in progress, begun now if none is. ``capture``: called for a batch or a
-        forward (not for the check), which ends a provisional step's validation forwards."""
-        if self._current is not None:
-            if capture and self._provisional and self.model.training:
-                self._restart_step(self._current)
-            return self._current
-        # a step begun in eval mode is provisional: a grad-enabled validation forward (one that
-        # forgot torch.no_grad) between two steps looks like the start of the next step until
-        # the model is put back in training mode
-        self._provisional = not self.model.training
-        rec = StepRecord(step=self.step, rng=RNGState.capture())
-        rec.training = [n for n, m in self._module_names if m.training]
-        rec.buffers = self._buffers.capture()
-        se = self.config.snapshot_every
-        if se and self.step % se == 0 and not self.ring.snapshots_refused:
-            self.ring.make_room()  # evict first, so its slot can be reused
-            rec.snapshot = self.ring.pool.take(self.snapshot_state(clone=False))
-        self.ring.begin(rec)
-        self.ring.evict()
-        return rec
-
-    def _restart_step(self, rec: StepRecord) -> None:
-        """The model went back to training mode after the step in progress was begun in eval mode:
-        the forwards seen so far were validation, not part of the step. Drop them and take the
-        step's RNG states and module modes again, from here (the batches and buffers stay: an
-        eval-mode forward leaves BatchNorm's running stats alone)."""
-        self._provisional = False
-        if rec.forwards:
-            logger.info("nanreplay: step %d: %d grad-enabled forward(s) in eval mode before the model went back to training "
-                        "mode are treated as validation, not as part of the step", rec.step, len(rec.forwards))
-        rec.forwards = []
-        rec.rng = RNGState.capture()
-        rec.training = [n for n, m in self._module_names if m.training]
-        rec.autocast = None
-        self._inputs.keep_only(rec.step, [t for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)])
-
-    def _on_forward_pre(self, args: tuple, kwargs: dict) -> None:
-        # forwards without autograd (evaluation under no_grad) are not part of a training step
-        if self._dump.replaying or self._closed or not torch.is_grad_enabled():
-            return
-        rec = self._begin_step()
-        if rec.autocast is None:
-            rec.autocast = autocast_state(args, kwargs)
-        # a later micro-batch: the loop may have drawn random numbers since the step began
-        rng = RNGState.capture() if rec.forwards else None
-        rec.forwards.append(ForwardRecord(inputs=self._inputs.capture((args, kwargs), rec.step), rng=rng))
-
-    def _on_forward(self, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._dump.replaying or self._closed or not torch.is_grad_enabled():
-            return
-        rec = self._current
-        if rec is None or not rec.forwards or self.config.capture_cotangent is False:
-            return
-        keep_cotangent(rec.forwards[-1], output)  # auto: kept until the step is known finite (end_step)
-
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), local(p.grad))  # a DTensor's local shard
                 for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -341,7 +282,7 @@ class Recorder:
         if self._closed:
             return True
         self._tap.check()
-        rec = self._begin_step(capture=False)
+        rec = self._steps.begin(capture=False)
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
@@ -349,7 +290,7 @@ class Recorder:
         self._pending_loss = None
         if self._lagged is not None:
             if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
-                self._seal(rec)
+                self._steps.seal(rec)
                 if self._lagged.due():
                     self._check_pending(final=False)
                 return None
@@ -360,7 +301,7 @@ class Recorder:
             bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
-        self._seal(rec)
+        self._steps.seal(rec)
         self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite)
         if self._amp is not None:
             self._amp.on_checked(rec.finite)
@@ -372,12 +313,6 @@ class Recorder:
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
-
-    def _seal(self, rec: StepRecord) -> None:
-        """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
-        modified a batch tensor in place (then switch to copying)."""
-        self._buffers.learn(rec.buffers)
-        self._inputs.seal(rec.step)
 
     def end_step(self) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
@@ -450,7 +385,7 @@ class Recorder:
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         loss = self._pending_loss
         rec.loss = float(loss) if loss is not None else None
-        self._seal(rec)
+        self._steps.seal(rec)
         self._history.add(rec.step, rec.loss, None, rec.lrs, False)
         try:
             failure = self._amp.failure(self.config.min_scale, self.config.max_scaler_skips)

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 import math
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -260,40 +260,69 @@ def _decode_node(obj: Any, depth: int, where: str) -> SpecNode:
     n = len(children)
     leaves = sum(c.leaves for c in children)
     if typ in _SEQUENCE_TYPES:
-        if ctx not in (None, "null"):
-            raise SpecError(f"{where}: a {typ} node has no context, found {str(ctx)[:80]}")
-        kind = _SEQUENCE_TYPES[typ]
-        if kind == "size" and any(c.kind != "leaf" for c in children):
-            raise SpecError(f"{where}: a torch.Size holds only leaves")
-        return SpecNode(kind, None, children, leaves)
+        return _sequence_node(typ, ctx, children, leaves, where)
     if typ in _MAPPING_TYPES:
         return SpecNode(_MAPPING_TYPES[typ], _keys(_strict_json(ctx, where), n, where), children, leaves)
-    if typ == "collections.defaultdict":
-        if not isinstance(ctx, dict) or set(ctx) != {"default_factory_module", "default_factory_name", "dict_context"}:
-            raise SpecError(f"{where}: a defaultdict context is {{'default_factory_module', 'default_factory_name', 'dict_context'}}")
-        factory = None
-        if ctx["default_factory_module"] == "builtins" and isinstance(ctx["default_factory_name"], str):
-            factory = _SAFE_DEFAULT_FACTORIES.get(ctx["default_factory_name"])
-        if factory is None:
-            logger.info("%s: defaultdict factory %s.%s is not rebuilt (no import from a bundle); the dict has none",
-                        where, str(ctx["default_factory_module"])[:80], str(ctx["default_factory_name"])[:80])
-        return SpecNode("ddict", (factory, _keys(ctx["dict_context"], n, where)), children, leaves)
-    if typ == "collections.deque":
-        maxlen = _strict_json(ctx, where)
-        if maxlen is not None and not (isinstance(maxlen, int) and not isinstance(maxlen, bool) and 0 <= maxlen < 2**31):
-            raise SpecError(f"{where}: a deque's maxlen must be null or a non-negative integer, found {str(maxlen)[:40]}")
-        if maxlen is not None and maxlen < n:
-            raise SpecError(f"{where}: a deque of maxlen {maxlen} cannot hold {n} children")
-        return SpecNode("deque", maxlen, children, leaves)
-    if typ == _TYPED_NAME:
-        ok = (isinstance(ctx, list) and len(ctx) == 3 and isinstance(ctx[0], str) and ctx[1] in _TYPED_KINDS
-              and isinstance(ctx[2], list) and len(ctx[2]) == n and all(isinstance(x, str) for x in ctx[2])
-              and len(set(ctx[2])) == n)
-        if not ok or len(ctx[0]) > 1000 or ":" not in ctx[0]:
-            raise SpecError(f"{where}: a typed node's context is ['module:QualName', 'namedtuple'|'dataclass', [{n} unique field names]], found {str(ctx)[:160]}")
-        return SpecNode("typed", (ctx[0], ctx[1], tuple(ctx[2])), children, leaves)
+    decode = _CONTEXT_DECODERS.get(typ)
+    if decode is not None:
+        return decode(ctx, children, leaves, where)
     logger.info("%s: tree node type %r is not one nanreplay writes; it is read as a list of its children", where, typ[:200])
     return SpecNode("other", typ[:200], children, leaves)
+
+
+def _sequence_node(typ: str, ctx: Any, children: tuple, leaves: int, where: str) -> SpecNode:
+    """A tuple, list or torch.Size node: no context; a torch.Size holds only leaves."""
+    if ctx not in (None, "null"):
+        raise SpecError(f"{where}: a {typ} node has no context, found {str(ctx)[:80]}")
+    kind = _SEQUENCE_TYPES[typ]
+    if kind == "size" and any(c.kind != "leaf" for c in children):
+        raise SpecError(f"{where}: a torch.Size holds only leaves")
+    return SpecNode(kind, None, children, leaves)
+
+
+def _ddict_node(ctx: Any, children: tuple, leaves: int, where: str) -> SpecNode:
+    """A defaultdict node: its keys, and its factory only when it is a safe builtin (nothing is
+    imported from a bundle)."""
+    if not isinstance(ctx, dict) or set(ctx) != {"default_factory_module", "default_factory_name", "dict_context"}:
+        raise SpecError(f"{where}: a defaultdict context is {{'default_factory_module', 'default_factory_name', 'dict_context'}}")
+    factory = None
+    if ctx["default_factory_module"] == "builtins" and isinstance(ctx["default_factory_name"], str):
+        factory = _SAFE_DEFAULT_FACTORIES.get(ctx["default_factory_name"])
+    if factory is None:
+        logger.info("%s: defaultdict factory %s.%s is not rebuilt (no import from a bundle); the dict has none",
+                    where, str(ctx["default_factory_module"])[:80], str(ctx["default_factory_name"])[:80])
+    return SpecNode("ddict", (factory, _keys(ctx["dict_context"], len(children), where)), children, leaves)
+
+
+def _deque_node(ctx: Any, children: tuple, leaves: int, where: str) -> SpecNode:
+    """A deque node: its maxlen, null or an integer that holds the children."""
+    n = len(children)
+    maxlen = _strict_json(ctx, where)
+    if maxlen is not None and not (isinstance(maxlen, int) and not isinstance(maxlen, bool) and 0 <= maxlen < 2**31):
+        raise SpecError(f"{where}: a deque's maxlen must be null or a non-negative integer, found {str(maxlen)[:40]}")
+    if maxlen is not None and maxlen < n:
+        raise SpecError(f"{where}: a deque of maxlen {maxlen} cannot hold {n} children")
+    return SpecNode("deque", maxlen, children, leaves)
+
+
+def _typed_node(ctx: Any, children: tuple, leaves: int, where: str) -> SpecNode:
+    """A namedtuple or dataclass node: ``['module:QualName', kind, [unique field names]]``; the
+    class is named, never imported here."""
+    n = len(children)
+    ok = (isinstance(ctx, list) and len(ctx) == 3 and isinstance(ctx[0], str) and ctx[1] in _TYPED_KINDS
+          and isinstance(ctx[2], list) and len(ctx[2]) == n and all(isinstance(x, str) for x in ctx[2])
+          and len(set(ctx[2])) == n)
+    if not ok or len(ctx[0]) > 1000 or ":" not in ctx[0]:
+        raise SpecError(f"{where}: a typed node's context is ['module:QualName', 'namedtuple'|'dataclass', [{n} unique field names]], found {str(ctx)[:160]}")
+    return SpecNode("typed", (ctx[0], ctx[1], tuple(ctx[2])), children, leaves)
+
+
+#: how the context of each container type with one is read (sequences and mappings aside)
+_CONTEXT_DECODERS: dict[str, Callable[[Any, tuple, int, str], SpecNode]] = {
+    "collections.defaultdict": _ddict_node,
+    "collections.deque": _deque_node,
+    _TYPED_NAME: _typed_node,
+}
 
 
 def decode_spec(spec_json: Any) -> SpecNode:

@@ -225,6 +225,23 @@ def _hyperparameter_evidence(group: dict, dtype: torch.dtype, found: list[str], 
             ev.append(f"hyperparameter {k}={v!r} is {cast!r} in {name}, the parameter's dtype")
 
 
+def _optimizer_state_evidence(inp: StepInputs, tensor: str, out: dict, ev: list[str]) -> None:
+    """The optimizer's side of a non-finite weight ``tensor``: its non-finite state entries
+    (``out["state_keys"]``) and its param group's hyperparameters that do not fit its dtype
+    (``out["hyperparameters"]``), each with its sentence appended to ``ev``."""
+    sd = inp.state.optimizer or {}
+    pid = _param_ids(inp.optimizer_info).get(tensor)
+    st = (sd.get("state") or {}).get(pid, (sd.get("state") or {}).get(str(pid), {})) if pid is not None else {}
+    keys = [k for k, v in st.items() if any_nonfinite(v)]
+    out["state_keys"] = keys
+    if keys:
+        ev.append(f"optimizer state {', '.join(keys)} of {tensor} is non-finite too")
+    param = inp.state.params.get(tensor)
+    group = next((g for g in sd.get("param_groups", []) if pid is not None and pid in g.get("params", [])), None)
+    if group is not None and param is not None and param.is_floating_point():
+        _hyperparameter_evidence(group, param.dtype, out["hyperparameters"], ev)
+
+
 def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
     """Why the step-start tensor ``tensor`` (an FQN) is already non-finite, from the bundle alone.
 
@@ -265,17 +282,7 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
     if bad_lr is not None:
         out["nonfinite_lr"] = [bad_lr[0], repr(bad_lr[1])]
         ev.append(f"the learning rate was {bad_lr[1]!r} at step {bad_lr[0]} (recorded in the ring buffer)")
-    sd = inp.state.optimizer or {}
-    pid = _param_ids(inp.optimizer_info).get(tensor)
-    st = (sd.get("state") or {}).get(pid, (sd.get("state") or {}).get(str(pid), {})) if pid is not None else {}
-    keys = [k for k, v in st.items() if any_nonfinite(v)]
-    out["state_keys"] = keys
-    if keys:
-        ev.append(f"optimizer state {', '.join(keys)} of {tensor} is non-finite too")
-    param = inp.state.params.get(tensor)
-    group = next((g for g in sd.get("param_groups", []) if pid is not None and pid in g.get("params", [])), None)
-    if group is not None and param is not None and param.is_floating_point():
-        _hyperparameter_evidence(group, param.dtype, out["hyperparameters"], ev)
+    _optimizer_state_evidence(inp, tensor, out, ev)
     grads_finite = not any_nonfinite(inp.recorded_grads.values())
     ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
     why = out["hyperparameters"][0] if out["hyperparameters"] else (f"learning rate {out['nonfinite_lr'][1]} at step {out['nonfinite_lr'][0]}"

@@ -132,6 +132,15 @@ class Facts:
         self._d[t] = fact
 
 
+def _provenance(func: Any, name: str, in_facts: list[Fact]) -> frozenset:
+    """The sources an op's outputs come from: its inputs' (``const`` for an op without tensor
+    inputs), plus ``rng`` for a random op (:data:`_RANDOM`, or one taking a ``Generator``)."""
+    prov: frozenset = frozenset().union(*(f.prov for f in in_facts)) if in_facts else frozenset(("const",))
+    if name in _RANDOM or any("Generator" in str(a.type) for a in getattr(getattr(func, "_schema", None), "arguments", ())):
+        prov = prov | {"rng"}
+    return prov
+
+
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     """The tensors of an op's args/kwargs/outputs (tuples, lists and dicts, as aten passes them),
     without the general pytree walk."""
@@ -345,43 +354,55 @@ class OpMonitor(TorchDispatchMode):
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
         if name in _UNINITIALISED or (self.watch is not None and name not in self.watch):
             return func(*args, **kwargs)
-        facts = self.facts
         ins = [t for t in _tensors((args, kwargs))]
-        in_facts = [facts.get(t) for t in ins]  # before the op: an in-place op overwrites its input
+        in_facts = [self.facts.get(t) for t in ins]  # before the op: an in-place op overwrites its input
         mutating = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
         before = [(f.nan, f.inf) for f in in_facts] if mutating else None
         out = func(*args, **kwargs)
         self.index += 1
         outs = list(_tensors(out))
-        if not outs:
-            return out
-        prov: frozenset = frozenset().union(*(f.prov for f in in_facts)) if in_facts else frozenset(("const",))
-        if name in _RANDOM or any("Generator" in str(a.type) for a in getattr(getattr(func, "_schema", None), "arguments", ())):
-            prov = prov | {"rng"}
-        in_nan = any(f.nan for f in in_facts) if before is None else any(n for n, _ in before)
-        in_bad = any(f.nonfinite for f in in_facts) if before is None else any(n or i for n, i in before)
-        taint = frozenset().union(*(f.taint for f in in_facts if f.nonfinite)) if in_bad else frozenset()
-        masked_by = frozenset().union(*(f.masked_by for f in in_facts if f.nonfinite)) if in_bad else frozenset()
+        if outs:
+            self._label_outputs(func, name, args, kwargs, ins, in_facts, before, outs, mutating)
+        return out
+
+    def _label_outputs(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
+                       before: Optional[list[tuple[bool, bool]]], outs: list[torch.Tensor], mutating: bool) -> None:
+        """Set the :class:`Fact` of each output of one op: its provenance (:func:`_provenance`) and,
+        for a non-finite output, its descent (:meth:`_descent`). ``before``: the inputs' (nan, inf)
+        flags read before a mutating op ran, else ``None``."""
+        prov = _provenance(func, name, in_facts)
         out_flags = [flags_of(t) for t in outs]
         out_nan = any(n for n, _, _ in out_flags)
         out_inf = any(i for _, i, _ in out_flags)
-        allowed = False
-        if out_nan or out_inf:
-            if born(in_nan, in_bad, out_nan, out_inf):
-                b = self._record_birth(func, name, args, kwargs, ins, in_facts, outs, mutating)
-                if b is None:  # allowlisted: non-finite on purpose, taints nothing
-                    allowed = True
-                    # what decided where the mask went: its boolean/integer operands and the non-finite ones it copied
-                    masked_by = masked_by.union(*(f.prov for t, f in zip(ins, in_facts) if not is_float(t) or f.nonfinite))
-                else:
-                    taint = taint | {b}
-            else:
-                self.propagated += 1
-                allowed = bool(in_facts) and all(f.allowed for f in in_facts if f.nonfinite)
+        if before is None:
+            before = [(f.nan, f.inf) for f in in_facts]
+        taint, allowed, masked_by = self._descent(func, name, args, kwargs, ins, in_facts, before, outs, mutating, out_nan, out_inf)
         for t, (n, i, m) in zip(outs, out_flags):
             bad = n or i
-            facts.set(t, Fact(n, i, m, prov, name, taint if bad else frozenset(), allowed and bad, masked_by if bad else frozenset()))
-        return out
+            self.facts.set(t, Fact(n, i, m, prov, name, taint if bad else frozenset(), allowed and bad, masked_by if bad else frozenset()))
+
+    def _descent(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
+                 before: list[tuple[bool, bool]], outs: list[torch.Tensor], mutating: bool, out_nan: bool, out_inf: bool) -> tuple[frozenset, bool, frozenset]:
+        """(taint, allowed, masked_by) of an op's non-finite outputs: the births they descend from
+        (this op's own when it is a birth, :func:`born`, recorded by :meth:`_record_birth`), whether
+        they are an allowlisted mask (or only carry one on), and what decided where a mask went.
+        Counts an op that only propagated non-finite values."""
+        in_nan = any(n for n, _ in before)
+        in_bad = any(n or i for n, i in before)
+        bad_facts = [f for f in in_facts if f.nonfinite] if in_bad else []
+        taint = frozenset().union(*(f.taint for f in bad_facts))
+        masked_by = frozenset().union(*(f.masked_by for f in bad_facts))
+        if not (out_nan or out_inf):
+            return taint, False, masked_by
+        if not born(in_nan, in_bad, out_nan, out_inf):
+            self.propagated += 1
+            return taint, bool(in_facts) and all(f.allowed for f in in_facts if f.nonfinite), masked_by
+        b = self._record_birth(func, name, args, kwargs, ins, in_facts, outs, mutating)
+        if b is not None:
+            return taint | {b}, False, masked_by
+        # allowlisted: non-finite on purpose, taints nothing; what decided where the mask went is
+        # its boolean/integer operands and the non-finite ones it copied
+        return taint, True, masked_by.union(*(f.prov for t, f in zip(ins, in_facts) if not is_float(t) or f.nonfinite))
 
     def _record_birth(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
                       outs: list[torch.Tensor], mutating: bool) -> Optional[int]:

@@ -298,6 +298,19 @@ def _export(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool
         return torch.export.export(root, tensors), False
 
 
+def _lifted(ep: Any, spec: Any) -> tuple[Any, str, str]:
+    """The value an input spec of ``ep`` lifts, where torch.export keeps it (``state_dict`` or
+    ``constants``) and its kind (``parameter``, ``buffer`` or ``constant``)."""
+    from torch.export.graph_signature import InputKind
+
+    name = spec.target
+    if spec.kind == InputKind.PARAMETER:
+        return ep.state_dict[name], "state_dict", "parameter"
+    if spec.kind == InputKind.BUFFER:
+        return (ep.state_dict[name], "state_dict", "buffer") if bool(spec.persistent) else (ep.constants[name], "constants", "buffer")
+    return ep.constants[name], "constants", "constant"  # CONSTANT_TENSOR: a tensor created in forward (torch.tensor(...)), lifted by export
+
+
 def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: str, in_leaves: list, in_spec: Any,
               dyn: bool, shared: dict[int, str], prefix: str) -> tuple[ProgramCapture, dict[str, torch.Tensor]]:
     """The capture, and every tensor the program names by its bundle key (shared ones too)."""
@@ -317,13 +330,7 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
         if spec.kind == InputKind.CUSTOM_OBJ:
             raise TypeError(f"the program holds a script object {spec.target!r}, which cannot be stored without pickle")
         name = spec.target
-        if spec.kind == InputKind.PARAMETER:
-            t, where, k = ep.state_dict[name], "state_dict", "parameter"
-        elif spec.kind == InputKind.BUFFER:
-            persistent = bool(spec.persistent)
-            t, where, k = (ep.state_dict[name], "state_dict", "buffer") if persistent else (ep.constants[name], "constants", "buffer")
-        else:  # CONSTANT_TENSOR: a tensor created in forward (torch.tensor(...)), lifted by export
-            t, where, k = ep.constants[name], "constants", "constant"
+        t, where, k = _lifted(ep, spec)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"the program's {k} {name!r} is a {type(t).__name__}, not a tensor; it cannot be stored without pickle")
         key = shared.get(id(t)) or own.get(id(t))

@@ -149,45 +149,57 @@ def _scalar(arg: dict, hints: dict[str, int]) -> Optional[float]:
 
 
 def _check_node(n: dict, where: str, graph: _Graph, per_tensor: int, subgraphs: list) -> None:
+    """Check one node: its operator is allowed, writes into no out= argument, each input passes
+    :func:`_check_input`, a range it makes is bounded; then note the tensors it creates."""
     target = n["target"]
     try:
         name, op = _resolve(target)
     except KeyError as e:
         raise _refuse(where, target, str(e.args[0])) from None
-    is_hop = name.startswith("higher_order.")
     schema_args = {a.name: a for a in op._schema.arguments} if op is not None else {}
     if any(a.is_out for a in schema_args.values()):
         raise _refuse(where, target, "writes into an out= argument")
     written = {a.name for a in schema_args.values() if a.alias_info is not None and a.alias_info.is_write}
-    numbers: dict[str, Optional[float]] = {}
-    for inp in n["inputs"]:
-        arg_name, arg = inp["name"], inp["arg"]
-        (kind, val), = arg.items()
-        if kind in _REFUSED_KINDS:
-            raise _refuse(where, target, f"takes {_REFUSED_KINDS[kind]} as its argument {arg_name!r}")
-        if kind == "as_string" and not opset.string_allowed(name, arg_name, val):
-            raise _refuse(where, target, f"takes the string {val[:60]!r} as its argument {arg_name!r}, not one of the values allowed there")
-        if kind == "as_graph":
-            if not is_hop:
-                raise _refuse(where, target, "takes a subgraph but is not a higher-order operator")
-            subgraphs.append((val["graph"], f"{where}.inputs[{arg_name or '?'}].as_graph"))
-        size = _arg_numel(kind, val, graph.hints)
-        if size is not None and size > per_tensor:
-            raise _refuse(where, target, f"passes a size of {size:,} elements as {arg_name!r}, more than the bundle's tensors justify ({per_tensor:,})")
-        if kind in ("as_int", "as_sym_int") and arg_name in opset.SIZE_ARGS:
-            v = _scalar(arg, graph.hints)
-            if v is not None and abs(v) > per_tensor:
-                raise _refuse(where, target, f"passes {arg_name}={v:,}, more than the bundle's tensors justify ({per_tensor:,})")
-        numbers[arg_name] = _scalar(arg, graph.hints)
-        if arg_name in written:
-            tensors = [val["name"]] if kind == "as_tensor" else [t["name"] for t in val] if kind == "as_tensors" else []
-            for t in tensors:
-                if t not in graph.created and t not in graph.buffers:
-                    raise _refuse(where, target, f"writes in place into {t!r}, which is neither a tensor the program created nor a buffer of the model")
+    numbers = {inp["name"]: _check_input(inp, name, where, target, written, graph, per_tensor, subgraphs) for inp in n["inputs"]}
     if name.startswith("arange."):
         start, end, step = numbers.get("start") or 0, numbers.get("end"), numbers.get("step") or 1
         if end is not None and step and abs((end - start) / step) > per_tensor:
             raise _refuse(where, target, f"makes a range of {abs((end - start) / step):,.0f} elements, more than the bundle's tensors justify ({per_tensor:,})")
+    _note_outputs(n, graph)
+
+
+def _check_input(inp: dict, name: str, where: str, target: str, written: set[str], graph: _Graph, per_tensor: int, subgraphs: list) -> Optional[float]:
+    """Check one input of a node (operator ``name``) and return its scalar value, if any: no
+    refused kind, only allowed strings, a subgraph only for a higher-order operator (queued on
+    ``subgraphs``), sizes within ``per_tensor``, in-place writes only into tensors the program
+    created or buffers."""
+    arg_name, arg = inp["name"], inp["arg"]
+    (kind, val), = arg.items()
+    if kind in _REFUSED_KINDS:
+        raise _refuse(where, target, f"takes {_REFUSED_KINDS[kind]} as its argument {arg_name!r}")
+    if kind == "as_string" and not opset.string_allowed(name, arg_name, val):
+        raise _refuse(where, target, f"takes the string {val[:60]!r} as its argument {arg_name!r}, not one of the values allowed there")
+    if kind == "as_graph":
+        if not name.startswith("higher_order."):
+            raise _refuse(where, target, "takes a subgraph but is not a higher-order operator")
+        subgraphs.append((val["graph"], f"{where}.inputs[{arg_name or '?'}].as_graph"))
+    size = _arg_numel(kind, val, graph.hints)
+    if size is not None and size > per_tensor:
+        raise _refuse(where, target, f"passes a size of {size:,} elements as {arg_name!r}, more than the bundle's tensors justify ({per_tensor:,})")
+    if kind in ("as_int", "as_sym_int") and arg_name in opset.SIZE_ARGS:
+        v = _scalar(arg, graph.hints)
+        if v is not None and abs(v) > per_tensor:
+            raise _refuse(where, target, f"passes {arg_name}={v:,}, more than the bundle's tensors justify ({per_tensor:,})")
+    if arg_name in written:
+        tensors = [val["name"]] if kind == "as_tensor" else [t["name"] for t in val] if kind == "as_tensors" else []
+        for t in tensors:
+            if t not in graph.created and t not in graph.buffers:
+                raise _refuse(where, target, f"writes in place into {t!r}, which is neither a tensor the program created nor a buffer of the model")
+    return _scalar(arg, graph.hints)
+
+
+def _note_outputs(n: dict, graph: _Graph) -> None:
+    """Add the tensors a node creates to ``graph.created`` (in-place writes into them are allowed)."""
     for out in n["outputs"]:
         (kind, val), = out.items()
         if kind == "as_tensor":

@@ -316,6 +316,54 @@ def _as_health(summary: Optional[dict]) -> Optional[Health]:
                   mean=None, absmax=summary.get("absmax"), dtype=summary["dtype"], shape=summary["shape"])
 
 
+def _set_modes(model: torch.nn.Module, rec: StepRecord) -> None:
+    """Clear the gradients and give each module its recorded mode, exactly (``train()`` would recurse)."""
+    for p in model.parameters():
+        p.grad = None
+    training = set(rec.training)
+    for name, m in model.named_modules():
+        m.training = name in training
+
+
+def _mode_and_inputs(inp: StepInputs) -> tuple[str, list]:
+    """The replay mode (``loss_fn``, ``cotangent`` or ``forward-only``) and the non-finite leaves
+    of what the step feeds: its batches with a loss function, else its recorded forward inputs."""
+    rec = inp.record
+    if inp.uses_loss:
+        return "loss_fn", [x for i, b in enumerate(rec.batches) for x in nonfinite_leaves(b, _batch_root(rec, True, i))]
+    mode = "cotangent" if rec.forwards and all(fw.cotangent is not None for fw in rec.forwards) else "forward-only"
+    return mode, [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, _batch_root(rec, False, i))]
+
+
+def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool) -> None:
+    """Run the step under its recorded RNG states and the monitors: forward with the loss
+    function or the recorded cotangent, backward, and the scaler's unscale when the recorded
+    gradients were unscaled. The monitors are closed and the RNG hook removed whatever happens."""
+    rec, model = inp.record, run.model
+    rng = ReplayRNG(private=False if compiled else None)  # compiled: Dynamo does not trace under a dispatch mode
+    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng))  # on a compiled wrapper: runs eagerly
+    try:
+        # the step's random draws come from its recorded states, and no other thread's generator
+        # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
+        with rng, _deterministic(), _anomaly(anomaly), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
+            rng.load(rec.rng)
+            if rng.shared:
+                run.warnings.append(
+                    "other threads were running, so the replay drew torch's random numbers from private generators set to the "
+                    f"recorded states and left the process-wide {' and '.join(rng.untouched)} generators alone: draws the step "
+                    "made from those (if any) are not reproduced")
+            if mode == "loss_fn":
+                run.with_loss(scaler, autocast)
+            else:
+                run.with_cotangent(autocast, mode)
+            if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only":
+                # the recorded gradients were unscaled by the scaler: unscale the replayed ones the same way
+                scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
+    finally:
+        run.mon.close()
+        rng_hook.remove()
+
+
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
              runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
              watch: Optional[frozenset] = None) -> ReplayResult:
@@ -354,18 +402,9 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             f"step {rec.step} has no recorded batch or forward call; the recorder saw no grad-enabled forward "
             "of the model in that step. Call Recorder.record(batch) in the loop."
         )
-    for p in model.parameters():
-        p.grad = None
-    training = set(rec.training)
-    for name, m in model.named_modules():  # each module's recorded mode, exactly (train() would recurse)
-        m.training = name in training
+    _set_modes(model, rec)
     weights = _nonfinite_state(inp.state)
-    if inp.uses_loss:
-        mode = "loss_fn"
-        inputs = [x for i, b in enumerate(rec.batches) for x in nonfinite_leaves(b, _batch_root(rec, True, i))]
-    else:
-        mode = "cotangent" if rec.forwards and all(fw.cotangent is not None for fw in rec.forwards) else "forward-only"
-        inputs = [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, _batch_root(rec, False, i))]
+    mode, inputs = _mode_and_inputs(inp)
     dev = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
@@ -381,28 +420,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    rng = ReplayRNG(private=False if runner is not None else None)  # compiled: Dynamo does not trace under a dispatch mode
-    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng))  # on a compiled wrapper: runs eagerly
-    try:
-        # the step's random draws come from its recorded states, and no other thread's generator
-        # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
-        with rng, _deterministic(), _anomaly(ops and sources), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
-            rng.load(rec.rng)
-            if rng.shared:
-                run.warnings.append(
-                    "other threads were running, so the replay drew torch's random numbers from private generators set to the "
-                    f"recorded states and left the process-wide {' and '.join(rng.untouched)} generators alone: draws the step "
-                    "made from those (if any) are not reproduced")
-            if mode == "loss_fn":
-                run.with_loss(scaler, autocast)
-            else:
-                run.with_cotangent(autocast, mode)
-            if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only":
-                # the recorded gradients were unscaled by the scaler: unscale the replayed ones the same way
-                scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
-    finally:
-        run.mon.close()
-        rng_hook.remove()
+    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None)
     live_grads = [p.grad for p in model.parameters() if p.grad is not None]
     reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None and watch is None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

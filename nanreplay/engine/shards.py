@@ -66,16 +66,10 @@ def find_run(paths: Sequence[Path]) -> Optional[RunFiles]:
     """
     paths = [Path(p) for p in paths]
     if len(paths) == 1 and paths[0].is_dir():
-        found = sorted((p for p in paths[0].iterdir() if p.suffix in _EXTS and p.is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
-        for p in found[:64]:  # the newest few: a directory of many bundles is not read whole
-            try:
-                if sharded_meta(p) is not None:
-                    paths = [p]
-                    break
-            except BundleFormatError:
-                continue
-        else:
+        newest = _newest_sharded(paths[0])
+        if newest is None:
             return None
+        paths = [newest]
     if any(p.is_dir() for p in paths):
         return None
     try:
@@ -90,6 +84,30 @@ def find_run(paths: Sequence[Path]) -> Optional[RunFiles]:
         if len(names) != ws:
             raise BundleFormatError(f"{paths[0]}: lists {len(names)} sibling bundles for world_size {ws}; pass every rank's bundle explicitly")
         paths = [paths[0].parent / n for n in names]
+    by_rank = _by_rank(paths, first, ws)
+    return RunFiles(first["run_id"], int(first["failing_step"]), ws, [by_rank[r] for r in range(ws)], list(first.get("origin_ranks") or []))
+
+
+def _newest_sharded(directory: Path) -> Optional[Path]:
+    """The newest sharded run's bundle in ``directory`` (among its 64 newest bundles: a directory
+    of many bundles is not read whole), or ``None``."""
+    found = sorted((p for p in directory.iterdir() if p.suffix in _EXTS and p.is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for p in found[:64]:
+        try:
+            if sharded_meta(p) is not None:
+                return p
+        except BundleFormatError:
+            continue
+    return None
+
+
+def _by_rank(paths: list[Path], first: dict, ws: int) -> dict[int, Path]:
+    """Each rank's bundle among ``paths``, checked to be of the run, step and world size of
+    ``first`` (rank 0's or the named bundle's ``distributed`` entry), one per rank, none missing.
+
+    Raises:
+        BundleFormatError: a bundle is missing, of another run or step, given twice, or a rank has none.
+    """
     by_rank: dict[int, Path] = {}
     for p in paths:
         if not p.exists():
@@ -110,7 +128,7 @@ def find_run(paths: Sequence[Path]) -> Optional[RunFiles]:
     if missing:
         raise BundleFormatError(f"the sharded run {first['run_id']} has {ws} ranks; no bundle given for rank(s) {missing}: pass every rank's bundle, "
                                 "or the directory that holds them")
-    return RunFiles(first["run_id"], int(first["failing_step"]), ws, [by_rank[r] for r in range(ws)], list(first.get("origin_ranks") or []))
+    return by_rank
 
 
 def _assemble(name: str, shards: list[tuple[torch.Tensor, dict]], where: str) -> torch.Tensor:

@@ -174,10 +174,7 @@ def _check_expr(node: tuple, *, inside_pow: bool) -> None:
         raise SymExprError("a string outside Symbol(...) or Float(...)")
     _, name, args, kwargs = node
     if name == "Symbol":
-        if len(args) != 1 or args[0][0] != "str" or not _SYMBOL.fullmatch(args[0][1]):
-            raise SymExprError("Symbol takes one shape-symbol name such as 's0'")
-        if any(v not in (("const", "True"), ("const", "False")) for v in kwargs.values()):
-            raise SymExprError("a Symbol's assumptions are True or False")
+        _check_symbol(args, kwargs)
         return
     if name == "Float":
         if not args or args[0][0] != "str" or not _NUMBER.fullmatch(args[0][1]) or len(args) > 1:
@@ -189,18 +186,32 @@ def _check_expr(node: tuple, *, inside_pow: bool) -> None:
         if not args or len(args) > 2 or any(a[0] != "int" for a in args):
             raise SymExprError(f"{name} takes integers")
     if name in ("Pow", "PowByNatural"):
-        if inside_pow:
-            raise SymExprError("a power inside the base of a power")
-        if len(args) != 2:
-            raise SymExprError(f"{name} takes a base and an exponent")
-        exp = args[1]
-        value = exp[1] if exp[0] == "int" else (exp[2][0][1] if exp[0] == "call" and exp[1] == "Integer" and exp[2] and exp[2][0][0] == "int" else None)
-        if value is None or abs(value) > _MAX_EXPONENT:
-            raise SymExprError(f"a power's exponent must be an integer constant of at most {_MAX_EXPONENT}")
-        _check_expr(args[0], inside_pow=True)
+        _check_pow(name, args, inside_pow)
         return
     for a in args:
         _check_expr(a, inside_pow=inside_pow)
+
+
+def _check_symbol(args: list, kwargs: dict) -> None:
+    """``Symbol('s0', positive=True, ...)``: one shape-symbol name, assumptions True or False."""
+    if len(args) != 1 or args[0][0] != "str" or not _SYMBOL.fullmatch(args[0][1]):
+        raise SymExprError("Symbol takes one shape-symbol name such as 's0'")
+    if any(v not in (("const", "True"), ("const", "False")) for v in kwargs.values()):
+        raise SymExprError("a Symbol's assumptions are True or False")
+
+
+def _check_pow(name: str, args: list, inside_pow: bool) -> None:
+    """A power: a base without a power in it, and an integer constant exponent of at most
+    :data:`_MAX_EXPONENT` (no expression grows past a bound while it is evaluated)."""
+    if inside_pow:
+        raise SymExprError("a power inside the base of a power")
+    if len(args) != 2:
+        raise SymExprError(f"{name} takes a base and an exponent")
+    exp = args[1]
+    value = exp[1] if exp[0] == "int" else (exp[2][0][1] if exp[0] == "call" and exp[1] == "Integer" and exp[2] and exp[2][0][0] == "int" else None)
+    if value is None or abs(value) > _MAX_EXPONENT:
+        raise SymExprError(f"a power's exponent must be an integer constant of at most {_MAX_EXPONENT}")
+    _check_expr(args[0], inside_pow=True)
 
 
 # ------------------------------------------------------------------------------ the record
@@ -331,53 +342,24 @@ class _Walker:
             raise MetaError(where, "an argument with one key of torch's Argument union (as_tensor, as_int ...)", _show(sorted(v))[:120])
         (key, val), = v.items()
         w = f"{where}.{key}"
-        if key == "as_tensor":
-            self.tensor_ref(val, w)
-        elif key == "as_tensors":
-            for i, t in enumerate(self.array(val, w)):
-                self.tensor_ref(t, f"{w}[{i}]")
-        elif key in ("as_int", "as_scalar_type", "as_memory_format", "as_layout"):
-            self.integer(val, w)
-        elif key == "as_ints":
-            for i, x in enumerate(self.array(val, w)):
-                self.integer(x, f"{w}[{i}]")
-        elif key in ("as_float",):
-            self.scalar(val, w, "as_float")
-        elif key == "as_floats":
-            for i, x in enumerate(self.array(val, w)):
-                self.scalar(x, f"{w}[{i}]", "as_float")
-        elif key == "as_bool":
-            self.boolean(val, w)
-        elif key == "as_bools":
-            for i, x in enumerate(self.array(val, w)):
-                self.boolean(x, f"{w}[{i}]")
-        elif key == "as_string":
-            self.string(val, w, 1 << 16)
-        elif key in ("as_sym_int", "as_sym_bool", "as_sym_float"):
-            self.sym_arg(val, w, {"as_sym_int": "as_int", "as_sym_bool": "as_bool", "as_sym_float": "as_float"}[key])
-        elif key in ("as_sym_ints", "as_sym_bools", "as_sym_floats"):
-            scalar = {"as_sym_ints": "as_int", "as_sym_bools": "as_bool", "as_sym_floats": "as_float"}[key]
-            for i, x in enumerate(self.array(val, w)):
-                self.sym_arg(x, f"{w}[{i}]", scalar)
-        elif key == "as_device":
-            d = self.obj(val, w, ("type",))
-            if not (isinstance(d["type"], str) and re.fullmatch(r"[a-z]{1,16}", d["type"])):
-                raise MetaError(f"{w}.type", "a device type such as 'cpu'", _show(d["type"]))
-            self.integer(d.get("index"), f"{w}.index", 0, 1 << 16, null=True)
-        elif key == "as_optional_tensors":
-            for i, x in enumerate(self.array(val, w)):
-                self.optional_tensor(x, f"{w}[{i}]")
-        elif key == "as_optional_tensor":
-            self.optional_tensor(val, w)
-        elif key == "as_graph":
+        if key == "as_graph":
             g = self.obj(val, w, ("name", "graph"))
             self.name(g["name"], f"{w}.name")
             graphs.append((g["graph"], f"{w}.graph"))
-        elif key == "as_none":
-            pass
-        # as_strings, as_custom_obj, as_operator, as_complex, as_nested_tensors, as_int_lists,
-        # as_float_lists, as_string_to_argument: well-formed JSON of a kind no replayable program
-        # uses; the operator check refuses them (exit 5) before torch reads them
+        elif key in _ARRAY_ARGS:
+            check = _ARG_CHECKS[_ARRAY_ARGS[key]]
+            for i, x in enumerate(self.array(val, w)):
+                check(self, x, f"{w}[{i}]")
+        elif key in _ARG_CHECKS:
+            _ARG_CHECKS[key](self, val, w)
+        # the other kinds: well-formed JSON no replayable program uses (see _ARG_CHECKS)
+
+    def device(self, v: Any, where: str) -> None:
+        """A Device argument: ``{type, index}``."""
+        d = self.obj(v, where, ("type",))
+        if not (isinstance(d["type"], str) and re.fullmatch(r"[a-z]{1,16}", d["type"])):
+            raise MetaError(f"{where}.type", "a device type such as 'cpu'", _show(d["type"]))
+        self.integer(d.get("index"), f"{where}.index", 0, 1 << 16, null=True)
 
     def tensor_meta(self, v: Any, where: str) -> None:
         m = self.obj(v, where, ("dtype", "sizes", "requires_grad", "device", "strides", "storage_offset", "layout"))
@@ -487,6 +469,29 @@ class _Walker:
             return decode_spec(v)
         except SpecError as e:
             raise MetaError(where, "a tree spec", str(e)[:200]) from None
+
+
+#: how each kind of torch's ``Argument`` union is checked (one value; ``as_graph`` is checked in
+#: :meth:`_Walker.arg`, which queues its graph). Kinds absent from both tables (as_strings,
+#: as_custom_obj, as_operator, as_complex, as_nested_tensors, as_int_lists, as_float_lists,
+#: as_string_to_argument) are well-formed JSON of a kind no replayable program uses; the operator
+#: check refuses them (exit 5) before torch reads them.
+_ARG_CHECKS: dict[str, Callable[[_Walker, Any, str], Any]] = {
+    "as_none": lambda w, v, where: None,
+    "as_tensor": _Walker.tensor_ref,
+    **dict.fromkeys(("as_int", "as_scalar_type", "as_memory_format", "as_layout"), lambda w, v, where: w.integer(v, where)),
+    "as_float": lambda w, v, where: w.scalar(v, where, "as_float"),
+    "as_bool": lambda w, v, where: w.boolean(v, where),
+    "as_string": lambda w, v, where: w.string(v, where, 1 << 16),
+    "as_sym_int": lambda w, v, where: w.sym_arg(v, where, "as_int"),
+    "as_sym_bool": lambda w, v, where: w.sym_arg(v, where, "as_bool"),
+    "as_sym_float": lambda w, v, where: w.sym_arg(v, where, "as_float"),
+    "as_device": _Walker.device,
+    "as_optional_tensor": _Walker.optional_tensor,
+}
+#: the list kinds of the union and the kind of their elements
+_ARRAY_ARGS = {"as_tensors": "as_tensor", "as_ints": "as_int", "as_floats": "as_float", "as_bools": "as_bool", "as_sym_ints": "as_sym_int",
+               "as_sym_bools": "as_sym_bool", "as_sym_floats": "as_sym_float", "as_optional_tensors": "as_optional_tensor"}
 
 
 def validate_program_record(rec: Any, info: Callable[[str], Optional[tuple]], where: str = "meta.program") -> None:

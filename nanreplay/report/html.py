@@ -198,32 +198,46 @@ def _births_html(diag: DiagnosisDict) -> Markup:
     o = diag.get("origin") or {}
     if not births:
         return Markup('<p class="muted">The op monitor recorded no birth (it was off, or the origin is in the data, the weights or the optimizer update).</p>')
-    items = []
-    for b in births:
-        cls = "origin" if b.get("op_index") is not None and b.get("op_index") == o.get("op_index") else ""
-        kinds = "-"
-        out = b.get("output") or {}
-        if out:
-            kinds = fmt_health(out)
-        node = h(' <span class="muted">({}, backward of {})</span>', b["node"], b.get("forward_op")) if b.get("node") else Markup("")
-        where = Markup("outside the model") if b.get("module") is None else h("in module <code>{}</code>", b["module"] or "(root)")
-        tag = "origin" if cls else ("causal chain" if b.get("op_index") in chain_idx else "after the origin")
-        wider = b.get("wider") or {}
-        extra = []
-        if wider:
-            extra.append(f"recomputed in {wider.get('dtype')}: {'finite (an overflow)' if wider.get('finite') else 'non-finite too (a domain error)'}")
-        zeros = b.get("input_zeros")
-        if zeros and any(zeros):
-            extra.append("exact zeros in its inputs: " + ", ".join(f"{z} in input {i}" for i, z in enumerate(zeros) if z))
-        rows = b.get("rows") or {}
-        if rows.get("indices"):
-            extra.append(f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
-        items.append(
-            h('<li class="{}"><span class="phase {}">{}</span> op <code>{}</code> <span class="muted">{}</span>{} {}: output {} '
-              '<span class="muted">[{}, op #{}]</span>{}{}</li>',
-              cls, b.get("phase"), b.get("phase"), b.get("op"), b.get("aten"), node, where, kinds, tag, b.get("op_index"),
-              _source(b.get("source")), h('<div class="muted">{}</div>', "; ".join(extra)) if extra else "")
-        )
+    items = [_birth_item(b, o, chain_idx) for b in births]
+    return h('<ol class="chain">{}</ol>{}', join(items), _births_more(diag))
+
+
+def _birth_item(b: dict, o: dict, chain_idx: set) -> Markup:
+    """One birth as a list item: phase, op, where, output health, its place (origin, causal chain
+    or after the origin), source and the extra evidence (:func:`_birth_extra`)."""
+    cls = "origin" if b.get("op_index") is not None and b.get("op_index") == o.get("op_index") else ""
+    kinds = "-"
+    out = b.get("output") or {}
+    if out:
+        kinds = fmt_health(out)
+    node = h(' <span class="muted">({}, backward of {})</span>', b["node"], b.get("forward_op")) if b.get("node") else Markup("")
+    where = Markup("outside the model") if b.get("module") is None else h("in module <code>{}</code>", b["module"] or "(root)")
+    tag = "origin" if cls else ("causal chain" if b.get("op_index") in chain_idx else "after the origin")
+    extra = _birth_extra(b)
+    return h('<li class="{}"><span class="phase {}">{}</span> op <code>{}</code> <span class="muted">{}</span>{} {}: output {} '
+             '<span class="muted">[{}, op #{}]</span>{}{}</li>',
+             cls, b.get("phase"), b.get("phase"), b.get("op"), b.get("aten"), node, where, kinds, tag, b.get("op_index"),
+             _source(b.get("source")), h('<div class="muted">{}</div>', "; ".join(extra)) if extra else "")
+
+
+def _birth_extra(b: dict) -> list[str]:
+    """A birth's evidence: its recomputation in a wider dtype, exact zeros in its inputs, its
+    non-finite rows of the batch."""
+    wider = b.get("wider") or {}
+    extra = []
+    if wider:
+        extra.append(f"recomputed in {wider.get('dtype')}: {'finite (an overflow)' if wider.get('finite') else 'non-finite too (a domain error)'}")
+    zeros = b.get("input_zeros")
+    if zeros and any(zeros):
+        extra.append("exact zeros in its inputs: " + ", ".join(f"{z} in input {i}" for i, z in enumerate(zeros) if z))
+    rows = b.get("rows") or {}
+    if rows.get("indices"):
+        extra.append(f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
+    return extra
+
+
+def _births_more(diag: DiagnosisDict) -> Markup:
+    """What follows the births: how many ops only propagated, and the births the allowlist matched."""
     more = Markup("")
     if diag.get("propagated_ops"):
         more = h('<p class="muted">{} other op(s) only passed non-finite values on.</p>', diag["propagated_ops"])
@@ -234,7 +248,7 @@ def _births_html(diag: DiagnosisDict) -> Markup:
         more += (h('<p class="muted">{} birth(s) matched the allowlist, legitimate -Inf masks, not the origin', allowed)
                  + (h(": in {}", "; ".join(dict.fromkeys(where))) if where else "") + Markup(".</p>")
                  + h("<details><summary>allowlist rules</summary><code>{}</code></details>", " ".join(map(str, diag.get("allowlist") or []))))
-    return h('<ol class="chain">{}</ol>{}', join(items), more)
+    return more
 
 
 def _origin_rows(diag: DiagnosisDict) -> list[tuple[str, Any]]:

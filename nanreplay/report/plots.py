@@ -168,21 +168,35 @@ def timeline_svg(timeline: Sequence[dict], *, history: Optional[dict] = None) ->
     axes = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [1.15, 1.15, 0.8], "hspace": 0.12})
     _series_axis(axes[0], steps, [r.get("loss") for r in timeline], label="loss", color=COLORS["loss"], failing=failing)
     _series_axis(axes[1], steps, [r.get("grad_norm") for r in timeline], label="grad norm", color=COLORS["gradnorm"], failing=failing)
-    groups = max((len(r.get("lrs") or []) for r in timeline), default=0)
-    lr_rows = [[_num(x) for x in (r.get("lrs") or [])] for r in timeline]
-    same = all(len(set(v for v in row if v is not None)) <= 1 for row in lr_rows)
-    if groups <= 1 or same:
-        _series_axis(axes[2], steps, [row[0] if row else None for row in lr_rows], label="learning rate", color=COLORS["lr"], failing=failing, log="positive")
-    else:
-        for g in range(min(groups, 6)):
-            _series_axis(axes[2], steps, [row[g] if g < len(row) else None for row in lr_rows], label="learning rate", color=COLORS["lr"], failing=failing, log="positive")
-            axes[2].lines[-1].set_alpha(1.0 - 0.12 * g)
+    _lr_axis(axes[2], steps, timeline, failing)
     axes[2].set_xlabel("optimizer step (ring buffer)", fontsize=9)
     axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     if failing is not None:
         axes[0].annotate(f"failing step {failing}", (failing, 1.0), xycoords=("data", "axes fraction"), xytext=(-4, 2), textcoords="offset points",
                          ha="right", va="bottom", color=COLORS["fail"], fontsize=8)
-    h = history or {}
+    _history_notes(axes[1], axes[2], history or {})
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.95, bottom=0.1)
+    fig.align_ylabels(axes)
+    return _svg(fig, "timeline")
+
+
+def _lr_axis(ax: Any, steps: Sequence[int], timeline: Sequence[dict], failing: Optional[int]) -> None:
+    """The learning rates: one curve when every param group has the same rate, else one per group
+    (at most 6, fading)."""
+    groups = max((len(r.get("lrs") or []) for r in timeline), default=0)
+    lr_rows = [[_num(x) for x in (r.get("lrs") or [])] for r in timeline]
+    same = all(len(set(v for v in row if v is not None)) <= 1 for row in lr_rows)
+    if groups <= 1 or same:
+        _series_axis(ax, steps, [row[0] if row else None for row in lr_rows], label="learning rate", color=COLORS["lr"], failing=failing, log="positive")
+    else:
+        for g in range(min(groups, 6)):
+            _series_axis(ax, steps, [row[g] if g < len(row) else None for row in lr_rows], label="learning rate", color=COLORS["lr"], failing=failing, log="positive")
+            ax.lines[-1].set_alpha(1.0 - 0.12 * g)
+
+
+def _history_notes(norm_ax: Any, lr_ax: Any, h: dict) -> None:
+    """The diagnosis' ``history`` written on the grad norm axis (growth, an lr spike), the spike
+    also circled on the learning rate axis."""
     notes = []
     if h.get("growth") is not None and _num(h["growth"]) is not None:
         notes.append(f"last finite grad norm = {_num(h['growth']):.3g} x median of the earlier ones" + (" (exploding)" if h.get("exploding") else ""))
@@ -190,12 +204,9 @@ def timeline_svg(timeline: Sequence[dict], *, history: Optional[dict] = None) ->
         sp = h["lr_spike"]
         notes.append(f"lr spike at step {sp['step']}: {sp['lr']} (min {sp['min_lr']})")
         if _num(sp.get("lr")) is not None and math.isfinite(_num(sp["lr"])):
-            axes[2].scatter([sp["step"]], [_num(sp["lr"])], s=90, facecolors="none", edgecolors=COLORS["fail"], linewidths=1.5, zorder=6)
+            lr_ax.scatter([sp["step"]], [_num(sp["lr"])], s=90, facecolors="none", edgecolors=COLORS["fail"], linewidths=1.5, zorder=6)
     if notes:
-        axes[1].text(0.01, 0.96, "; ".join(notes), transform=axes[1].transAxes, fontsize=8, va="top", color="#37474f")
-    fig.subplots_adjust(left=0.08, right=0.98, top=0.95, bottom=0.1)
-    fig.align_ylabels(axes)
-    return _svg(fig, "timeline")
+        norm_ax.text(0.01, 0.96, "; ".join(notes), transform=norm_ax.transAxes, fontsize=8, va="top", color="#37474f")
 
 
 def _is_container(name: str, names: set[str]) -> bool:
@@ -222,14 +233,9 @@ def modules_svg(modules: Sequence[dict], *, origin: Optional[dict] = None, phase
         loss: the diagnosis' ``loss`` (health of each replayed loss), drawn as a last column.
     """
     require_matplotlib()
-    from matplotlib.colors import to_rgba
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Patch
 
-    cols = [dict(m) for m in modules]
-    for i, h in enumerate(loss):
-        if h is not None:
-            cols.append({"module": None, "label": "(loss)" if len(loss) == 1 else f"(loss {i})", "class": "", "role": "", "output": h, "grad": None,
-                         "allowed": {}, "is_loss": True})
+    cols = _module_columns(modules, loss)
     n = len(cols)
     names = {m["module"] for m in modules if m.get("module") is not None}
     width = max(WIDTH, min(2.2 + 0.24 * n, 30.0))
@@ -238,20 +244,57 @@ def modules_svg(modules: Sequence[dict], *, origin: Optional[dict] = None, phase
     height = 4.4 + label_in
     fig = _figure(width, height)
     ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2.3, 1.0], "hspace": 0.06})
-    heights, colors = [], []
+    _module_bars(ax, cols, names)
+    _module_strip(strip, cols)
+    step = max(1, math.ceil(n / max_labels))
+    strip.set_xticks(list(range(n))[::step])
+    strip.set_xticklabels(labels[::step], rotation=90, fontsize=7)
+    for t, c in zip(strip.get_xticklabels(), cols[::step]):
+        if not c.get("is_loss") and _is_container(c["module"], names):
+            t.set_color("#90a4ae")
+    target = _origin_column(cols, origin or {}, phase)
+    if target is not None:
+        ax.annotate(f"origin ({phase})" if phase else "origin", (target, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 14),
+                    textcoords="offset points", ha="center", fontsize=8, fontweight="bold", color=COLORS["fail"],
+                    arrowprops={"arrowstyle": "-|>", "color": COLORS["fail"], "lw": 1.2})
+    legend = [Patch(color=COLORS["producer"], label="producer"), Patch(color=COLORS["propagator"], label="propagator"),
+              Patch(color=COLORS["finite"], label="finite"), Patch(color=COLORS["container"], label="container (parent) module"),
+              Patch(facecolor="white", edgecolor=COLORS["allowed"], hatch="////", label="allowlisted -Inf mask")]
+    ax.legend(handles=legend, fontsize=7, ncol=5, loc="upper left", bbox_to_anchor=(0.0, 1.17), frameon=False)
+    fig.subplots_adjust(left=1.75 / width, right=1 - 0.15 / width, top=1 - 0.55 / height, bottom=label_in / height)
+    return _svg(fig, "modules")
+
+
+def _module_columns(modules: Sequence[dict], loss: Sequence[Optional[dict]]) -> list[dict]:
+    """One column per module call, then one per replayed loss (``is_loss``)."""
+    cols = [dict(m) for m in modules]
+    for i, h in enumerate(loss):
+        if h is not None:
+            cols.append({"module": None, "label": "(loss)" if len(loss) == 1 else f"(loss {i})", "class": "", "role": "", "output": h, "grad": None,
+                         "allowed": {}, "is_loss": True})
+    return cols
+
+
+def _module_color(c: dict, names: set[str]) -> str:
+    """A column's bar colour: its role, else a loss' (non-finite or not), else container or finite."""
+    out = c.get("output") or {}
+    role = c.get("role") or ""
+    if role in ("producer", "contains producer", "propagator"):
+        return COLORS[role]
+    if c.get("is_loss"):
+        return COLORS["nan"] if out.get("nan") or out.get("posinf") or out.get("neginf") else COLORS["loss"]
+    return COLORS["container"] if _is_container(c["module"], names) else COLORS["finite"]
+
+
+def _module_bars(ax: Any, cols: Sequence[dict], names: set[str]) -> None:
+    """The upper axis: max |finite output value| per column on a log scale; a column with no
+    finite value at all says so."""
+    heights = []
     for c in cols:
-        out = c.get("output") or {}
-        a = _num(out.get("absmax"))
+        a = _num((c.get("output") or {}).get("absmax"))
         heights.append(a if a is not None and a > 0 else math.nan)
-        role = c.get("role") or ""
-        cont = not c.get("is_loss") and _is_container(c["module"], names)
-        if role in ("producer", "contains producer", "propagator"):
-            colors.append(COLORS[role])
-        elif c.get("is_loss"):
-            colors.append(COLORS["nan"] if out.get("nan") or out.get("posinf") or out.get("neginf") else COLORS["loss"])
-        else:
-            colors.append(COLORS["container"] if cont else COLORS["finite"])
-    xs = list(range(n))
+    colors = [_module_color(c, names) for c in cols]
+    xs = list(range(len(cols)))
     ax.bar(xs, [h if not math.isnan(h) else 0 for h in heights], color=colors, width=0.78, edgecolor="none")
     finite_h = [h for h in heights if not math.isnan(h)]
     if finite_h:
@@ -264,28 +307,38 @@ def modules_svg(modules: Sequence[dict], *, origin: Optional[dict] = None, phase
         if out and _num(out.get("absmax")) is None and out.get("numel"):
             ax.annotate("no finite value", (x, 0.02), xycoords=("data", "axes fraction"), rotation=90, fontsize=7, color=COLORS["nan"], ha="center", va="bottom")
     _style(ax)
-    # the strip: NaN, +Inf, -Inf of the output; non-finite fraction of the gradient at the output
-    have_grad = any(c.get("grad") for c in cols)
+
+
+def _grad_count(c: dict) -> int:
+    return sum((c.get("grad") or {}).get(k, 0) for k in ("nan", "posinf", "neginf"))
+
+
+def _cell_fraction(c: dict, key: str) -> float:
+    """The non-finite fraction of a strip cell: of the output for ``nan``/``posinf``/``neginf``,
+    of the gradient at the output (all three kinds) for ``grad``."""
+    if key != "grad":
+        return _fraction(c.get("output"), key)
+    g = c.get("grad")
+    return (_grad_count(c) / g["numel"]) if g and g.get("numel") else 0.0
+
+
+def _module_strip(strip: Any, cols: Sequence[dict]) -> None:
+    """The lower axis: NaN, +Inf, -Inf of the output and the non-finite fraction of the gradient
+    at the output, one cell per column, with counts when there are few columns."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Rectangle
+
+    n = len(cols)
     rows = [("output NaN", "nan", COLORS["nan"]), ("output +Inf", "posinf", COLORS["posinf"]), ("output -Inf", "neginf", COLORS["neginf"])]
-    if have_grad:
+    if any(c.get("grad") for c in cols):
         rows.append(("gradient at output: NaN/Inf", "grad", COLORS["grad"]))
-    grid = []
-    for _, key, color in rows:
-        line = []
-        for c in cols:
-            if key == "grad":
-                g = c.get("grad")
-                f = ((g.get("nan", 0) + g.get("posinf", 0) + g.get("neginf", 0)) / g["numel"]) if g and g.get("numel") else 0.0
-            else:
-                f = _fraction(c.get("output"), key)
-            line.append(to_rgba(color, 0.25 + 0.75 * f) if f > 0 else to_rgba("#f5f7f8"))
-        grid.append(line)
+    grid = [[to_rgba(color, 0.25 + 0.75 * f) if (f := _cell_fraction(c, key)) > 0 else to_rgba("#f5f7f8") for c in cols] for _, key, color in rows]
     strip.imshow(grid, aspect="auto", interpolation="nearest", extent=(-0.5, n - 0.5, len(rows) - 0.5, -0.5))
     for x, c in enumerate(cols):
         if c.get("allowed"):
             strip.add_patch(Rectangle((x - 0.5, 2 - 0.5), 1, 1, facecolor="none", edgecolor=COLORS["allowed"], hatch="////", linewidth=0.8))
         for y, (_, key, _) in enumerate(rows):
-            cnt = (sum((c.get("grad") or {}).get(k, 0) for k in ("nan", "posinf", "neginf")) if key == "grad" else (c.get("output") or {}).get(key, 0))
+            cnt = _grad_count(c) if key == "grad" else (c.get("output") or {}).get(key, 0)
             if cnt and n <= 40:
                 strip.text(x, y, _short(cnt), ha="center", va="center", fontsize=6.5, color="white")
     strip.set_yticks(range(len(rows)))
@@ -294,31 +347,19 @@ def modules_svg(modules: Sequence[dict], *, origin: Optional[dict] = None, phase
     for s in strip.spines.values():
         s.set_visible(False)
     strip.tick_params(length=0)
-    step = max(1, math.ceil(n / max_labels))
-    strip.set_xticks(xs[::step])
-    strip.set_xticklabels(labels[::step], rotation=90, fontsize=7)
-    for t, c in zip(strip.get_xticklabels(), cols[::step]):
-        if not c.get("is_loss") and _is_container(c["module"], names):
-            t.set_color("#90a4ae")
-    # the origin
-    target = None
-    o = origin or {}
+
+
+def _origin_column(cols: Sequence[dict], o: dict, phase: str) -> Optional[int]:
+    """The column the origin arrow points at: the loss for a loss-phase origin, else the origin's
+    module (its producer call first)."""
     if phase in ("loss",) and any(c.get("is_loss") for c in cols):
-        target = next(i for i, c in enumerate(cols) if c.get("is_loss"))
-    elif o.get("module") is not None:
-        target = next((i for i, c in enumerate(cols) if c.get("module") == o["module"] and c.get("role") in ("producer", "contains producer")), None)
-        if target is None:
-            target = next((i for i, c in enumerate(cols) if c.get("module") == o["module"]), None)
-    if target is not None:
-        ax.annotate(f"origin ({phase})" if phase else "origin", (target, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 14),
-                    textcoords="offset points", ha="center", fontsize=8, fontweight="bold", color=COLORS["fail"],
-                    arrowprops={"arrowstyle": "-|>", "color": COLORS["fail"], "lw": 1.2})
-    legend = [Patch(color=COLORS["producer"], label="producer"), Patch(color=COLORS["propagator"], label="propagator"),
-              Patch(color=COLORS["finite"], label="finite"), Patch(color=COLORS["container"], label="container (parent) module"),
-              Patch(facecolor="white", edgecolor=COLORS["allowed"], hatch="////", label="allowlisted -Inf mask")]
-    ax.legend(handles=legend, fontsize=7, ncol=5, loc="upper left", bbox_to_anchor=(0.0, 1.17), frameon=False)
-    fig.subplots_adjust(left=1.75 / width, right=1 - 0.15 / width, top=1 - 0.55 / height, bottom=label_in / height)
-    return _svg(fig, "modules")
+        return next(i for i, c in enumerate(cols) if c.get("is_loss"))
+    if o.get("module") is None:
+        return None
+    target = next((i for i, c in enumerate(cols) if c.get("module") == o["module"] and c.get("role") in ("producer", "contains producer")), None)
+    if target is None:
+        target = next((i for i, c in enumerate(cols) if c.get("module") == o["module"]), None)
+    return target
 
 
 def _label(c: dict) -> str:
@@ -340,34 +381,12 @@ def samples_svg(diag: dict) -> Optional[str]:
     per birth whose output has the batch's rows, and for the per-sample replay; one column per
     sample. ``None`` when the batch size is unknown."""
     require_matplotlib()
-    from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch
 
-    smp = diag.get("samples") or {}
-    leaves = diag.get("batch_leaves") or []
-    size = smp.get("batch_size")
-    if size is None:
-        dims = [lf["shape"][0] for lf in leaves if lf.get("shape")]
-        size = max(dims) if dims else None
+    size = _batch_size(diag)
     if not size:
         return None
-    bad, ok, na, blamed = to_rgba(COLORS["nan"]), to_rgba(COLORS["ok"]), to_rgba("#eceff1"), to_rgba("#b71c1c")
-    rows: list[tuple[str, list]] = []
-    for lf in leaves:
-        shape = lf.get("shape") or []
-        applies = lf.get("floating") and shape and shape[0] == size
-        rows.append((f"{lf['leaf']}  {lf.get('dtype')} {shape}", [(bad if i in set(lf.get("rows") or []) else ok) if applies else na for i in range(size)]))
-    for b in diag.get("births") or []:
-        r = b.get("rows") or {}
-        if r.get("size") == size and b.get("phase") != "backward":
-            idx = set(r.get("indices") or [])
-            rows.append((f"{b['phase']} op {b['op']} output" + (f" in {b['module']}" if b.get("module") else ""), [bad if i in idx else ok for i in range(size)]))
-    if smp.get("method") == "per-sample replay" or smp.get("batch_level"):
-        idx = set(range(size)) if smp.get("batch_level") else set(smp.get("indices") or [])
-        rows.append(("non-finite when replayed alone", [bad if i in idx else ok for i in range(size)]))
-    if smp.get("indices"):
-        idx = set(smp["indices"])
-        rows.append(("blamed samples", [blamed if i in idx else ok for i in range(size)]))
+    rows = _sample_rows(diag, size)
     if not rows:
         return None
     fig = _figure(WIDTH, 1.3 + 0.34 * len(rows))
@@ -393,6 +412,48 @@ def samples_svg(diag: dict) -> Optional[str]:
     longest = max(len(r) for r, _ in rows)
     fig.subplots_adjust(left=min(0.5, 0.04 + 0.0068 * longest), right=0.99, top=1 - 0.45 / (1.3 + 0.34 * len(rows)), bottom=0.55 / (1.3 + 0.34 * len(rows)) + 0.05)
     return _svg(fig, "samples")
+
+
+def _batch_size(diag: dict) -> Optional[int]:
+    """The batch size: the per-sample analysis', else the largest dim 0 of the batch leaves."""
+    size = (diag.get("samples") or {}).get("batch_size")
+    if size is None:
+        dims = [lf["shape"][0] for lf in diag.get("batch_leaves") or [] if lf.get("shape")]
+        size = max(dims) if dims else None
+    return size
+
+
+def _sample_rows(diag: dict, size: int) -> list[tuple[str, list]]:
+    """The lines of the samples plot, each a label and one RGBA cell per sample: the batch leaves,
+    the births whose output has the batch's rows, the per-sample replay and the blamed samples."""
+    from matplotlib.colors import to_rgba
+
+    smp = diag.get("samples") or {}
+    bad, ok, na, blamed = to_rgba(COLORS["nan"]), to_rgba(COLORS["ok"]), to_rgba("#eceff1"), to_rgba("#b71c1c")
+    rows: list[tuple[str, list]] = []
+    for lf in diag.get("batch_leaves") or []:
+        shape = lf.get("shape") or []
+        applies = lf.get("floating") and shape and shape[0] == size
+        rows.append((f"{lf['leaf']}  {lf.get('dtype')} {shape}", [(bad if i in set(lf.get("rows") or []) else ok) if applies else na for i in range(size)]))
+    rows += _birth_rows(diag, size, bad, ok)
+    if smp.get("method") == "per-sample replay" or smp.get("batch_level"):
+        idx = set(range(size)) if smp.get("batch_level") else set(smp.get("indices") or [])
+        rows.append(("non-finite when replayed alone", [bad if i in idx else ok for i in range(size)]))
+    if smp.get("indices"):
+        idx = set(smp["indices"])
+        rows.append(("blamed samples", [blamed if i in idx else ok for i in range(size)]))
+    return rows
+
+
+def _birth_rows(diag: dict, size: int, bad: tuple, ok: tuple) -> list[tuple[str, list]]:
+    """A line per forward or loss birth whose output has the batch's rows: the rows it made non-finite."""
+    rows = []
+    for b in diag.get("births") or []:
+        r = b.get("rows") or {}
+        if r.get("size") == size and b.get("phase") != "backward":
+            idx = set(r.get("indices") or [])
+            rows.append((f"{b['phase']} op {b['op']} output" + (f" in {b['module']}" if b.get("module") else ""), [bad if i in idx else ok for i in range(size)]))
+    return rows
 
 
 @_plain_text

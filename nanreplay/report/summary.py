@@ -99,12 +99,13 @@ def verdict_phrase(repro: Reproduction) -> str:
 
 
 def _fields(diag: DiagnosisDict) -> dict:
-    o = diag.get("origin") or {}
-    chain = diag.get("chain") or []
-    fwd = next((c for c in chain if c.get("phase") in ("forward", "loss")), None)
-    comp = diag.get("compile") or {}
+    """The values the sentence templates fill in: those of the origin, of the diagnosis' other
+    parts (chain, classification, errors) and of the compiled replay."""
+    return {**_origin_fields(diag.get("origin") or {}), **_diagnosis_fields(diag), **_compile_fields(diag)}
+
+
+def _origin_fields(o: Origin) -> dict:
     return {
-        "step": diag.get("step"),
         "leaf": str(o.get("leaf")) + (" (the model's recorded forward input: code between record(batch) and the model made it)"
                                        if o.get("recorded_forward_inputs") else ""),
         "tensor": o.get("tensor"),
@@ -119,15 +120,29 @@ def _fields(diag: DiagnosisDict) -> dict:
         "at": _where_src(o.get("source")),
         "in_module": _in_module(o),
         "outside": ", outside the model," if o.get("module") is None else "",
+    }
+
+
+def _diagnosis_fields(diag: DiagnosisDict) -> dict:
+    chain = diag.get("chain") or []
+    fwd = next((c for c in chain if c.get("phase") in ("forward", "loss")), None)
+    return {
+        "step": diag.get("step"),
         "repeats": (diag.get("reproduction") or {}).get("repeats", 1),
         "masked": (f"{fwd['kinds']} born in {fwd['op']}" + _where_src(fwd.get("source"))) if fwd else "",
         "masked_forward": fwd is not None and diag.get("phase") == "backward",
         "forward_finite": bool(diag.get("forward_finite")),
         "transient": (diag.get("classification") or {}).get("cause") == "transient",
         "nondeterministic": (diag.get("classification") or {}).get("cause") == "nondeterminism",
-        "compiled_only": bool(comp.get("only_under_compile")) and diag.get("phase") in (None, "none"),
         "replay_failed": bool(diag.get("errors")) and diag.get("phase") in (None, "none"),
         "failed_replay": (diag.get("errors") or [{}])[0].get("replay"),
+    }
+
+
+def _compile_fields(diag: DiagnosisDict) -> dict:
+    comp = diag.get("compile") or {}
+    return {
+        "compiled_only": bool(comp.get("only_under_compile")) and diag.get("phase") in (None, "none"),
         "backend": comp.get("backend"),
         "compiled_kinds": comp.get("compiled_kinds") or "non-finite values",
         "compiled_parts": " and ".join(comp.get("compiled_nonfinite") or []) or "results",

@@ -130,16 +130,7 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
             lines.append(f"                 - {e}")
     if diag.get("cause"):
         lines.append(f"  cause:         {diag['cause']}")
-    chain = diag.get("chain") or []
-    if len(chain) > 1:
-        lines.append("  causal chain (execution order):")
-        for i, c in enumerate(chain, 1):
-            src = c.get("source")
-            lines.append(
-                f"    {i}. {c['kinds']} in {c['phase']} op {c['op']}" + (f" ({c['node']})" if c.get("node") else "")
-                + (f" in module {c['module'] or '(root)'}" if c.get("module") is not None else "")
-                + (f" at {src['file']}:{src['line']}" if src else "")
-            )
+    lines.extend(_chain_lines(diag.get("chain") or []))
     r = diag.get("reproduction") or {}
     lines.append(f"  reproduction:  {st(str(r.get('verdict')), fg=_VERDICT_COLOR.get(r.get('verdict')), bold=True)} (max abs difference of finite gradient values: {_num(r.get('max_abs_diff'))})")
     if r.get("detail"):
@@ -149,25 +140,50 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
         lines.append(f"  torch.compile: {_compile_line(diag['compile'], st)}")
     for w in diag.get("warnings", []):
         lines.append(f"  {st('warning:', fg='yellow')}       {w}")
-    births = diag.get("births") or []
-    if births:
-        lines.append("")
-        lines.append(st("  first non-finite values born (op level, in execution order):", bold=True))
-        for b in births[:rows]:
-            phase = st(f"{b['phase']:<9}", fg=_PHASE_COLOR.get(b["phase"]))
-            module = "(outside the model)" if b["module"] is None else b["module"]
-            lines.append(f"    {phase} {b['op']:<28} module {module!s:<24} output {_hst(fmt_health(b.get('output')), st)}")
-    table = diag.get("health") or []
-    if table:
-        lines.append("")
-        lines.append(st("  forward health by module (execution order):", bold=True))
-        lines.append(st(f"    {'#':>3}  {'module':<28} {'class':<18} {'role':<17} {'inputs':<10} {'output':<24} {'max |finite|':>12}", dim=True))
-        for e in table[:rows]:
-            out = e.get("output") or {}
-            role = st(f"{e['role']:<17}", fg=_ROLE_COLOR.get(e["role"]), bold=e["role"] == "producer")
-            h_in = _hst(f"{('finite' if e.get('inputs_finite') else 'non-finite'):<10}", st)
-            h_out = _hst(f"{fmt_health(out):<24.24}", st)
-            lines.append(
-                f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {role} {h_in} {h_out} {_num(out.get('absmax')):>12}"
-            )
+    lines.extend(_births_lines(diag.get("births") or [], rows, st))
+    lines.extend(_health_lines(diag.get("health") or [], rows, st))
     return "\n".join(lines)
+
+
+def _chain_lines(chain: list) -> list[str]:
+    """The causal chain, numbered, when it has more than one link."""
+    if len(chain) <= 1:
+        return []
+    lines = ["  causal chain (execution order):"]
+    for i, c in enumerate(chain, 1):
+        src = c.get("source")
+        lines.append(
+            f"    {i}. {c['kinds']} in {c['phase']} op {c['op']}" + (f" ({c['node']})" if c.get("node") else "")
+            + (f" in module {c['module'] or '(root)'}" if c.get("module") is not None else "")
+            + (f" at {src['file']}:{src['line']}" if src else "")
+        )
+    return lines
+
+
+def _births_lines(births: list, rows: int, st: Callable[..., str]) -> list[str]:
+    """The first ``rows`` births, one line each (phase, op, module, output health)."""
+    if not births:
+        return []
+    lines = ["", st("  first non-finite values born (op level, in execution order):", bold=True)]
+    for b in births[:rows]:
+        phase = st(f"{b['phase']:<9}", fg=_PHASE_COLOR.get(b["phase"]))
+        module = "(outside the model)" if b["module"] is None else b["module"]
+        lines.append(f"    {phase} {b['op']:<28} module {module!s:<24} output {_hst(fmt_health(b.get('output')), st)}")
+    return lines
+
+
+def _health_lines(table: list, rows: int, st: Callable[..., str]) -> list[str]:
+    """The forward health table: its first ``rows`` module calls, in execution order."""
+    if not table:
+        return []
+    lines = ["", st("  forward health by module (execution order):", bold=True),
+             st(f"    {'#':>3}  {'module':<28} {'class':<18} {'role':<17} {'inputs':<10} {'output':<24} {'max |finite|':>12}", dim=True)]
+    for e in table[:rows]:
+        out = e.get("output") or {}
+        role = st(f"{e['role']:<17}", fg=_ROLE_COLOR.get(e["role"]), bold=e["role"] == "producer")
+        h_in = _hst(f"{('finite' if e.get('inputs_finite') else 'non-finite'):<10}", st)
+        h_out = _hst(f"{fmt_health(out):<24.24}", st)
+        lines.append(
+            f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {role} {h_in} {h_out} {_num(out.get('absmax')):>12}"
+        )
+    return lines

@@ -1,0 +1,129 @@
+"""The start of the Recorder's steps, and what each step captures before its check.
+
+:class:`StepStart` begins the step in progress on its first forward or ``Recorder.record``: a
+:class:`~nanreplay.format.records.StepRecord` with the step's RNG states (host reads only, no
+generator advanced), its modules' training modes, its step-start buffers
+(:class:`~nanreplay.capture.snapshots.StepStartBuffers`) and, every ``snapshot_every`` steps, a
+weight snapshot copied into the ring's recycled slot; the record is then opened in the ring
+buffer, which evicts to stay within ``memory_budget``. Each grad-enabled forward adds its inputs
+(:class:`~nanreplay.capture.inputs.InputCapture`: by reference while safe), its autocast state
+and, through :func:`~nanreplay.capture.forward.keep_cotangent`, a hook on its output for the
+cotangent; each ``record(batch)`` adds the batch.
+
+A step begun in eval mode is provisional: a grad-enabled validation forward (one that forgot
+``torch.no_grad``) between two steps looks like the start of the next step until the model is put
+back in training mode; then the forwards seen so far are dropped and the RNG states and modes are
+taken again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.rng import RNGState
+from ..format.records import ForwardRecord, Snapshot, StepRecord
+from .forward import autocast_state, keep_cotangent
+from .inputs import InputCapture
+from .ring import RingBuffer
+from .snapshots import StepStartBuffers
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepStart"]
+
+
+class StepStart:
+    """Begins the steps and captures their batches and forwards (see the module docstring).
+
+    Args:
+        model: the unwrapped model. ring, inputs: the Recorder's ring buffer and input capture.
+        step: returns the index of the step in progress.
+        active: returns whether capture is on (not while the Recorder replays or once closed).
+        snapshot_every: weight snapshot period (0: none). snapshot_state: the live state, as
+            references (``Recorder.snapshot_state(clone=False)``), copied into the snapshot slot.
+        capture_cotangent: ``RecorderConfig.capture_cotangent`` (``False``: no cotangent hook).
+    """
+
+    def __init__(self, model: torch.nn.Module, ring: RingBuffer, inputs: InputCapture, *, step: Callable[[], int], active: Callable[[], bool],
+                 snapshot_every: int, snapshot_state: Callable[[], Snapshot], capture_cotangent: Optional[bool]) -> None:
+        self.model, self.ring, self.inputs = model, ring, inputs
+        self._step, self._active = step, active
+        self._snapshot_every, self._snapshot_state = snapshot_every, snapshot_state
+        self._capture_cotangent = capture_cotangent
+        self.buffers = StepStartBuffers(model)
+        self._module_names = list(model.named_modules())  # walked once, not per step
+        self.provisional = False  # the step in progress was begun in eval mode
+
+    def begin(self, *, capture: bool = True) -> StepRecord:
+        """The step in progress, begun now if none is. ``capture``: called for a batch or a
+        forward (not for the check), which ends a provisional step's validation forwards."""
+        current = self.ring.current
+        if current is not None:
+            if capture and self.provisional and self.model.training:
+                self._restart(current)
+            return current
+        self.provisional = not self.model.training
+        step = self._step()
+        rec = StepRecord(step=step, rng=RNGState.capture())
+        rec.training = [n for n, m in self._module_names if m.training]
+        rec.buffers = self.buffers.capture()
+        se = self._snapshot_every
+        if se and step % se == 0 and not self.ring.snapshots_refused:
+            self.ring.make_room()  # evict first, so its slot can be reused
+            rec.snapshot = self.ring.pool.take(self._snapshot_state())
+        self.ring.begin(rec)
+        self.ring.evict()
+        return rec
+
+    def _restart(self, rec: StepRecord) -> None:
+        """The model went back to training mode after the step in progress was begun in eval mode:
+        the forwards seen so far were validation, not part of the step. Drop them and take the
+        step's RNG states and module modes again, from here (the batches and buffers stay: an
+        eval-mode forward leaves BatchNorm's running stats alone)."""
+        self.provisional = False
+        if rec.forwards:
+            logger.info("nanreplay: step %d: %d grad-enabled forward(s) in eval mode before the model went back to training "
+                        "mode are treated as validation, not as part of the step", rec.step, len(rec.forwards))
+        rec.forwards = []
+        rec.rng = RNGState.capture()
+        rec.training = [n for n, m in self._module_names if m.training]
+        rec.autocast = None
+        self.inputs.keep_only(rec.step, [t for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)])
+
+    def batch(self, batch: Any) -> None:
+        """``Recorder.record``: keep ``batch`` in the step in progress."""
+        if not self._active():
+            return
+        rec = self.begin()
+        rec.batches.append(self.inputs.capture(batch, rec.step))
+
+    def forward_pre(self, args: tuple, kwargs: dict) -> None:
+        """Before a forward: keep its inputs (and, for a later micro-batch, the RNG states now)."""
+        # forwards without autograd (evaluation under no_grad) are not part of a training step
+        if not self._active() or not torch.is_grad_enabled():
+            return
+        rec = self.begin()
+        if rec.autocast is None:
+            rec.autocast = autocast_state(args, kwargs)
+        # a later micro-batch: the loop may have drawn random numbers since the step began
+        rng = RNGState.capture() if rec.forwards else None
+        rec.forwards.append(ForwardRecord(inputs=self.inputs.capture((args, kwargs), rec.step), rng=rng))
+
+    def forward_post(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """After a forward: a hook on its output for the cotangent."""
+        if not self._active() or not torch.is_grad_enabled():
+            return
+        rec = self.ring.current
+        if rec is None or not rec.forwards or self._capture_cotangent is False:
+            return
+        keep_cotangent(rec.forwards[-1], output)  # auto: kept until the step is known finite (Recorder.end_step)
+
+    def seal(self, rec: StepRecord) -> None:
+        """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
+        modified a batch tensor in place (then switch to copying)."""
+        self.buffers.learn(rec.buffers)
+        self.inputs.seal(rec.step)
