@@ -355,3 +355,72 @@ def test_a_spike_bundle_is_logged_as_a_spike(tmp_path):
     later = event_from_meta(spike_bundle, dict(open_bundle(spike_bundle).meta))  # what `nanreplay log` sends
     assert (later.kind, later.step, later.tags["signal"]) == ("spike", live.step, live.tags["signal"])
     assert math.isclose(later.scalars["spike_score"], live.scalars["spike_score"])
+
+
+# -- the framework callbacks: the trainer's own loggers, no new configuration ---------------------
+def test_lightning_logs_the_verdict_to_the_trainers_loggers(tmp_path, wandb_offline, mlflow_store):
+    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+    from test_lightning import BAD_STEP as LIT_BAD, LitRatio, _loader
+
+    from nanreplay.integrations.lightning import NanReplayCallback
+
+    mlflow, uri = mlflow_store
+    tb = TensorBoardLogger(str(tmp_path / "tb"), name="lit", version=0)
+    wb = WandbLogger(project="nanreplay-test", save_dir=str(tmp_path / "wb"), offline=True)
+    ml = MLFlowLogger(experiment_name="lit", tracking_uri=uri)
+    csv = CSVLogger(str(tmp_path / "csv"))  # keeps no verdict: left out, no error
+    cb = NanReplayCallback(out_dir=tmp_path / "bundles", embed_program=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=[tb, wb, ml, csv], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], log_every_n_steps=1)
+    trainer.fit(LitRatio(lr=0.05), _loader())
+    wb.experiment.finish()
+    diag = cb.recorder.last_diagnosis
+    assert cb.recorder.nonfinite_steps == [LIT_BAD] and diag["phase"] == "forward"
+    texts, scalars = _tb_events(tmp_path / "tb" / "lit" / "version_0")
+    assert scalars["nanreplay/nonfinite_step"] == [(LIT_BAD, float(LIT_BAD))]
+    assert texts["nanreplay/nonfinite/text_summary"][0][1].startswith(diag["summary"])
+    _, summary, artifacts = _wandb_view(tmp_path / "wb")
+    assert summary["nanreplay/nonfinite"] == diag["summary"] and summary["nanreplay/module"] == "net.norm"
+    assert artifacts and artifacts[0][0] == f"nanreplay-step{LIT_BAD}" and cb.recorder.bundles[0].name in artifacts[0][2]
+    _, metrics, tags, files = _mlflow_view(mlflow, uri, ml.run_id)
+    assert metrics["nanreplay.nonfinite_step"] == LIT_BAD and tags["nanreplay.phase"] == "forward"
+    assert f"nanreplay/{cb.recorder.bundles[0].name}" in files
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_logs_the_verdict_to_its_report_to(tmp_path, wandb_offline, mlflow_store, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    from test_transformers import ACCUM, BAD_STEP as HF_BAD, MICRO, Tokens, _config
+
+    from nanreplay.integrations.transformers import NanReplayCallback
+
+    mlflow, uri = mlflow_store
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf")
+    monkeypatch.setenv("WANDB_PROJECT", "nanreplay-test")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(_config())
+    cb = NanReplayCallback(out_dir=tmp_path / "bundles", diagnose=False, embed_program=False)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, max_steps=6,
+        learning_rate=1e-3, report_to=["tensorboard", "wandb", "mlflow"], save_strategy="no", logging_steps=1,
+        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
+    wandb_offline.finish()  # the Trainer leaves its W&B run open: close it so that its file is complete
+    assert cb.recorder.nonfinite_steps == [HF_BAD]
+    bundle = cb.recorder.bundles[0]
+    texts, scalars = _tb_events(tmp_path / "tb")
+    assert scalars["nanreplay/nonfinite_step"] == [(HF_BAD, float(HF_BAD))]
+    text = texts["nanreplay/nonfinite/text_summary"][0][1]
+    assert text.startswith("non-finite ") and f" at step {HF_BAD}; not diagnosed yet: `nanreplay replay " in text  # diagnose=False
+    _, summary, artifacts = _wandb_view(tmp_path / "wb")
+    assert summary["nanreplay/bundle"] == str(bundle.resolve()) and artifacts[0][2] == [bundle.name]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("hf").experiment_id])
+    _, metrics, tags, files = _mlflow_view(mlflow, uri, run.info.run_id)
+    assert metrics["nanreplay.nonfinite_step"] == HF_BAD and files == sorted([f"nanreplay/{bundle.name}", f"nanreplay/nanreplay-step{HF_BAD}.md"])
