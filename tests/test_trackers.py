@@ -424,3 +424,18 @@ def test_the_hf_trainer_logs_the_verdict_to_its_report_to(tmp_path, wandb_offlin
     [run] = client.search_runs([client.get_experiment_by_name("hf").experiment_id])
     _, metrics, tags, files = _mlflow_view(mlflow, uri, run.info.run_id)
     assert metrics["nanreplay.nonfinite_step"] == HF_BAD and files == sorted([f"nanreplay/{bundle.name}", f"nanreplay/nanreplay-step{HF_BAD}.md"])
+
+
+def test_a_malformed_stored_diagnosis_is_logged_without_trusting_its_shape(tmp_path, caplog):
+    """A bundle is untrusted input: a stored diagnosis of any shape becomes text and tags, never an
+    exception (and a missing bundle file is named, not copied)."""
+    meta = {"failing_step": 7, "diagnosis": {"summary": 12, "phase": {"a": 1}, "classification": "oops", "origin": 5,
+                                             "reproduction": [1], "chain": "x"}}
+    ev = event_from_meta(tmp_path / "gone.h5", meta)
+    assert (ev.kind, ev.step, ev.sentence) == ("nonfinite", 7, "12")
+    assert ev.tags == {"event": "nonfinite", "phase": "{'a': 1}", "bundle": str(tmp_path / "gone.h5")}
+    seen = Collect()
+    with caplog.at_level(logging.WARNING, logger="nanreplay"):
+        Trackers(seen).emit(ev)
+    assert seen.events == [ev] and not any(n.endswith(".h5") for n in seen.files[0])
+    assert "gone.h5 cannot be read for the trackers" in caplog.text

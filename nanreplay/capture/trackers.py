@@ -103,6 +103,11 @@ def _clip(s: Any) -> str:
     return s if len(s) <= TEXT_MAX_CHARS else s[: TEXT_MAX_CHARS - 1] + "…"
 
 
+def _field(d: Any, key: str) -> Any:
+    """``d[key]`` when ``d`` is a dict (a stored diagnosis is untrusted input: any shape), else ``None``."""
+    return d.get(key) if isinstance(d, dict) else None
+
+
 def event_for_bundle(path: Optional[Path], *, step: int, diagnosis: Optional[dict], reason: Optional[dict] = None,
                      meta: Optional[dict] = None) -> TrackerEvent:
     """The event of a bundle written for a non-finite (or exploding) step: the diagnosis's
@@ -110,11 +115,10 @@ def event_for_bundle(path: Optional[Path], *, step: int, diagnosis: Optional[dic
     reason = reason or {}
     if diagnosis:
         sentence = str(diagnosis.get("summary") or f"step {step}: non-finite values (see the bundle)")
-        cls = diagnosis.get("classification") if isinstance(diagnosis.get("classification"), dict) else {}
-        origin = diagnosis.get("origin") if isinstance(diagnosis.get("origin"), dict) else {}
-        tags = {"phase": diagnosis.get("phase"), "cause": cls.get("cause"), "detail": cls.get("detail"),
-                "module": origin.get("module"), "op": origin.get("aten") or origin.get("op"),
-                "reproduction": (diagnosis.get("reproduction") or {}).get("verdict")}
+        cls, origin = diagnosis.get("classification"), diagnosis.get("origin")
+        tags = {"phase": diagnosis.get("phase"), "cause": _field(cls, "cause"), "detail": _field(cls, "detail"),
+                "module": _field(origin, "module"), "op": _field(origin, "aten") or _field(origin, "op"),
+                "reproduction": _field(diagnosis.get("reproduction"), "verdict")}
     else:
         what = " and ".join(w for w, k in (("gradients", "nonfinite_grad"), ("loss", "nonfinite_loss"), ("update", "nonfinite_update"))
                             if reason.get(k)) or "values"
