@@ -135,6 +135,7 @@ def _wandb_records(run_dir):
     header ``:W&B``, 0xBEE1, version; 32 KiB blocks of chunks, each ``crc, length, type``), each
     record one ``wandb_internal_pb2.Record`` decoded with wandb's own protobuf."""
     pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+    pytest.importorskip("wandb").teardown()  # the run file is written by wandb's service process: stop it, so it is complete
     [path] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))  # latest-run links to it
     data = open(path, "rb").read()
     ident, magic, _version = struct.unpack("<4sHB", data[:7])
@@ -188,7 +189,7 @@ def test_a_wandb_offline_run_gets_scalars_summary_and_the_bundle_artifact(tmp_pa
     rec = _nan_run(tmp_path, run)
     run.finish()
     history, summary, artifacts = _wandb_view(tmp_path / "wb")
-    assert any(h.get("nanreplay/nonfinite_step") == BAD_STEP for h in history)
+    assert any(h.get("nanreplay/nonfinite_step") == BAD_STEP for h in history), (history, summary)
     assert summary["nanreplay/nonfinite"] == rec.last_diagnosis["summary"]
     assert summary["nanreplay/phase"] == "loss" and summary["nanreplay/cause"] == rec.last_diagnosis["classification"]["cause"]
     assert summary["nanreplay/bundle"] == str(rec.bundles[0].resolve())
@@ -211,6 +212,8 @@ def mlflow_store(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # mlflow.set_tracking_uri (which Lightning's MLFlowLogger calls) outranks the variable, process-wide: forget it
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
     return mlflow, uri
 
 

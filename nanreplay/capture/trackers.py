@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["TrackerEvent", "Tracker", "Trackers", "resolve", "event_from_meta", "open_tracker", "ARTIFACT_MAX_BYTES", "TRACKER_KINDS"]
+__all__ = ["TrackerEvent", "Tracker", "Trackers", "TensorBoardTracker", "WandbTracker", "MlflowTracker", "CallableTracker", "LazyTracker",
+           "resolve", "event_for_bundle", "event_for_spike", "event_from_meta", "parse_spec", "open_tracker", "ARTIFACT_MAX_BYTES",
+           "TRACKER_KINDS"]
 
 logger = logging.getLogger(__name__)
 
