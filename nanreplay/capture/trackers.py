@@ -272,22 +272,29 @@ class CallableTracker(Tracker):
 class LazyTracker(Tracker):
     """A tracker found only when the first event comes (a framework's logging callback creates
     its writer or run when training begins): ``find()`` returns the object to :func:`resolve`,
-    or ``None`` when there is none (then the event is not logged there)."""
-
-    artifacts = True  # decided by what find() returns; files are offered and the inner tracker decides
+    or ``None`` when there is none yet (then the event is not logged there)."""
 
     def __init__(self, find: Callable[[], Any], name: str) -> None:
         self.find, self.name = find, name
         self._inner: Optional[list[Tracker]] = None
 
-    def log(self, event: TrackerEvent, files: list[Path]) -> None:
+    def _trackers(self) -> list[Tracker]:
         if self._inner is None:
             obj = self.find()
             if obj is None:
-                logger.info("nanreplay: no %s run to log step %d to", self.name, event.step)
-                return
-            self._inner = resolve(obj)
-        for t in self._inner:
+                return []
+            self._inner = resolve(obj, strict=False)
+        return self._inner
+
+    @property
+    def artifacts(self) -> bool:  # type: ignore[override]
+        return any(t.artifacts for t in self._trackers())
+
+    def log(self, event: TrackerEvent, files: list[Path]) -> None:
+        found = self._trackers()
+        if not found:
+            logger.info("nanreplay: no %s writer or run to log step %d to", self.name, event.step)
+        for t in found:
             t.log(event, files if t.artifacts else [])
 
 
