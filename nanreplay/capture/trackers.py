@@ -30,7 +30,7 @@ The bundle is an artifact only where the tracker keeps artifacts and only up to
 copied: a multi-GiB bundle copied into a tracker's store at every incident would cost more than
 the incident). The HTML report (``nanreplay report``'s page, from the stored diagnosis, no replay)
 goes with it when matplotlib (the ``report`` extra) is installed and the event has a diagnosis;
-rendering it takes about a second. A tracker that fails logs one warning and never stops
+rendering it takes about 1 s on 2 CPU cores, nearly all of an event's cost (``bench/trackers.py``). A tracker that fails logs one warning and never stops
 training (:meth:`Trackers.emit`); the command line (``nanreplay log``) asks for the failures
 instead, to exit with them.
 """
