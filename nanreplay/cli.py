@@ -10,7 +10,8 @@ library's exceptions to them, and ``tests/test_cli.py`` checks this table agains
       ``bisect --html`` also: the ``report`` extra (matplotlib) is not installed; a directory
       where a bundle file is expected, or several bundles given to ``replay``, ``report`` or
       ``bisect`` (a shell glob that matched more than one): the message lists the bundles,
-      newest first with their failing step
+      newest first with their failing step; for ``log``: a malformed ``--to``, its tracker's
+      library not installed (the ``trackers`` extra), or a tracker that refused the log
 3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page);
       with ``replay --compile``: neither the eager nor the compiled replay reproduced it
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
@@ -769,6 +770,45 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
         sys.exit(EXIT_NOT_REPRODUCED)
 
 
+
+@main.command("log")
+@_bundle_arg
+@click.option("--to", "to", multiple=True, required=True, metavar="KIND:TARGET",
+              help="tensorboard:DIR, wandb:PROJECT or mlflow:URI (repeat it for several trackers).")
+@click.option("--run", "run_id", metavar="RUN_ID", help="Log into this existing W&B or MLflow run instead of a new one named after the bundle.")
+def log_(bundle: Path, to: tuple[str, ...], run_id: Optional[str]) -> None:
+    """Log BUNDLE's verdict to an experiment tracker after the fact, as the Recorder's log_to
+    does live: the sentence as text, the step, phase, cause (or spike score) as scalars and tags,
+    and, where the tracker keeps artifacts, the bundle and the HTML report (docs/trackers.md).
+
+    Uses the diagnosis stored in the bundle: nothing is replayed and no code the bundle names
+    runs, so an untrusted bundle is safe. Exit 0 when logged; 2 for a malformed --to, a tracker
+    library that is not installed (pip install 'nanreplay[trackers]') or a tracker that refused
+    the log; 4 for a bad bundle.
+    """
+    from .capture.trackers import Trackers, event_from_meta, open_tracker, parse_spec
+
+    for spec in to:
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            raise CLIError(str(e), EXIT_USAGE) from e
+    event = event_from_meta(bundle, _guard(lambda: _bundle_meta(bundle)))
+    for spec in to:
+        try:
+            obj, close = open_tracker(spec, run_name=bundle.stem, run_id=run_id)
+        except MissingExtraError as e:
+            raise CLIError(str(e), EXIT_USAGE) from e
+        except Exception as e:  # the tracker's own error: a directory that cannot be made, a refused URI
+            raise CLIError(f"--to {spec}: the tracker could not be opened ({type(e).__name__}: {e}); pass another target", EXIT_USAGE) from e
+        trackers = Trackers(obj)
+        try:
+            trackers.emit(event)
+        finally:
+            close()
+        if trackers.failures:
+            raise CLIError(f"--to {spec}: the tracker refused the log ({trackers.failures[0][1]}); pass another target", EXIT_USAGE)
+        click.echo(f"{inert(bundle)}: step {event.step}'s {event.kind} verdict logged to {inert(spec)}: {inert(event.sentence, one_line=True)}")
 
 @main.command()
 @click.argument("bundles", nargs=-1, required=True, callback=_bundle_files, type=click.Path(dir_okay=True, path_type=Path))

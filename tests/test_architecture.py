@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
 #: an edge here must be a lazy import (inside a function)
 EXCEPTIONS: dict[tuple[str, str], str] = {
     ("nanreplay.capture", "nanreplay.diagnosis.api"): "the in-process diagnosis: one lazy call, diagnose_live, after the bundle is written",
+    ("nanreplay.capture", "nanreplay.report.html"): "log_to: the HTML report as a tracker artifact, rendered lazily from the diagnosis, only when a tracker is configured",
 }
 
 #: the package facade (nanreplay/__init__.py): it re-exports lazily from every layer, and no module

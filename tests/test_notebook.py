@@ -81,3 +81,30 @@ def test_repr_html_without_matplotlib_is_the_text_report(monkeypatch):
 def test_a_diagnosis_without_summary_says_its_sentence():
     d = Diagnosis({"phase": "none", "step": 3, "reproduction": {"verdict": "not reproduced"}})
     assert repr(d) == "step 3: the replay produced no non-finite value; not reproduced."
+
+
+@pytest.mark.slow
+def test_the_example_notebook_records_replays_and_shows_the_report_inline(tmp_path):
+    """examples/notebook.ipynb, executed in a real kernel: the replay cell's output is the report
+    inline (text/html) with the sentence as its text/plain, and the mapping's fields follow."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "notebook.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "the notebook is stored without outputs"
+    nbclient.NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    results = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "execute_result"]
+    shown, fields = results[0]["data"], results[1]["data"]["text/plain"]
+    assert shown["text/plain"].startswith("NaN born in the loss, outside the model, in op div")
+    assert shown["text/plain"].endswith("cause: bad input data (the divisor is 0 at 1 of its 3 entries and derives only from batch[1]: "
+                                        "this batch makes it 0); reproduced exactly.")
+    html = shown["text/html"]
+    assert html.startswith('<div class="nanreplay-report"><style>') and "<!DOCTYPE" not in html
+    assert 'id="origin"' in html and 'id="timeline"' in html and "<svg" in html
+    assert fields == "(5, 'loss', 'bad input data', 'reproduced exactly')"
+    printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream" and o.name == "stdout")
+    assert printed.strip() == shown["text/plain"]  # the stored diagnosis says what the replay said

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 __all__ = ["RecorderConfig", "ACTIONS"]
 
@@ -138,6 +138,14 @@ class RecorderConfig:
             comes up to ``check_every - 1`` steps later and ``"dump"`` / ``"skip"`` act as ``"warn"``).
         history_steps: steps of scalar history kept (loss, grad norm, learning rates, verdict),
             independent of ``capacity``; about 50 bytes a step on the host, stored in every bundle.
+        log_to: the experiment tracker(s) to tell of every bundle written and every spike episode
+            (:mod:`nanreplay.capture.trackers`, ``docs/trackers.md``): a TensorBoard
+            ``SummaryWriter``, a W&B run, an MLflow run (or the ``mlflow`` module: its active run),
+            a Lightning logger, a function ``fn(event)``, or a list of these. Each gets the
+            sentence as text, the step, phase, cause and spike score as scalars or tags, and, where
+            it keeps artifacts, the bundle (up to 512 MiB) and the HTML report (with the ``report``
+            extra). A tracker that fails logs a warning; training goes on. ``None``: none (the
+            Lightning and Hugging Face callbacks fill it with the trainer's own loggers).
     """
 
     action: str = "raise"
@@ -166,6 +174,7 @@ class RecorderConfig:
     on_spike: Optional[str] = "warn"
     history_steps: int = 1024
     step_offset: int = 0
+    log_to: Any = None
 
     def __post_init__(self) -> None:
         from ..core.allowlist import AllowRule
@@ -204,5 +213,9 @@ class RecorderConfig:
             raise ValueError(f"on_spike must be one of {tuple(SPIKE_ACTIONS)} or None (off), got {self.on_spike!r}")
         if self.history_steps < 0:
             raise ValueError(f"history_steps must be >= 0 steps (0 = no scalar history), got {self.history_steps}")
+        if self.log_to is not None:
+            from .trackers import resolve
+
+            resolve(self.log_to)  # raises TypeError naming what it found and what it accepts
         if self.diagnose_timeout is not None and not self.diagnose_timeout > 0:
             raise ValueError(f"diagnose_timeout must be a number of seconds > 0, or None for no cap; got {self.diagnose_timeout}")

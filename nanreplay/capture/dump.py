@@ -22,12 +22,13 @@ import torch
 from ..core.callables import callable_path
 from ..core.jsonable import fnum, jsonable
 from ..core.quiet import replay_quiet
-from ..format.bundle import write_bundle
+from ..format.bundle import open_bundle, write_bundle
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .config import RecorderConfig
 from .inputs import InputCapture
 from .ring import RingBuffer
 from .snapshots import replace_snapshot
+from .trackers import Trackers, event_for_bundle
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class Dump:
         self.history: Any = None  # the Recorder's capture.early.ScalarHistory, stored in every bundle
         self.spike_bundles: list[Path] = []
         self.spike_attempts = 0
+        # log_to: the user's experiment trackers, told of every bundle and spike episode (capture.trackers)
+        self.trackers = Trackers(config.log_to) if config.log_to is not None else None
 
     @property
     def spike_allowed(self) -> bool:
@@ -174,6 +177,7 @@ class Dump:
             # rank alone and hang the others; the run's bundles replay together, offline
             logger.warning("nanreplay: sharded model: no in-process diagnosis; when every rank has written, run `nanreplay replay %s`",
                            shell_path(written.parent))
+            self._track(written, content, spike)
             return written
         amended = self.config.embed_program and self._embed_program(content, rec)
         if self.config.diagnose and not spike:
@@ -183,7 +187,22 @@ class Dump:
                 write_bundle(written, content)
             except Exception:
                 logger.exception("nanreplay: could not add the program and diagnosis to %s; the bundle stays as first written", written)
+        self._track(written, content, spike)
         return written
+
+    def _track(self, path: Path, content: BundleContent, spike: bool) -> None:
+        """Tell ``log_to``'s trackers of a bundle written (a spike bundle is told with its
+        episode, by :meth:`nanreplay.capture.early.SpikeWatch.judge`). Never raises."""
+        if not self.trackers or spike:
+            return
+        meta = None
+        if content.diagnosis is not None:  # the HTML report's environment section
+            try:
+                with open_bundle(path) as b:
+                    meta = dict(b.meta)
+            except Exception as e:
+                logger.info("nanreplay: could not read %s's metadata back for the trackers (%s)", path, e)
+        self.trackers.emit(event_for_bundle(path, step=content.failing_step, diagnosis=content.diagnosis, reason=content.reason, meta=meta))
 
     def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
         """Export the failing step as a program into ``content`` (see ``embed_program``). Never

@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 from ..format.records import Snapshot, StepRecord
 from .actions import SPIKE_ACTIONS, Incident
 from .snapshots import restore_into
+from .trackers import event_for_spike
 
 __all__ = ["EarlyWarning", "Band", "ScalarHistory", "SpikeWatch", "Z_SPIKE", "DRIFT_RATIO", "WARMUP", "WINDOW", "HISTORY_STEPS", "SIGNALS"]
 
@@ -370,4 +371,6 @@ class SpikeWatch:
         msg = (f"early warning at step {rec.step}: {describe(rows)}; rollback plan: "
                + (f"restore step {plan['restore_step']} ({plan['source']})" if plan["restore_step"] is not None else "no healthy weights held (set snapshot_every)")
                + f", skip the batches of steps {plan['first_abnormal_step']}..{plan['step']}" + (f"; bundle: {path}" if path else ""))
+        if new and self.dump.trackers:  # log_to: one event per episode, with its bundle when one was written
+            self.dump.trackers.emit(event_for_spike(rec.step, rows, message=msg, rollback=plan, bundle=path))
         self.actions.action_for(action, Incident(rec.step, msg, path, None, spikes=rows, rollback=plan, new_episode=new))

@@ -38,3 +38,11 @@ class RecorderCallbackState:
         self._options = options
         self.recorder: Optional[Recorder] = None
         self.bundle_path: Optional[str] = None
+
+    def log_to(self, found: Any) -> dict:
+        """``{"log_to": found}`` when the user chose no ``log_to`` (in ``options`` or ``config``),
+        else ``{}``: the trainer's own loggers (``found``, :mod:`nanreplay.capture.trackers`
+        objects) are used with no new configuration, and an explicit choice wins."""
+        if "log_to" in self._options or (self._config is not None and self._config.log_to is not None) or not found:
+            return {}
+        return {"log_to": found}

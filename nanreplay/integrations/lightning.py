@@ -10,6 +10,9 @@ What the callback does, hook by hook (the NaN-capture callback pattern):
   precision plugin's GradScaler when there is one (``precision="16-mixed"`` on GPU), and records
   how to rebuild the module: its class and ``self.hparams`` (from ``save_hyperparameters()``) as
   JSON, the way ``LightningModule.load_from_checkpoint`` rebuilds it.
+  With no ``log_to`` chosen, the Recorder logs its verdicts to the trainer's own loggers
+  (``TensorBoardLogger``, ``WandbLogger``, ``MLFlowLogger``: :func:`trainer_trackers`), with no
+  new configuration.
 * ``on_train_batch_start``: records ``{"batch": batch, "batch_idx": batch_idx}`` and, for the
   first micro-batch of a step, the RNG states.
 * ``on_before_backward``: gives the loss to the Recorder (checked with the gradients, no sync).
@@ -49,12 +52,13 @@ except ImportError:  # pragma: no cover - the older package name
 
 from ..errors import NonFiniteGradientError
 from ..capture.recorder import Recorder, RecorderConfig
+from ..capture.trackers import resolve
 from .common import RecorderCallbackState
 from ..core.callables import callable_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NanReplayCallback", "training_step_loss"]
+__all__ = ["NanReplayCallback", "training_step_loss", "trainer_trackers"]
 
 
 def training_step_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -73,6 +77,17 @@ def training_step_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
             "with a 'loss' tensor (manual optimization is not supported by replay)"
         )
     return out
+
+
+def trainer_trackers(trainer: Any) -> list:
+    """The trainer's configured loggers that keep a verdict (``TensorBoardLogger``,
+    ``WandbLogger``, ``MLFlowLogger``; a CSV logger, or another rank's dummy, is left out) as
+    :class:`~nanreplay.capture.trackers.Tracker` objects for ``log_to``."""
+    try:
+        return resolve(list(getattr(trainer, "loggers", None) or []), strict=False)
+    except Exception as e:  # a logger whose experiment cannot be opened: training goes on without it
+        logger.warning("nanreplay: could not reach the trainer's loggers (%s: %s); verdicts are not logged there", type(e).__name__, e)
+        return []
 
 
 def _hparams_json(module: torch.nn.Module) -> Optional[dict]:
@@ -135,6 +150,7 @@ class NanReplayCallback(Callback, RecorderCallbackState):
             scaler=scaler,
             config=self._config,
             **{**self._options, "action": "skip", "check_in_optimizer_step": scaler is not None, "max_consecutive": 1 << 30},
+            **self.log_to(trainer_trackers(trainer)),
         )
         hp = _hparams_json(pl_module)
         cls = callable_path(type(pl_module))

@@ -15,6 +15,9 @@ What the callback does, hook by hook:
   accelerate's GradScaler when there is one. It records how to rebuild a ``PreTrainedModel``
   without the user's code: its class and ``config`` as JSON (``model_init``, replayed by
   :func:`model_from_config`).
+  With no ``log_to`` chosen, the Recorder logs its verdicts to the Trainer's ``report_to``
+  trackers (``tensorboard``, ``wandb``, ``mlflow``: :func:`report_to_trackers`), with no new
+  configuration.
 * every grad-enabled forward of the model (the Trainer calls ``model(**inputs)`` once per
   micro-batch, ``gradient_accumulation_steps`` times per optimizer step): the Recorder's forward
   hook keeps the inputs; this callback also records them as the step's batch,
@@ -55,13 +58,14 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     ) from e
 
 from ..capture.recorder import Recorder, RecorderConfig
+from ..capture.trackers import LazyTracker
 from .common import RecorderCallbackState
 from ..core.callables import callable_path, import_callable
 from ..errors import NonFiniteGradientError, ReplayError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NanReplayCallback", "hf_loss", "model_from_config"]
+__all__ = ["NanReplayCallback", "hf_loss", "model_from_config", "report_to_trackers"]
 
 
 def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -117,6 +121,28 @@ def model_from_config(model_class: str, config: dict, attn_implementation: Optio
             raise
         kwargs["torch_dtype"] = kwargs.pop("dtype")
         return cls._from_config(cfg, **kwargs)
+
+
+#: the Trainer's ``report_to`` callbacks (class name) -> what to log to, read when an event comes
+#: (each creates its writer or run in its own ``on_train_begin``)
+REPORT_TO: dict[str, Any] = {
+    "TensorBoardCallback": lambda cb: getattr(cb, "tb_writer", None),
+    "WandbCallback": lambda cb: getattr(getattr(cb, "_wandb", None), "run", None) if getattr(cb, "_initialized", False) else None,
+    "MLflowCallback": lambda cb: getattr(cb, "_ml_flow", None) if getattr(cb, "_initialized", False) else None,
+}
+
+
+def report_to_trackers(trainer: Any) -> list:
+    """The trackers of the Trainer's ``report_to`` callbacks (``"tensorboard"``, ``"wandb"``,
+    ``"mlflow"``) as :class:`~nanreplay.capture.trackers.LazyTracker` objects for ``log_to``: each
+    finds the callback's writer or run when the first event comes; ``[]`` without a Trainer."""
+    handler = getattr(trainer, "callback_handler", None) if trainer is not None else None
+    found = []
+    for cb in getattr(handler, "callbacks", None) or []:
+        find = REPORT_TO.get(type(cb).__name__)
+        if find is not None and type(cb).__module__.startswith("transformers."):
+            found.append(LazyTracker(lambda cb=cb, find=find: find(cb), type(cb).__name__))
+    return found
 
 
 def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
@@ -217,6 +243,7 @@ class NanReplayCallback(TrainerCallback, RecorderCallbackState):
             scaler=scaler,
             config=self._config,
             **{**self._options, "action": "skip", "max_consecutive": 1 << 30},
+            **self.log_to(report_to_trackers(self._trainer)),
         )
         self._model = self.recorder.model  # unwrapped from DDP by the Recorder
         self._failures_seen = 0
