@@ -48,6 +48,7 @@ from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import local
+from .compiled import compile_state
 from .snapshots import StepStartBuffers, attach_scan, live_state
 from .update import UpdateCheck, check_update
 
@@ -180,6 +181,7 @@ class Recorder:
                                     on_skip=self._on_scaler_skip)
             self._handles.append(self._amp)
         self._tap = ForwardTap(model, self._on_forward_pre, self._on_forward)
+        self._dump.compile_state = lambda: compile_state(self.wrapper, self.model, self._tap.compiled_wrapper)
         self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))

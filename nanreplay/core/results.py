@@ -210,6 +210,8 @@ class CompileCheck(TypedDict):
     compiled_reproduction: Optional[str]
     max_abs_diff: Optional[JFloat]
     error: Optional[str]
+    mode: Optional[str]
+    automatic: bool
 
 
 class TimelineStep(TypedDict):

@@ -29,7 +29,7 @@ from ..core.quiet import quietly
 from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
-from ..engine.compiled import DEFAULT_BACKEND, compile_check
+from ..engine.compiled import DEFAULT_BACKEND, compile_check, eager_modules, recorded_compile
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, preserve_live, run_step
@@ -42,6 +42,7 @@ from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
 from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
+from .compiled import replay_as_recorded
 from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
@@ -148,8 +149,10 @@ def diagnose(
     errors: list[dict] = []
     found = find_origin(result, inp, model, optimizer_replay=_optimizer_replay(inp, device, say, errors))
     f = _features(found, inp, compiled, errors)
+    f.compile_state = inp.compile_state
     if counterfactuals and replayed:
         _counterfactuals(f, model, inp, device, say)
+        replay_as_recorded(f, repro, model, inp, device, say)  # the recording ran compiled: replay it so (check 1b)
         _determinism(f, repro, model, inp, device, say)
     cls = classify(f)
     smp = None
@@ -409,9 +412,9 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         allow=Allowlist(allow), optimizer_info=optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
         scalars=scalar_history_records(content.extra_meta.get("scalar_history")),
-        attach_scan=content.extra_meta.get("attach_scan"),
+        attach_scan=content.extra_meta.get("attach_scan"), compile_state=content.extra_meta.get("compile"),
     )
-    with deadline(timeout), preserve_live(model):
+    with deadline(timeout), preserve_live(model), eager_modules(model):
         load_buffers(model, content.state.buffers)
         return replay_step(model, inp, progress=progress, quick=True)
 
@@ -491,7 +494,7 @@ def replay(
     say("rebuilding the model")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
                             batch_types=batch_types, import_script=import_script)
-    with opened_subject(bundle, request) as (b, subject, dev):
+    with opened_subject(bundle, request) as (b, subject, dev), eager_modules(subject.model):
         model, lf = subject.model, subject.loss_fn
         state = b.state()
         rec = b.step(b.failing_step)
@@ -504,10 +507,11 @@ def replay(
             scalars=scalar_history_records(b.meta.get("scalar_history")),
             attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
+            compile_state=b.meta.get("compile"),
         )
         compiled = None
         if compile:
-            backend = compile if isinstance(compile, str) else DEFAULT_BACKEND
+            backend = compile if isinstance(compile, str) else ((recorded_compile(inp.compile_state)[0] or {}).get("backend") or DEFAULT_BACKEND)
             say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {backend})")
             compiled = compile_check(model, inp, backend=backend, device=dev)
             load_state(model, state)
