@@ -142,6 +142,7 @@ class Samples(TypedDict):
     micro_batch: NotRequired[Optional[int]]
     reason: NotRequired[Optional[str]]
     cannot_tell: NotRequired[Optional[str]]
+    rows: NotRequired[list[int]]
 
 
 OptimizerReplay = TypedDict("OptimizerReplay", {

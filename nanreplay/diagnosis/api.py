@@ -158,6 +158,8 @@ def diagnose(
     smp = None
     if found is not None:
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
+    if smp and smp.get("rows") and smp.get("reason"):  # an embedding origin: which lookups read its non-finite rows
+        cls["evidence"].append(smp["reason"])
     cls["trigger"] = trigger(f, smp)
     diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
