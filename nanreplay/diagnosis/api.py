@@ -475,10 +475,14 @@ def replay(
         batch_types: dataclass types / namedtuple classes (or ``{"module:QualName": cls}``) to
             rebuild the recorded typed batch nodes as; a trusted bundle's own are imported.
         compile: also replay the step with the model under ``torch.compile`` (``True``: the
-            default backend, inductor; a string names the backend, e.g. ``"aot_eager"``), with
+            recording's backend, mode and compiled modules (``meta["compile"]``), else inductor;
+            a string names the backend, e.g. ``"aot_eager"``), with
             the same weights, batch and RNG states, and report whether the non-finite value
             appears only under compile (the ``compile`` entry; the ``compiler`` cause). Two more
-            bare replays of the step plus the compile time.
+            bare replays of the step plus the compile time. Without it, a step the eager replay
+            does not reproduce is replayed compiled all the same when the bundle says training
+            ran compiled, with a backend of ``engine.compiled.BUNDLE_BACKENDS``
+            (:mod:`nanreplay.diagnosis.compiled`; ``compile["automatic"]`` is then true).
 
     Returns:
         the diagnosis (``docs/report.md``), with ``bundle``, ``device`` and ``model_source``
@@ -513,9 +517,12 @@ def replay(
         )
         compiled = None
         if compile:
-            backend = compile if isinstance(compile, str) else ((recorded_compile(inp.compile_state)[0] or {}).get("backend") or DEFAULT_BACKEND)
+            # the recording's own backend, mode and compiled modules unless another backend is named
+            recorded = recorded_compile(inp.compile_state)[0] or {}
+            backend = compile if isinstance(compile, str) else (recorded.get("backend") or DEFAULT_BACKEND)
+            same = recorded if recorded.get("backend") == backend else {}
             say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {backend})")
-            compiled = compile_check(model, inp, backend=backend, device=dev)
+            compiled = compile_check(model, inp, backend=backend, mode=same.get("mode"), modules=same.get("modules") or (), device=dev)
             load_state(model, state)
         diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say, compiled=compiled)
         diag["bundle"] = str(b.path)

@@ -31,7 +31,7 @@ def compile_facts(state: Optional[dict]) -> str:
     if not isinstance(state, dict):
         return "the bundle does not say whether the model ran under torch.compile (written before nanreplay recorded it)"
     if not state.get("compiled"):
-        return "the model did not run under torch.compile when the step was recorded"
+        return "the model ran eagerly (not under torch.compile) when the step was recorded"
     mods = [m or "the model" for m in state.get("modules") or []]
     return (f"the model ran under torch.compile (backend {state.get('backend')}" + (f", mode {state['mode']}" if state.get("mode") else "")
             + (f"; compiled: {', '.join(mods[:8])}" + (f" and {len(mods) - 8} more" if len(mods) > 8 else "") if mods else "") + ")")
@@ -43,7 +43,7 @@ def compile_evidence(state: Optional[dict], compiled: Optional[dict]) -> str:
     facts = compile_facts(state)
     if compiled is None:
         if isinstance(state, dict) and state.get("compiled"):
-            return f"{facts}; the step was not replayed compiled"
+            return f"{facts}; no compiled replay of the step ran"
         return facts + ("" if isinstance(state, dict) else ": nanreplay replay --compile checks the compiled step")
     how = f"backend {compiled.get('backend')}" + (f", mode {compiled['mode']}" if compiled.get("mode") else "")
     if compiled.get("compiled") is None:

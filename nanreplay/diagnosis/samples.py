@@ -94,9 +94,11 @@ def _from_lookups(c: _Case) -> Optional[dict]:
     others = [f"micro-batch {x['micro_batch']}: samples {x['samples']}" for x in res["lookups"][1:] if x["micro_batch"] != res["micro_batch"]]
     reason = (f"rows {rows[:16]}{' ...' if len(rows) > 16 else ''} of {tensor} are non-finite; the {res['op']} lookups of step "
               f"{c.inp.record.step} read them for samples {res['indices']}{where}" + (f" (and {'; '.join(others[:4])})" if others else ""))
-    out = _rows_result(res["indices"], res["batch_size"], "samples whose indices look up non-finite embedding rows", rows=rows, reason=reason,
-                       **({"micro_batch": res["micro_batch"]} if res["micro_batch"] is not None else {}))
-    return out
+    size = res["batch_size"]
+    if size is not None and size > 1 and len(res["indices"]) == size and not others:
+        return dict(_batch_level(size, f"every sample looks up a non-finite row: {reason}"), rows=rows)
+    return _rows_result(res["indices"], size, "samples whose indices look up non-finite embedding rows", rows=rows, reason=reason,
+                        **({"micro_batch": res["micro_batch"]} if res["micro_batch"] is not None else {}))
 
 
 def _not_samples(c: _Case) -> Optional[dict]:
