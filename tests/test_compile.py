@@ -370,3 +370,30 @@ def test_a_recorded_backend_outside_the_allowlist_is_named_not_run(out_dir):
     assert cls["cause"] == "unknown", cls
     assert any(f"the recording compiled with backend {name!r}, not one a bundle may name" in e for e in cls["evidence"])
     assert any("no compiled replay of the step ran" in e for e in cls["evidence"])
+
+
+class _CompiledInner(torch.nn.Module):
+    """Only its submodule ``inner`` is compiled (``model.inner.compile()``), as in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(4, 4)
+        self.inner = models.make_compiled_only_nan()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.pre(x))
+
+
+def test_a_compiled_submodule_is_replayed_compiled_alone(out_dir):
+    """The recording compiled one submodule: the in-process diagnosis replays the step with that
+    submodule compiled (not the whole model), the rest eager, and finds the compiler."""
+    torch.manual_seed(0)
+    model = _CompiledInner()
+    model.inner.compile(backend="eager")
+    err = _bundle(model, model, out_dir, _clean_batches(1), embed_program=False)
+    with open_bundle(err.bundle_path) as b:
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["inner"]}
+    c = err.diagnosis["compile"]
+    assert (c["automatic"], c["target"], c["eager"], c["only_under_compile"]) == (True, "modules inner", False, True)
+    assert err.diagnosis["classification"]["cause"] == "compiler"
+    assert model.inner.__dict__["_compiled_call_impl"] is not None  # the user's compiled call is back in place
