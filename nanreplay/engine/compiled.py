@@ -8,7 +8,9 @@ batch (or forward inputs and cotangents) and the same RNG states, with the same 
 settings. Only the module the step calls differs: the model itself, or ``torch.compile(model,
 backend=...)`` sharing its parameters. A program embedded in the bundle with its loss
 (:mod:`nanreplay.engine.program`) runs its forward inside the loss, so there the loss function is
-compiled (``target`` says which).
+compiled (``target`` says which). Replayed as a recording ran (``meta["compile"]``,
+:func:`recorded_compile`), the recorded backend, inductor mode and compiled submodules are used;
+a backend a bundle names runs only when it is one of :data:`BUNDLE_BACKENDS`.
 """
 
 from __future__ import annotations
