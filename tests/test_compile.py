@@ -276,6 +276,124 @@ def test_replay_compile_names_a_nan_only_under_compile(out_dir):
     assert res.exit_code == 0, res.output
     assert ("  torch.compile: eager finite; compiled (backend eager) NaN in loss and gradients: only under compile; "
             "compiled replay vs recording: reproduced exactly") in res.output
-    # without --compile the same bundle does not reproduce (exit 3)
+    # without --compile the bundle's compile state (the model ran compiled) makes the diagnosis
+    # replay it compiled on its own: the same finding (exit 0)
     res = CliRunner().invoke(main, ["replay", err.bundle_path, "--no-samples"], catch_exceptions=False)
-    assert res.exit_code == 3, res.output
+    assert res.exit_code == 0, res.output
+    assert "cause: compiler" in res.output
+
+
+# -- the compile state in the bundle, and the compiled replay it triggers --------------------------
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_bundle_records_the_compile_state(order, out_dir):
+    """Whichever order the loop compiles in, the bundle says the model ran compiled, with which
+    backend and which module ("" = the model itself)."""
+    model = models.make_root_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run, rec = _attach(order, model, opt, out_dir, backend="aot_eager", diagnose=False, embed_program=False)
+    with rec:
+        _train(run, opt, _clean_batches(2))
+        with pytest.raises(NonFiniteGradientError) as info:
+            _train(run, opt, [_bad_batch()])
+    with open_bundle(info.value.bundle_path) as b:
+        assert b.meta["compile"] == {"compiled": True, "backend": "aot_eager", "mode": None, "modules": [""]}
+
+
+def test_the_bundle_records_an_eager_model_and_a_compiled_submodule(out_dir):
+    model = models.make_root_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False, embed_program=False) as rec:
+        _train(model, opt, _clean_batches(1))
+        assert rec._dump.compile_state() == {"compiled": False, "backend": None, "mode": None, "modules": []}
+        model.fc2.compile(backend="eager")
+        with pytest.raises(NonFiniteGradientError) as info:
+            _train(model, opt, [_bad_batch()])
+    with open_bundle(info.value.bundle_path) as b:
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["fc2"]}
+
+
+def test_a_bundle_with_a_malformed_compile_state_is_refused(sqrt_bundle, tmp_path):
+    from nanreplay.errors import BundleFormatError
+    from nanreplay.format.bundle import write_bundle
+
+    with open_bundle(sqrt_bundle) as b:
+        content = b.content()
+    content.extra_meta["compile"] = {"compiled": "yes", "backend": "inductor", "mode": None, "modules": []}
+    path = write_bundle(tmp_path / "bad.h5", content)
+    with pytest.raises(BundleFormatError, match=r"expected true, false at meta\.compile\.compiled, found 'yes'"):
+        open_bundle(path)
+
+
+def test_an_unreproduced_eager_replay_replays_compiled_as_recorded(out_dir):
+    """The recording ran compiled; the eager replay is finite. Without being asked (no
+    --compile), the in-process diagnosis and `nanreplay replay` replay the step compiled as the
+    bundle says, and name the compiler, with the compile state in the evidence."""
+    from click.testing import CliRunner
+
+    from nanreplay import replay
+    from nanreplay.cli import main
+
+    model = models.make_compiled_only_nan()
+    run = torch.compile(model, backend="eager")
+    err = _bundle(model, run, out_dir, _clean_batches(1), model_factory=models.make_compiled_only_nan, embed_program=False)
+    for diag in (err.diagnosis, replay(err.bundle_path, samples=False)):
+        c = diag["compile"]
+        assert (c["automatic"], c["backend"], c["eager"], c["compiled"], c["only_under_compile"]) == (True, "eager", False, True, True)
+        assert diag["classification"]["cause"] == "compiler"
+        assert ("the model ran under torch.compile (backend eager; compiled: the model): the eager replay did not reproduce the step, "
+                "so it was replayed compiled the same way") in diag["classification"]["evidence"]
+        assert "repeats" not in diag["reproduction"]  # no hardware-fault checks once the compiler is shown
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--no-samples"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output  # the compiled replay reproduced the recording
+
+
+def _identity_backend(gm, example_inputs):
+    return gm.forward
+
+
+def test_a_recorded_backend_outside_the_allowlist_is_named_not_run(out_dir):
+    """A bundle is data: a backend it names that is not torch's own (here a callable's import
+    path) is never looked up. The evidence says so, and the verdict is not 'transient' since the
+    compiled check did not run."""
+    from nanreplay import replay
+
+    model = models.make_compiled_only_nan()
+    run = torch.compile(model, backend=_identity_backend)
+    err = _bundle(model, run, out_dir, _clean_batches(1), model_factory=models.make_compiled_only_nan, diagnose=False, embed_program=False)
+    with open_bundle(err.bundle_path) as b:
+        name = b.meta["compile"]["backend"]  # the callable's import path where it has one, else its name
+        assert b.meta["compile"]["compiled"] and name.endswith("_identity_backend")
+    diag = replay(err.bundle_path, samples=False)
+    assert diag["compile"] is None
+    cls = diag["classification"]
+    assert cls["cause"] == "unknown", cls
+    assert any(f"the recording compiled with backend {name!r}, not one a bundle may name" in e for e in cls["evidence"])
+    assert any("no compiled replay of the step ran" in e for e in cls["evidence"])
+
+
+class _CompiledInner(torch.nn.Module):
+    """Only its submodule ``inner`` is compiled (``model.inner.compile()``), as in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(4, 4)
+        self.inner = models.make_compiled_only_nan()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.pre(x))
+
+
+def test_a_compiled_submodule_is_replayed_compiled_alone(out_dir):
+    """The recording compiled one submodule: the in-process diagnosis replays the step with that
+    submodule compiled (not the whole model), the rest eager, and finds the compiler."""
+    torch.manual_seed(0)
+    model = _CompiledInner()
+    model.inner.compile(backend="eager")
+    err = _bundle(model, model, out_dir, _clean_batches(1), embed_program=False)
+    with open_bundle(err.bundle_path) as b:
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["inner"]}
+    c = err.diagnosis["compile"]
+    assert (c["automatic"], c["target"], c["eager"], c["only_under_compile"]) == (True, "modules inner", False, True)
+    assert err.diagnosis["classification"]["cause"] == "compiler"
+    assert model.inner.__dict__["_compiled_call_impl"] is not None  # the user's compiled call is back in place

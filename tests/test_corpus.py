@@ -35,7 +35,7 @@ REQUIRED_TAGS = {
     "lr-scheduler", "adam-eps",
     # bug patterns
     "ignore-index", "masked-attention", "batch-of-one", "dice", "masked-mean", "where-log", "cdist-norm",
-    "acos", "focal", "vae", "attention-overflow", "log-softmax-underflow", "preprocessing-after-record",
+    "acos", "focal", "vae", "attention-overflow", "log-softmax-underflow", "preprocessing-after-record", "torch-compile",
 }
 
 # what a report says when the loss was not replayed: never with mode == "loss_fn"

@@ -95,3 +95,27 @@ def test_import_nanreplay_does_not_import_lightning():
     code = "import sys, nanreplay, nanreplay.cli; print(json.dumps(sorted(m for m in sys.modules if 'lightning' in m)))"
     out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_a_resumed_run_numbers_its_steps_by_the_trainers_global_step(tmp_path):
+    """Resumed from a checkpoint at global step 2, the Recorder numbers its steps from there:
+    the bundle's name, its failing step and the message use the trainer's global step."""
+    from pathlib import Path
+
+    first = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False)
+    first.fit(LitRatio(lr=0.05), _loader())
+    ckpt = tmp_path / "resume.ckpt"
+    first.save_checkpoint(ckpt)
+    assert first.global_step == 2
+    cb = NanReplayCallback(out_dir=tmp_path / "bundles")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb])
+    trainer.fit(LitRatio(lr=0.05), _loader(), ckpt_path=str(ckpt))
+    rec = cb.recorder
+    failing = rec.extra_meta["lightning"]["global_step"]  # the trainer's global step during the failing step
+    assert failing >= 2 and rec.nonfinite_steps == [failing]
+    assert Path(cb.bundle_path).name == f"nanreplay-step{failing}.h5"
+    with open_bundle(cb.bundle_path) as b:
+        assert b.failing_step == failing and b.meta["attach_scan"]["step"] == 2
+        assert b.meta["diagnosis"]["summary"].count(f"step {failing}") >= 1

@@ -7,6 +7,7 @@ same diagnosis as the one made in training, with the model rebuilt from the bund
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import nanreplay
 from nanreplay import open_bundle
@@ -95,6 +97,12 @@ def test_bundle_replays_with_the_model_code_deleted(tmp_path, name):
     with open_bundle(bundle) as b:
         recorded = b.diagnosis
         assert b.meta["program"]["kind"] == "loss", b.meta["program"].get("error")
+        # the source lines were cut to the user's frames when the program was exported: no torch or
+        # nanreplay file, whose paths would differ (and be taken for the user's) in another environment
+        files = set(re.findall(r'File "([^"]+)"', "\n".join(_stack_traces(b.meta["program"]["program"]))))
+        torch_dir, own_dir = str(Path(torch.__file__).parent), str(REPO / "nanreplay")
+        assert "train.py" in {Path(f).name for f in files}, files
+        assert not [f for f in files if f.startswith((torch_dir, own_dir)) or "/python3." in f and "-packages/" not in f], files
     shutil.rmtree(code)  # the user's code is gone from this machine
 
     diag = nanreplay.replay(bundle)
@@ -105,3 +113,33 @@ def test_bundle_replays_with_the_model_code_deleted(tmp_path, name):
     assert (diag["phase"], diag["origin"]["op"], diag["classification"]["cause"]) == ("loss", "div", "numerics")
     assert diag["summary"] == recorded["summary"], "the replay without the code says what training said"
     assert diag["origin"]["source"]["function"] == "step_loss" and diag["origin"]["source"]["file"].endswith("train.py")
+    # the line's code comes from the bundle: the file is gone
+    assert diag["origin"]["source"]["code"].startswith("return base_loss(model, x, y) / weight.sum()"), diag["origin"]["source"]
+
+
+def _stack_traces(node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "stack_trace" and isinstance(v, str):
+                yield v
+            else:
+                yield from _stack_traces(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _stack_traces(v)
+
+
+def test_a_stack_trace_recorded_under_another_environment_names_the_users_line():
+    """A bundle written before the traces were cut (or by another writer) holds torch's frames at
+    the recording machine's paths: they are still torch's, whatever environment replays."""
+    from nanreplay.engine.probes import user_frame_of_traceback, user_frames_only
+
+    trace = (
+        '  File "/home/u/proj/model.py", line 16, in forward\n    return torch.sqrt(h - 1)\n'
+        '  File "/opt/other-env/lib/python3.10/site-packages/torch/fx/proxy.py", line 287, in create_node\n'
+        '    user_stack_summary = CapturedTraceback.extract().summary()\n'
+        '  File "/srv/venv/lib/python3.12/site-packages/nanreplay/engine/program.py", line 9, in _export\n    return torch.export.export(root)\n'
+    )
+    frame = user_frame_of_traceback([trace])
+    assert (Path(frame["file"]).name, frame["line"], frame["code"]) == ("model.py", 16, "return torch.sqrt(h - 1)")
+    assert user_frames_only(trace) == '  File "/home/u/proj/model.py", line 16, in forward\n    return torch.sqrt(h - 1)\n'

@@ -131,3 +131,30 @@ def test_import_nanreplay_does_not_import_transformers():
     code = "import sys, nanreplay; nanreplay.Recorder; nanreplay.replay; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.slow
+def test_a_resumed_run_numbers_its_steps_by_the_trainers_global_step(tmp_path):
+    """Resumed from a checkpoint saved at global step 2, the Trainer skips the data already seen
+    and the next step is the failing one: the Recorder calls it step 2, as the Trainer does (its
+    first step, counted from the Recorder's creation, would be 0)."""
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    args = dict(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=1e-3,
+                report_to=[], logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    first = transformers.Trainer(model=transformers.GPT2LMHeadModel(_config()), train_dataset=Tokens(),
+                                 args=transformers.TrainingArguments(max_steps=BAD_STEP, save_strategy="steps", save_steps=BAD_STEP, **args))
+    first.train()
+    ckpt = tmp_path / "hf" / f"checkpoint-{BAD_STEP}"
+    assert ckpt.is_dir()
+    cb = NanReplayCallback(out_dir=tmp_path / "bundles", diagnose=False)
+    torch.manual_seed(0)
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(_config()), train_dataset=Tokens(), callbacks=[cb],
+                                   args=transformers.TrainingArguments(max_steps=6, save_strategy="no", **args))
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    assert cb.recorder.nonfinite_steps == [BAD_STEP]
+    assert Path(cb.bundle_path).name == f"nanreplay-step{BAD_STEP}.h5"
+    with open_bundle(cb.bundle_path) as b:
+        assert b.failing_step == BAD_STEP and b.meta["attach_scan"]["step"] == BAD_STEP
+        assert b.meta["transformers"]["global_step"] == BAD_STEP

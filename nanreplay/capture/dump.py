@@ -70,6 +70,7 @@ class Dump:
         self.last_diagnosis: Optional[dict] = None
         self.replaying = False
         self.history: Any = None  # the Recorder's capture.early.ScalarHistory, stored in every bundle
+        self.compile_state: Optional[Callable[[], dict]] = None  # the model's torch.compile state (capture.compiled), meta["compile"]
         self.spike_bundles: list[Path] = []
         self.spike_attempts = 0
         # log_to: the user's experiment trackers, told of every bundle and spike episode (capture.trackers)
@@ -118,7 +119,8 @@ class Dump:
             model_factory=self.model_factory_path,
             loss_fn=self.loss_fn_path,
             extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta,
-                        **({"scalar_history": self.history.to_meta(rec.step)} if self.history is not None else {})},
+                        **({"scalar_history": self.history.to_meta(rec.step)} if self.history is not None else {}),
+                        **({"compile": self.compile_state()} if self.compile_state is not None else {})},
         )
 
     def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,

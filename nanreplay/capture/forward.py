@@ -117,6 +117,8 @@ class ForwardTap:
         self._on_wrapper_only = False   # the model's own post hook, kept for the call in progress when the hooks moved, is gone
         self._inner_pre: Any = None
         self._inner_post: Any = None
+        #: the ``OptimizedModule`` found calling the model when it was compiled after the Recorder attached
+        self.compiled_wrapper: Optional[torch.nn.Module] = None
         target = _eager_target(model)
         if target is self.inner and getattr(self.inner, "_compiled_call_impl", None) is not None:
             self._wrap_compiled_call(self.inner)
@@ -177,6 +179,7 @@ class ForwardTap:
                 # when that call ends (or at the wrapper's next call, if it raised)
                 self._inner_pre.remove()
                 self._on_wrapper = True
+                self.compiled_wrapper = owner
                 self._hook_wrapper(owner)
                 logger.info("nanreplay: the model was compiled after the Recorder attached; its forward hooks moved to the "
                             "compiled wrapper so they run outside the compiled region")

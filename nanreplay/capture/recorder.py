@@ -48,6 +48,7 @@ from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import local
+from .compiled import compile_state
 from .snapshots import attach_scan, live_state
 from .steps import StepStart
 from .update import UpdateCheck, check_update
@@ -180,6 +181,7 @@ class Recorder:
         self._steps = StepStart(self.model, self.ring, self._inputs, step=lambda: self.step, active=lambda: not (self._dump.replaying or self._closed),
                                 snapshot_every=self.config.snapshot_every, snapshot_state=self._live, capture_cotangent=self.config.capture_cotangent)
         self._tap = ForwardTap(model, self._steps.forward_pre, self._steps.forward_post)
+        self._dump.compile_state = lambda: compile_state(self.wrapper, self.model, self._tap.compiled_wrapper)
         self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))

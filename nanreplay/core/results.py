@@ -142,6 +142,7 @@ class Samples(TypedDict):
     micro_batch: NotRequired[Optional[int]]
     reason: NotRequired[Optional[str]]
     cannot_tell: NotRequired[Optional[str]]
+    rows: NotRequired[list[int]]
 
 
 OptimizerReplay = TypedDict("OptimizerReplay", {
@@ -210,6 +211,8 @@ class CompileCheck(TypedDict):
     compiled_reproduction: Optional[str]
     max_abs_diff: Optional[JFloat]
     error: Optional[str]
+    mode: Optional[str]
+    automatic: bool
 
 
 class TimelineStep(TypedDict):

@@ -19,15 +19,16 @@ rewinding the generators the user's threads draw from (see its docstring for the
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-__all__ = ["RNGState", "ReplayRNG", "sole_thread"]
+__all__ = ["RNGState", "ReplayRNG", "sole_thread", "without_private_generators"]
 
 
 @dataclass
@@ -330,3 +331,20 @@ class _PrivateGenerators(_Mode):  # type: ignore[misc,valid-type]
         elif kwargs.get("generator") is None:
             kwargs["generator"] = self._gen(key)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def without_private_generators() -> Iterator[bool]:
+    """For a ``torch.compile``'d replay inside a :class:`ReplayRNG` scope with private generators
+    (an in-process diagnosis while other threads are alive, inductor's compile workers among
+    them): Dynamo does not trace under a Python dispatch mode, so the compiled code would silently
+    run eagerly. Take nanreplay's private-generator modes off the dispatch-mode stack for the
+    block and put them back after; the block's own ``ReplayRNG(private=False)`` then sets the
+    process-wide generators and puts them back. Yields ``True`` when no dispatch mode is left
+    active, ``False`` when one that is not nanreplay's is (it stays: the block would run eagerly)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+
+    with contextlib.ExitStack() as stack:
+        while _get_current_dispatch_mode_stack() and isinstance(_get_current_dispatch_mode_stack()[-1], _PrivateGenerators):
+            stack.enter_context(_pop_mode_temporarily())
+        yield not _get_current_dispatch_mode_stack()

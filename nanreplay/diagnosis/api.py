@@ -29,7 +29,7 @@ from ..core.quiet import quietly
 from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
-from ..engine.compiled import DEFAULT_BACKEND, compile_check
+from ..engine.compiled import DEFAULT_BACKEND, compile_check, eager_modules, recorded_compile
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, preserve_live, run_step
@@ -42,6 +42,7 @@ from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
 from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
+from .compiled import replay_as_recorded
 from .evidence import grad_norm_history
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
@@ -148,13 +149,17 @@ def diagnose(
     errors: list[dict] = []
     found = find_origin(result, inp, model, optimizer_replay=_optimizer_replay(inp, device, say, errors))
     f = _features(found, inp, compiled, errors)
+    f.compile_state = inp.compile_state
     if counterfactuals and replayed:
         _counterfactuals(f, model, inp, device, say)
+        replay_as_recorded(f, repro, model, inp, device, say)  # the recording ran compiled: replay it so (check 1b)
         _determinism(f, repro, model, inp, device, say)
     cls = classify(f)
     smp = None
     if found is not None:
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
+    if smp and smp.get("rows") and smp.get("reason"):  # an embedding origin: which lookups read its non-finite rows
+        cls["evidence"].append(smp["reason"])
     cls["trigger"] = trigger(f, smp)
     diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
@@ -409,9 +414,9 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         allow=Allowlist(allow), optimizer_info=optimizer_info,
         history=list(content.steps), reason=dict(content.reason),
         scalars=scalar_history_records(content.extra_meta.get("scalar_history")),
-        attach_scan=content.extra_meta.get("attach_scan"),
+        attach_scan=content.extra_meta.get("attach_scan"), compile_state=content.extra_meta.get("compile"),
     )
-    with deadline(timeout), preserve_live(model):
+    with deadline(timeout), preserve_live(model), eager_modules(model):
         load_buffers(model, content.state.buffers)
         return replay_step(model, inp, progress=progress, quick=True)
 
@@ -470,10 +475,14 @@ def replay(
         batch_types: dataclass types / namedtuple classes (or ``{"module:QualName": cls}``) to
             rebuild the recorded typed batch nodes as; a trusted bundle's own are imported.
         compile: also replay the step with the model under ``torch.compile`` (``True``: the
-            default backend, inductor; a string names the backend, e.g. ``"aot_eager"``), with
+            recording's backend, mode and compiled modules (``meta["compile"]``), else inductor;
+            a string names the backend, e.g. ``"aot_eager"``), with
             the same weights, batch and RNG states, and report whether the non-finite value
             appears only under compile (the ``compile`` entry; the ``compiler`` cause). Two more
-            bare replays of the step plus the compile time.
+            bare replays of the step plus the compile time. Without it, a step the eager replay
+            does not reproduce is replayed compiled all the same when the bundle says training
+            ran compiled, with a backend of ``engine.compiled.BUNDLE_BACKENDS``
+            (:mod:`nanreplay.diagnosis.compiled`; ``compile["automatic"]`` is then true).
 
     Returns:
         the diagnosis (``docs/report.md``), with ``bundle``, ``device`` and ``model_source``
@@ -491,7 +500,7 @@ def replay(
     say("rebuilding the model")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
                             batch_types=batch_types, import_script=import_script)
-    with opened_subject(bundle, request) as (b, subject, dev):
+    with opened_subject(bundle, request) as (b, subject, dev), eager_modules(subject.model):
         model, lf = subject.model, subject.loss_fn
         state = b.state()
         rec = b.step(b.failing_step)
@@ -504,12 +513,16 @@ def replay(
             scalars=scalar_history_records(b.meta.get("scalar_history")),
             attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
             scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
+            compile_state=b.meta.get("compile"),
         )
         compiled = None
         if compile:
-            backend = compile if isinstance(compile, str) else DEFAULT_BACKEND
+            # the recording's own backend, mode and compiled modules unless another backend is named
+            recorded = recorded_compile(inp.compile_state)[0] or {}
+            backend = compile if isinstance(compile, str) else (recorded.get("backend") or DEFAULT_BACKEND)
+            same = recorded if recorded.get("backend") == backend else {}
             say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {backend})")
-            compiled = compile_check(model, inp, backend=backend, device=dev)
+            compiled = compile_check(model, inp, backend=backend, mode=same.get("mode"), modules=same.get("modules") or (), device=dev)
             load_state(model, state)
         diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say, compiled=compiled)
         diag["bundle"] = str(b.path)

@@ -18,13 +18,15 @@ condition holds decides. Causes:
 * ``numerics``: valid values reach the op's singular point or an ill-conditioned formula: on
   values from the weights or the code, or on continuous batch values (a distance exactly 0 for a
   duplicate pair, a silent clip's magnitude 0): the fix is in the formula (an eps, a clamp);
-* ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (only
-  with ``replay(..., compile=True)`` / ``nanreplay replay --compile``);
+* ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (with
+  ``replay(..., compile=True)`` / ``nanreplay replay --compile``, or on its own when the bundle
+  says the recording ran compiled and the eager replay does not reproduce it);
 * ``nondeterminism``: no birth in the monitored replay, and repeated plain replays of the step on
   the same device disagree (some finite, some not);
 * ``transient``: "not reproduced: suspected hardware fault", only when everything checked agrees
   on finite: the model's recorded forward inputs are finite (no code between ``record`` and the
-  model made them non-finite), every repeat replay is finite, and the step replayed in float64
+  model made them non-finite), the step replayed compiled as recorded is finite (when the
+  recording ran compiled), every repeat replay is finite, and the step replayed in float64
   is finite too (as Megatron-LM's rerun state machine classifies); where a check did not run or
   disagrees, the verdict is ``unknown`` and says which;
 * ``unknown``: nothing above can be shown.
@@ -41,6 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from ..core.numerics import kinds
+from .compiled import compile_agrees, compile_evidence, compile_facts
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
 __all__ = ["CAUSES", "Features", "RULES", "classify", "trigger", "needs_data_perturbed_replay"]
@@ -64,7 +67,8 @@ class Features:
     persists_data_perturbed: Optional[bool] = None  # ... with the weights and the batch's continuous leaves perturbed
     transient: bool = False                   # recorded non-finite, every replay finite
     nondeterministic: bool = False            # recorded non-finite, the repeat replays disagree
-    compiled: Optional[dict] = None           # the compile check (nanreplay.engine.compiled), when asked for
+    compiled: Optional[dict] = None           # the compile check (nanreplay.engine.compiled), asked for or run as recorded
+    compile_state: Optional[dict] = None      # the recording's torch.compile state (meta["compile"])
     repeats: int = 0
     batch_size: Optional[int] = None
     discrete: dict[str, bool] = field(default_factory=dict)  # batch leaf path -> integer/bool dtype (discrete_leaves)
@@ -191,7 +195,7 @@ def _checked(f: Features) -> list[str]:
             "the model's forward inputs the Recorder captured are finite (no code between record(batch) and the model made them non-finite)",
             {True: "the step replayed in float64 is finite too", False: "the step replayed in float64 is non-finite",
              None: "the step was not replayed in float64"}[f.wide_finite],
-            "whether the model ran under torch.compile in training is not known here: nanreplay replay --compile checks the compiled step"]
+            compile_evidence(f.compile_state, f.compiled)]
 
 
 def _transient(f: Features) -> tuple[str, list[str]]:
@@ -210,6 +214,8 @@ def _compiler(f: Features) -> tuple[str, list[str]]:
           f"{' and '.join(c.get('compiled_nonfinite') or [])} hold {c.get('compiled_kinds') or 'non-finite values'}"]
     if c.get("compiled_reproduction"):
         ev.append(f"the compiled replay against the recorded gradients: {c['compiled_reproduction']}")
+    if c.get("automatic"):
+        ev.append(f"{compile_facts(f.compile_state)}: the eager replay did not reproduce the step, so it was replayed compiled the same way")
     return ("the non-finite value appears only in compiled code: a compiler bug or a numerics difference of the compiled "
             "kernels (fusion, reordered reductions, lower-precision intermediates); replay with --compile-backend aot_eager "
             "or eager to tell the graph capture from the code generation"), ev
@@ -418,7 +424,8 @@ RULES: tuple[Rule, ...] = (
     ("explosion", lambda f: f.origin.get("kind") == "explosion", _explosion_grad_norm),
     ("compiler", lambda f: f.phase == "none" and bool((f.compiled or {}).get("only_under_compile")), _compiler),
     ("nondeterminism", lambda f: f.phase == "none" and f.nondeterministic, _nondeterminism),
-    ("transient", lambda f: f.phase == "none" and f.transient and f.wide_finite is True, _transient),
+    ("transient", lambda f: f.phase == "none" and f.transient and f.wide_finite is True and compile_agrees(f.compile_state, f.compiled),
+     _transient),
     ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
     ("explosion", lambda f: f.overflow and f.exploding, _explosion),
     # a division whose true result fits the dtype, yet gives Inf: its divisor (or an intermediate

@@ -1,7 +1,8 @@
 """Which samples of the batch carry the failure, or why no sample can be blamed.
 
 :data:`METHODS` is the rule as a table, tried in order: the non-finite rows of the recorded batch
-(bad input), nothing for failures that come from the weights or the update, the non-finite rows of
+(bad input), the samples whose indices look up the non-finite rows of an embedding table,
+nothing for other failures that come from the weights or the update, the non-finite rows of
 the recorded output gradient (a loss not replayed), the non-finite rows of the birth op's output
 when it has the batch dimension, a failure that needs the whole batch (the birth op combined the
 samples: a batch statistic, a count over the batch, a batch of one), and last a per-sample replay
@@ -25,6 +26,7 @@ from ..core.tree import tensor_leaves
 from ..engine.deadline import check_deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, run_step
 from ..format.records import StepRecord
+from .lookups import embedding_lookups
 from .origin import Found
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,26 @@ def _from_batch_rows(c: _Case) -> Optional[dict]:
 
 #: a method's answer "no sample applies": stop, report no samples
 NOT_APPLICABLE: dict = {}
+
+
+def _from_lookups(c: _Case) -> Optional[dict]:
+    """Non-finite rows of a lookup table (an ``Embedding``): the samples whose indices look them
+    up in this step (:func:`~nanreplay.diagnosis.lookups.embedding_lookups`, one bare replay)."""
+    if c.found.phase != "weights" or c.found.origin.get("kind") != "parameter":
+        return None
+    res = embedding_lookups(c.model, c.inp, c.found.origin["tensor"], device=c.device)
+    if res is None or not res["looked_up"]:
+        return None
+    tensor, rows = res["tensor"], res["rows"]
+    where = f" of micro-batch {res['micro_batch']}" if res["micro_batch"] is not None else ""
+    others = [f"micro-batch {x['micro_batch']}: samples {x['samples']}" for x in res["lookups"][1:] if x["micro_batch"] != res["micro_batch"]]
+    reason = (f"rows {rows[:16]}{' ...' if len(rows) > 16 else ''} of {tensor} are non-finite; the {res['op']} lookups of step "
+              f"{c.inp.record.step} read them for samples {res['indices']}{where}" + (f" (and {'; '.join(others[:4])})" if others else ""))
+    size = res["batch_size"]
+    if size is not None and size > 1 and len(res["indices"]) == size and not others:
+        return dict(_batch_level(size, f"every sample looks up a non-finite row: {reason}"), rows=rows)
+    return _rows_result(res["indices"], size, "samples whose indices look up non-finite embedding rows", rows=rows, reason=reason,
+                        **({"micro_batch": res["micro_batch"]} if res["micro_batch"] is not None else {}))
 
 
 def _not_samples(c: _Case) -> Optional[dict]:
@@ -148,6 +170,7 @@ def _per_sample(c: _Case) -> Optional[dict]:
 #: the samples rule, in order: the first method that answers decides
 METHODS: tuple[tuple[str, Callable[[_Case], Optional[dict]]], ...] = (
     ("non-finite rows of the recorded batch", _from_batch_rows),
+    ("samples whose indices look up non-finite embedding rows", _from_lookups),
     ("not a sample's failure (weights, update, explosion)", _not_samples),
     ("non-finite rows of the recorded output gradient", _from_cotangent),
     ("non-finite rows of the producer op's output", _from_birth_rows),

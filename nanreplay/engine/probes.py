@@ -30,7 +30,7 @@ from ..core.numerics import any_nonfinite, is_float
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["user_frame_now", "user_frame_of_traceback", "current_node", "node_forward_op", "wider_recompute", "nonfinite_rows",
+__all__ = ["user_frame_now", "user_frame_of_traceback", "user_frames_only", "current_node", "node_forward_op", "wider_recompute", "nonfinite_rows",
            "calling_module", "operands"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -40,11 +40,16 @@ _STDLIB_DIRS = tuple(
 )
 
 
+#: torch's and nanreplay's files as installed in any environment (a bundle's stack traces were
+#: recorded where they were installed elsewhere)
+_INSTALLED_LIBRARY = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:torch|nanreplay|torchgen|functorch)[/\\]")
+
+
 def _is_library(filename: str) -> bool:
     if not filename or filename.startswith("<frozen"):
         return True
     f = os.path.abspath(filename)
-    if f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIR):
+    if f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIR) or _INSTALLED_LIBRARY.search(f):
         return True
     return f.startswith(_STDLIB_DIRS) and "site-packages" not in f and "dist-packages" not in f
 
@@ -115,6 +120,15 @@ def user_frame_of_traceback(tb: Optional[Sequence[str]]) -> Optional[dict]:
             if not _is_library(m["file"]):
                 return _frame_dict(m["file"], int(m["line"]), m["func"].strip(), m["code"])
     return None
+
+
+def user_frames_only(trace: str) -> str:
+    """A stack trace (``traceback.format_list`` text, an FX node's ``stack_trace``) cut to its
+    user frames, judged where it is called: the recording environment knows which files are
+    torch's, nanreplay's and the standard library's, a replay elsewhere may not. ``""`` when no
+    frame is the user's."""
+    return "".join(f'  File "{m["file"]}", line {m["line"]}, in {m["func"].strip()}\n    {m["code"].strip()}\n'
+                   for m in _TB_LINE.finditer(trace or "") if not _is_library(m["file"]))
 
 
 def current_node() -> tuple[Optional[str], Optional[dict]]:

@@ -63,6 +63,7 @@ from ..errors import NanReplayError, ReplayError
 from ..format.meta import MetaError
 from ..format.program import validate_program_record
 from .program_check import SizeGuard, check_program, element_limits
+from .probes import user_frames_only
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +312,23 @@ def _lifted(ep: Any, spec: Any) -> tuple[Any, str, str]:
     return ep.constants[name], "constants", "constant"  # CONSTANT_TENSOR: a tensor created in forward (torch.tensor(...)), lifted by export
 
 
+def _keep_user_frames(node: Any) -> None:
+    """Every ``stack_trace`` of a serialized program cut to the user's frames
+    (:func:`~nanreplay.engine.probes.user_frames_only`), in place, where the program is exported:
+    replayed under another environment (torch installed elsewhere, the model file absent), the
+    source line a birth names is still the user's ``model.py:16`` with its code, never
+    ``torch/fx/proxy.py``."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "stack_trace" and isinstance(v, str):
+                node[k] = user_frames_only(v)
+            else:
+                _keep_user_frames(v)
+    elif isinstance(node, list):
+        for v in node:
+            _keep_user_frames(v)
+
+
 def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: str, in_leaves: list, in_spec: Any,
               dyn: bool, shared: dict[int, str], prefix: str) -> tuple[ProgramCapture, dict[str, torch.Tensor]]:
     """The capture, and every tensor the program names by its bundle key (shared ones too)."""
@@ -357,6 +375,7 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
     if art.state_dict or art.constants or art.example_inputs:  # the pickled parts must be empty
         raise RuntimeError("torch.export's serializer produced pickled data although asked not to")
     program = json.loads(art.exported_program)
+    _keep_user_frames(program)
     if kind == "forward" and outputs is None:
         raise RuntimeError("the export did not trace the model's output")
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -374,7 +393,7 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
         "modules": {n: type(m).__name__ for n, m in model.named_modules()},
         "root_class": f"{type(model).__module__}:{type(model).__qualname__}",
         "training": [n for n, m in model.named_modules() if m.training],
-        "json_bytes": len(art.exported_program),
+        "json_bytes": len(json.dumps(program)),
         "program": program,
     }
     return ProgramCapture(meta=meta, tensors=tensors), every

@@ -51,6 +51,7 @@ class StepInputs:
     reason: dict = field(default_factory=dict)   # why the recorder dumped (meta["reason"])
     attach_scan: Optional[dict] = None           # meta["attach_scan"]: tensors non-finite when the Recorder attached
     scalars: list = field(default_factory=list)  # the scalar history (meta["scalar_history"]) as light records
+    compile_state: Optional[dict] = None         # meta["compile"]: the recording's torch.compile state (capture.compiled)
 
     def long_history(self) -> list:
         """The scalar history merged with the ring buffer's steps (a ring step wins), oldest

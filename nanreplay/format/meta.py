@@ -368,6 +368,18 @@ def _scalar_history(c: "_Checker", v: Any) -> None:
         c.boolean(cols["finite"][i], f"{where}.finite[{i}]")
 
 
+def _compile_state(c: "_Checker", v: Any) -> None:
+    """``meta.compile``: the recording's torch.compile state (docs/bundle-format.md). Only read
+    here; which backend a replay may run from it is the engine's allowlist
+    (:data:`nanreplay.engine.compiled.BUNDLE_BACKENDS`)."""
+    where = "meta.compile"
+    st = c.obj(v, where, ("compiled", "backend", "mode", "modules"))
+    c.boolean(st["compiled"], f"{where}.compiled", null=False)
+    c.string(st["backend"], f"{where}.backend", null=True, max_len=512)
+    c.string(st["mode"], f"{where}.mode", null=True, max_len=64)
+    c.names(st["modules"], f"{where}.modules", 256)
+
+
 def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
     """Check a step bundle's metadata against the schema and against the tensors in the file.
 
@@ -482,6 +494,8 @@ def _check_code_and_options(c: _Checker, m: dict) -> None:
         c.obj(m["lightning"], "meta.lightning")
     if m.get("scalar_history") is not None:
         _scalar_history(c, m["scalar_history"])
+    if m.get("compile") is not None:
+        _compile_state(c, m["compile"])
     d = m.get("diagnosis")
     if d is not None:
         c.obj(d, "meta.diagnosis")

@@ -8,6 +8,7 @@ error raised from the framework's loop (``"raise"``). Imports no framework.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from ..capture.recorder import Recorder, RecorderConfig
@@ -46,3 +47,23 @@ class RecorderCallbackState:
         if "log_to" in self._options or (self._config is not None and self._config.log_to is not None) or not found:
             return {}
         return {"log_to": found}
+
+    @property
+    def numbers_steps(self) -> bool:
+        """Whether the callback numbers the Recorder's steps by the trainer's global step: unless
+        the user set ``step_offset`` (as an option or in ``config``)."""
+        return "step_offset" not in self._options and (self._config is None or self._config.step_offset == 0)
+
+    def align_steps(self, global_step: int) -> None:
+        """Number the Recorder's steps from the trainer's ``global_step`` (the optimizer steps
+        done before the Recorder's first, a resumed run's included), so that bundle names
+        (``nanreplay-step<N>``), diagnoses and messages use the trainer's step numbers. Only before
+        the Recorder's first step, and only when the user did not set ``step_offset``."""
+        rec = self.recorder
+        if rec is None or not self.numbers_steps or len(rec.ring) or rec.ring.current is not None or rec.step == int(global_step):
+            return
+        rec.step = int(global_step)
+        rec.config = dataclasses.replace(rec.config, step_offset=int(global_step))
+        scan = rec.extra_meta.get("attach_scan")
+        if isinstance(scan, dict):
+            scan["step"] = rec.step

@@ -157,6 +157,11 @@ class NanReplayCallback(Callback, RecorderCallbackState):
         if hp is not None and cls is not None:
             self.recorder.extra_meta["model_init"] = {"class": cls, "kwargs": hp}
         self.recorder.extra_meta["lightning"] = {"global_step": int(trainer.global_step), "strategy": type(trainer.strategy).__name__}
+        self.align_steps(trainer.global_step)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # a resumed run's global step is restored after on_fit_start: number the steps from it
+        self.align_steps(trainer.global_step)
 
     def _close(self) -> None:
         if self.recorder is not None:

@@ -246,6 +246,7 @@ class NanReplayCallback(TrainerCallback, RecorderCallbackState):
             **self.log_to(report_to_trackers(self._trainer)),
         )
         self._model = self.recorder.model  # unwrapped from DDP by the Recorder
+        self.align_steps(state.global_step)  # a resumed run's state is loaded before on_train_begin
         self._failures_seen = 0
         self._ga = int(args.gradient_accumulation_steps or 1)
         init = _model_init(self._model)

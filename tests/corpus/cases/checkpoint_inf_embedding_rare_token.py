@@ -3,13 +3,13 @@ resumes from a checkpoint whose embedding row for a rare token holds +Inf (writt
 run that overflowed and was saved anyway). The row is never looked up until step 5, when the
 rare token first appears in a batch: its embedding is Inf, the logits and gradients NaN. The
 weights were non-finite before the Recorder attached; no recorded update made them so, and what
-did is unknown to the recording."""
+did is unknown to the recording; the sample whose token looked up the row (3) is named."""
 
 import torch
 import torch.nn as nn
 
 SOURCE = "https://discuss.pytorch.org/t/nan-loss-after-loading-checkpoint/131214"
-EXPECTED = dict(step=5, phase="weights", module="emb", op=None, samples=None, cause="unknown")
+EXPECTED = dict(step=5, phase="weights", module="emb", op=None, samples=[3], cause="unknown")
 TAGS = ("weights", "float32", "checkpoint", "embedding")
 RECORDER = dict()
 
