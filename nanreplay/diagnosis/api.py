@@ -43,6 +43,7 @@ from ..report.summary import summary_sentence
 from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
 from .evidence import grad_norm_history
+from .fix import propose_fix
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
 from .samples import samples_for, step_batch_size
@@ -156,6 +157,8 @@ def diagnose(
     if found is not None:
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
     cls["trigger"] = trigger(f, smp)
+    cls["fix"] = propose_fix(f, cls["cause"], model, inp, device=device, verify=counterfactuals and replayed, restore=lambda: _fresh(model, inp),
+                             progress=say)
     diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
     diag["summary"] = summary_sentence(diag)
