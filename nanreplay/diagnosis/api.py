@@ -51,7 +51,7 @@ from .timeline import health_table, report_facts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay", "load_diagnosis", "replay_step", "diagnose", "diagnose_live", "Progress"]
+__all__ = ["replay", "load_diagnosis", "bundle_step_inputs", "replay_step", "diagnose", "diagnose_live", "Progress"]
 
 #: ``progress(message)``: told what the diagnosis is doing, for work that takes more than a moment
 Progress = Callable[[str], None]
@@ -497,17 +497,8 @@ def replay(
     with opened_subject(bundle, request) as (b, subject, dev):
         model, lf = subject.model, subject.loss_fn
         state = b.state()
-        rec = b.step(b.failing_step)
         load_state(model, state)
-        rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
-        history = [b.step(k) for k in b.steps if k <= b.failing_step]
-        inp = StepInputs(
-            record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
-            optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
-            scalars=scalar_history_records(b.meta.get("scalar_history")),
-            attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
-            scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
-        )
+        inp = bundle_step_inputs(b, state, lf, allow=allow, default_allow=default_allow)
         compiled = None
         if compile:
             backend = compile if isinstance(compile, str) else DEFAULT_BACKEND
@@ -520,6 +511,22 @@ def replay(
         diag["model_source"] = subject.source
         diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
         return Diagnosis(diag, meta=dict(b.meta))
+
+
+def bundle_step_inputs(b: Bundle, state: Any, loss_fn: Optional[Callable], *, allow: Optional[Sequence[str]] = None,
+                       default_allow: bool = True) -> StepInputs:
+    """What a replay of the bundle's failing step needs (:class:`~nanreplay.engine.run.StepInputs`):
+    its record, the step-start ``state`` (``b.state()``), the recorded gradients, the ring buffer's
+    steps and the scalar history, the allowlist (the rules recorded in the bundle, plus ``allow``)."""
+    rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
+    reason = dict(b.meta.get("reason") or {})
+    return StepInputs(
+        record=b.step(b.failing_step), state=state, recorded_grads=b.grads(), loss_fn=loss_fn, allow=Allowlist(rules, defaults=default_allow),
+        optimizer_info=resolved_optimizer_info(b), history=[b.step(k) for k in b.steps if k <= b.failing_step], reason=reason,
+        scalars=scalar_history_records(b.meta.get("scalar_history")),
+        attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
+        scaler=state.extra.get("scaler"), grads_unscaled=(reason.get("scaler") or {}).get("grads_unscaled"),
+    )
 
 
 def load_diagnosis(bundle: Union[str, Path, Bundle]) -> Diagnosis:
