@@ -377,13 +377,13 @@ def fix_table(data: dict) -> list[str]:
     c, n = fix_counts(data), len(data["cases"])
     lines = ["", f"Fixes (`classification.fix`): proposed for {c['proposed']}/{n} cases; verified by a replay that rewrites only the "
              f"origin op: {c['verified']}/{n} ({c['refuted']} still non-finite with it, {c['unverified']} advice or not verifiable).",
-             "", "| case | cause | fix | verified |", "|---|---|---|---|"]
+             "", "| case | cause | fix: op rewritten (or advice) | verified |", "|---|---|---|---|"]
     for name in sorted(data["cases"]):
         diag = data["cases"][name]["nanreplay"].get("diagnosis") or {}
         cls = diag.get("classification") or {}
         fix = cls.get("fix") or {}
-        desc = " ".join(str(fix.get("description") or "-").split()).replace("|", "/")
-        lines.append(f"| {name} | {cls.get('cause', '-')} | {desc[:160]} | {_fmt(fix.get('verified')) if fix else '-'} |")
+        what = fix.get("op") or ("advice" if fix else "-")
+        lines.append(f"| {name} | {cls.get('cause', '-')} | {what} | {_fmt(fix.get('verified')) if fix else '-'} |")
     return lines
 
 

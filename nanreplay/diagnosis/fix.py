@@ -30,17 +30,23 @@ from ..engine.deadline import replay_error
 from ..engine.rewrite import OpTarget, Rewrite, locate, replay_rewritten
 from ..engine.run import StepInputs
 from .classify import Features
+from .evidence import offending_operand
 
 __all__ = ["FixRow", "FIXES", "CAUSE_GROUPS", "ADVICE", "PHASE_ADVICE", "family", "propose_fix", "eps_for"]
 
 
 @dataclass(frozen=True)
 class FixRow:
-    """One fix: ``text(eps)`` says it in the code's terms (``sqrt(max(x, 1e-12))``);
-    ``rewrite(func, args, kwargs, eps)`` computes the op that way (same output shapes and dtypes)."""
+    """One fix: ``text(eps)`` says it in the code's terms (``sqrt(max(x, 1e-12))``; ``signed``
+    instead where the operand at fault holds negative values); ``rewrite(func, args, kwargs, eps)``
+    computes the op that way (same output shapes and dtypes)."""
 
     text: Callable[[float], str]
     rewrite: Callable[[Any, tuple, dict, float], Any]
+    signed: Optional[Callable[[float], str]] = None
+
+    def say(self, eps: float, operand: Optional[dict] = None) -> str:
+        return (self.signed if self.signed is not None and (operand or {}).get("negatives") else self.text)(eps)
 
 
 def eps_for(dtype: torch.dtype) -> float:
@@ -179,7 +185,7 @@ FIXES: dict[str, dict[str, FixRow]] = {
         "log1p": _R(lambda eps: f"log1p(max(x, -1 + {eps:g}))", _clamp_arg(0, lo=lambda eps: -1 + eps)),
         "xlogy": _R(lambda eps: f"xlogy(x, max(y, {eps:g}))", _clamp_arg(1, lo=lambda eps: eps)),
         "reciprocal": _R(lambda eps: f"1 / max(x, {eps:g})", _clamp_arg(0, lo=lambda eps: eps)),
-        "div": _R(lambda eps: f"x / y with |y| raised to at least {eps:g} (an eps in the divisor)", _divisor),
+        "div": _R(lambda eps: f"x / max(y, {eps:g})", _divisor, signed=lambda eps: f"x / where(|y| < {eps:g}, ±{eps:g}, y)"),
         "pow": _R(lambda eps: f"pow(max(x, {eps:g}), p)", _clamp_arg(0, lo=lambda eps: eps)),
         "acos": _R(lambda eps: f"acos(clamp(x, -1 + {eps:g}, 1 - {eps:g}))", _clamp_arg(0, lo=lambda eps: -1 + eps, hi=lambda eps: 1 - eps)),
         "asin": _R(lambda eps: f"asin(clamp(x, -1 + {eps:g}, 1 - {eps:g}))", _clamp_arg(0, lo=lambda eps: -1 + eps, hi=lambda eps: 1 - eps)),
@@ -292,12 +298,13 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         return {"description": advice, "verified": None, "loss": None, "op": None, "detail": "no op rewrite verifies this cause"}
     backward = b.get("phase") == "backward"
     eps = eps_for(_dtype(b))
-    fix: Fix = {"description": row.text(eps) + _where(b), "verified": None, "loss": None, "op": None, "detail": None}
+    text = row.say(eps, offending_operand(b))
+    fix: Fix = {"description": text + _where(b), "verified": None, "loss": None, "op": None, "detail": None}
     if not verify:
         fix["detail"] = "not verified: the step was not replayed (nanreplay replay verifies it)"
         return fix
     if progress is not None:
-        progress(f"replaying the step with the fix ({row.text(eps)})")
+        progress(f"replaying the step with the fix ({text})")
     try:
         call = locate(model, inp, OpTarget(b.get("op"), backward, b.get("node")), device=device)
         if restore:
