@@ -93,6 +93,11 @@ def test_a_backward_birth_gets_its_fix_verified_by_replay(sqrt_bundle):
     assert fix["detail"] == "the step replayed with it produces finite losses, outputs and gradients"  # sqrt's derivative replaced too
     text = render_report(diag)
     assert f"fix verified: with sqrt(max(x, 1e-12)) at models.py:" in text and f"step {diag['step']} replays finite (loss " in text
+    pytest.importorskip("matplotlib")
+    from nanreplay.report.html import render_html
+
+    page = render_html(diag, meta=None, bundle_name="b.h5")
+    assert "<tr><th>fix</th><td>fix verified: with sqrt(max(x, 1e-12)) at models.py:" in page
 
 
 def test_the_rewrite_changes_only_that_call_and_its_gradient(norm_bundle):

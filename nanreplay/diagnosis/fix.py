@@ -89,9 +89,9 @@ def _softmax_guard(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
 
 
 def _empty_guard(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
-    """A reduction over an empty selection taken as 0."""
+    """A mean over an empty selection (0/0: NaN from finite inputs) taken as 0."""
     out = func(*args, **kwargs)
-    return torch.where(torch.isnan(out), torch.zeros_like(out), out) if args[0].numel() == 0 or out.numel() else out
+    return torch.where(torch.isnan(out), torch.zeros_like(out), out)
 
 
 def _ignored_guard(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
