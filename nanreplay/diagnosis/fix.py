@@ -102,7 +102,10 @@ def _ignored_guard(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
 
 def _ctc_zero_infinity(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
     """ctc_loss with ``zero_infinity=True``: an impossible alignment's Inf loss becomes 0."""
-    nll, alpha = func(*args[:-1], True, **kwargs) if isinstance(args[-1], bool) else func(*args, **kwargs)
+    if len(args) >= 6:  # _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+        nll, alpha = func(*_with(args, 5, True), **kwargs)
+    else:
+        nll, alpha = func(*args, **dict(kwargs, zero_infinity=True))
     return torch.where(torch.isinf(nll), torch.zeros_like(nll), nll), alpha
 
 
@@ -231,7 +234,7 @@ ADVICE: dict[str, str] = {
     "transient": "run the step again on another device and check this one (ECC counters, memory test)",
 }
 
-#: the standard fix where the origin is no op but the step's data (looked up before :data:`ADVICE`)
+#: the standard fix where the origin is no op but the step's data (a cause :data:`ADVICE` does not name)
 PHASE_ADVICE: dict[str, str] = {
     "input": "drop or repair the non-finite samples before the model sees them (filter them in the data pipeline, or fix the code "
              "between record(batch) and the model)",
@@ -292,7 +295,7 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
     b = f.birth or {}
     row = _row(cause, b.get("forward_op") or b.get("op")) if b else None
     if row is None:
-        advice = PHASE_ADVICE.get(f.phase) or ADVICE.get(cause)
+        advice = ADVICE.get(cause) or PHASE_ADVICE.get(f.phase)
         if advice is None:
             return None
         return {"description": advice, "verified": None, "loss": None, "op": None, "detail": "no op rewrite verifies this cause"}
