@@ -318,7 +318,9 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         row = _row(cause, call.name) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
         fix["op"] = call.overload
         rewrite: Rewrite = lambda func, args, kwargs: row.rewrite(func, args, kwargs, eps)  # noqa: E731
-        res, how = replay_rewritten(model, inp, call, rewrite, device=device)
+        src = b.get("source") or {}
+        line = (src["file"], src["line"]) if src.get("file") and src.get("line") is not None else None
+        res, how = replay_rewritten(model, inp, call, rewrite, device=device, line=line)
     except Exception as e:  # noqa: BLE001 - a verification that cannot run leaves the fix unverified, the error said
         fix["detail"] = f"not verified: the replay with the fix raised {replay_error(e)}"
         return fix
@@ -334,5 +336,7 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
     fix["loss"] = (losses[0] if len(losses) == 1 else sum(losses) / len(losses)) if losses and not bad else None
     fix["detail"] = ("the step replayed with it produces finite losses, outputs and gradients" if not bad else
                      "the step replayed with it is still non-finite: the non-finite value does not come from this op alone")
+    if how["others"]:
+        fix["detail"] += f" (the op rewritten at {how['others'] + 1} calls from that source line)"
     fix["detail"] += "".join(f"; {n}" for n in how["notes"])
     return fix

@@ -35,6 +35,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import probes
 from .monitors import born, flags_of
 from .run import ReplayResult, StepInputs, run_step
 
@@ -185,21 +186,31 @@ class _Capture(_AtOp):
 @dataclass
 class _RewriteState:
     applied: bool = False
+    others: int = 0  # calls of the op from the same source line, rewritten too
     error: Optional[str] = None
     backward_replaced: Optional[bool] = None
     notes: list[str] = field(default_factory=list)
 
 
 class _Rewrite(_AtOp):
-    def __init__(self, call: OpCall, rewrite: Rewrite) -> None:
+    def __init__(self, call: OpCall, rewrite: Rewrite, line: Optional[tuple[str, int]] = None) -> None:
         super().__init__()
-        self.target, self.rewrite = call, rewrite
+        self.target, self.rewrite, self.line = call, rewrite, line
         self.state = _RewriteState()
 
+    def _same_line(self) -> bool:
+        frame = probes.user_frame_now()
+        return frame is not None and (frame["file"], frame["line"]) == self.line
+
     def call(self, func: Any, name: str, n: int, args: tuple, kwargs: dict) -> Any:
-        if self.state.applied or name != self.target.name or n != self.target.occurrence:
+        if name != self.target.name or self.state.error is not None:
             return func(*args, **kwargs)
-        self.state.applied = True
+        if n == self.target.occurrence:
+            self.state.applied = True
+        elif self.line is None or not self._same_line():  # another call of the op: rewritten only from the same source line
+            return func(*args, **kwargs)
+        else:
+            self.state.others += 1
         if getattr(getattr(func, "_schema", None), "is_mutable", False):
             self.state.error = f"{name} writes into its input (an in-place op): not rewritten"
             return func(*args, **kwargs)
@@ -292,16 +303,21 @@ def capture(model: torch.nn.Module, inp: StepInputs, call: OpCall, *, device: Op
 
 
 def replay_rewritten(model: torch.nn.Module, inp: StepInputs, call: OpCall, rewrite: Rewrite, *,
-                     device: Optional[torch.device] = None) -> tuple[ReplayResult, dict]:
+                     device: Optional[torch.device] = None, line: Optional[tuple[str, int]] = None) -> tuple[ReplayResult, dict]:
     """Replay the step with ``call`` computed by ``rewrite`` instead (its value, and its gradient
-    in the backward pass); every other op as recorded.
+    in the backward pass); every other op as recorded. With ``line`` (``(file, line)``: the
+    user's source line of the call, :func:`nanreplay.engine.probes.user_frame_now`), the other
+    calls of the same op from that line are rewritten too, as a fix written on that line would
+    be (a model called twice in a step, on real and on generated samples).
 
     Returns:
         ``(result, report)``: the plain replay (:meth:`ReplayResult.products_nonfinite`,
-        ``loss_values``) and ``{"applied": bool, "error": str | None, "backward_replaced": bool |
-        None, "notes": [str]}`` (``applied`` false: the replay never made the call).
+        ``loss_values``) and ``{"applied": bool, "others": int, "error": str | None,
+        "backward_replaced": bool | None, "notes": [str]}`` (``applied`` false: the replay never
+        made the call; ``others``: calls from the same line rewritten too).
     """
-    mode = _Rewrite(call, rewrite)
+    mode = _Rewrite(call, rewrite, line)
     res = _plain(model, inp, device, mode)
     s = mode.state
-    return res, {"applied": s.applied and s.error is None, "error": s.error, "backward_replaced": s.backward_replaced, "notes": list(s.notes)}
+    return res, {"applied": s.applied and s.error is None, "others": s.others, "error": s.error, "backward_replaced": s.backward_replaced,
+                 "notes": list(s.notes)}
