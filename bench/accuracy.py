@@ -31,7 +31,9 @@ crashes is reported as an error, scored as a miss on every field; ``--jobs`` cas
 
 Fields are compared with ``tests/corpus/runner.py:field_matches`` (the same rule as
 tests/test_corpus.py). The table shows per-field accuracy, percentage and count, and "all six"
-(cases with every field right); then, per method, the misses (case, field, expected, got).
+(cases with every field right); then how often nanreplay proposed a fix and a replay that rewrites
+only the origin op verified it (``classification.fix``), case by case; then, per method, the misses
+(case, field, expected, got).
 """
 
 from __future__ import annotations
@@ -357,7 +359,32 @@ def summary(data: dict) -> dict:
         counts["errors"] = sum(1 for r in data["cases"].values() if r[m].get("error"))
         out[m] = counts
     out["n"] = n
+    out["fix"] = fix_counts(data)
     return out
+
+
+def fix_counts(data: dict) -> dict:
+    """How often nanreplay's diagnosis proposed a fix (``classification.fix``), and how often a
+    replay with only the origin op rewritten verified it (finite), refuted it, or could not run."""
+    fixes = [((r["nanreplay"].get("diagnosis") or {}).get("classification") or {}).get("fix") for r in data["cases"].values()]
+    return {"proposed": sum(1 for f in fixes if f), "verified": sum(1 for f in fixes if f and f.get("verified") is True),
+            "refuted": sum(1 for f in fixes if f and f.get("verified") is False),
+            "unverified": sum(1 for f in fixes if f and f.get("verified") is None)}
+
+
+def fix_table(data: dict) -> list[str]:
+    """The fix figures, and each case's fix in a table."""
+    c, n = fix_counts(data), len(data["cases"])
+    lines = ["", f"Fixes (`classification.fix`): proposed for {c['proposed']}/{n} cases; verified by a replay that rewrites only the "
+             f"origin op: {c['verified']}/{n} ({c['refuted']} still non-finite with it, {c['unverified']} advice or not verifiable).",
+             "", "| case | cause | fix: op rewritten (or advice) | verified |", "|---|---|---|---|"]
+    for name in sorted(data["cases"]):
+        diag = data["cases"][name]["nanreplay"].get("diagnosis") or {}
+        cls = diag.get("classification") or {}
+        fix = cls.get("fix") or {}
+        what = fix.get("op") or ("advice" if fix else "-")
+        lines.append(f"| {name} | {cls.get('cause', '-')} | {what} | {_fmt(fix.get('verified')) if fix else '-'} |")
+    return lines
 
 
 def _fmt(v: Any) -> str:
@@ -375,6 +402,7 @@ def tables(data: dict) -> str:
         cells = [f"{100 * s[m][row] / n:.1f}% ({s[m][row]}/{n})" if n else "-" for m in METHODS]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     lines.append("| errors (scored as misses) | " + " | ".join(str(s[m]["errors"]) for m in METHODS) + " |")
+    lines += fix_table(data)
     for m in METHODS:
         lines += ["", f"Misses of {TITLES[m]}:", "", "| case | field | expected | got |", "|---|---|---|---|"]
         any_miss = False

@@ -16,7 +16,9 @@ library's exceptions to them, and ``tests/test_cli.py`` checks this table agains
       with ``replay --compile``: neither the eager nor the compiled replay reproduced it
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
-      (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot)
+      (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot); for ``export --repro``: the
+      origin is not an op (the batch, the weights, the optimizer update, no birth), or the op is
+      not on the reviewed allowlist (``engine/opset.py``)
 6     ``bisect``: the search named no culprit (the failure did not reproduce, the cause is
       outside what the search varies, or ``--max-replays`` ran out)
 7     refused: the bundle is not trusted and names code the command would run (its model
@@ -472,6 +474,40 @@ def check(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], de
                    f"nanreplay replay {shlex.quote(str(bundle))} names where the NaN is born now")
     if not out["finite"]:
         sys.exit(EXIT_NOT_REPRODUCED)
+
+
+@main.command()
+@_bundle_arg
+@click.option("--repro", "repro", required=True, metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+              help="Write the origin op's reproducer here: repro.py (needs only torch; exit 0 when it reproduces the non-finite value, "
+                   "1 when not) and op_inputs.safetensors (the op's recorded inputs; for a backward birth also the output gradient).")
+@click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the program "
+              "embedded in the bundle, else the recorded factory).")
+@click.option("--loss-fn", metavar="MODULE:FUNCTION", help="loss_fn(model, batch) -> loss (default: the recorded one).")
+@click.option("--no-loss-fn", is_flag=True, help="Ignore any loss function; drive backward with the recorded cotangent.")
+@click.option("--device", help="Device to replay on (default: the recorded one when present); the reproducer runs on the CPU.")
+@click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import.")
+@_trust_opt
+@_batch_type_opt
+def export(bundle: Path, repro: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str],
+           import_script: bool, trust: bool, batch_types: tuple) -> None:
+    """Write a reproducer of BUNDLE's failing step anyone can run: the origin op alone, with its inputs.
+
+    Replays the step (under the trust rule of `replay`), finds the aten op that gave birth to the
+    non-finite value and writes DIR/repro.py and DIR/op_inputs.safetensors, for an upstream bug
+    report or a unit test. Exit code 0 when written, 5 when the origin is not an op (the batch, the
+    weights, the optimizer update) or the op is not on the reviewed allowlist.
+    """
+    from .diagnosis.repro import export_repro
+
+    with _Status(enabled=sys.stderr.isatty()) as status:
+        out = _guard(lambda: export_repro(bundle, repro, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=not no_loss_fn,
+                                          device=device, trust=trust, batch_types=_import_types(batch_types), import_script=import_script,
+                                          progress=status))
+    what = f"aten {out['op']}" + (" and its derivative (with the recorded output gradient)" if out["backward"] else "") + " on its recorded inputs"
+    where = f", {out['where']}" if out.get("where") else ""
+    click.echo(inert(f"wrote {out['script']} and {out['tensors']} ({out['bytes']} bytes): {what} (step {out['step']}{where})"))
+    click.echo(inert(f"run it: python {shlex.quote(out['script'])}  (exit 0: the non-finite value is reproduced, 1: not)"))
 
 
 def _reproduced(diag: DiagnosisDict) -> bool:

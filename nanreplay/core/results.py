@@ -29,7 +29,7 @@ else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequi
     from typing_extensions import NotRequired, TypedDict
 
 __all__ = [
-    "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Classification", "Reproduction", "ChainLink",
+    "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Fix", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
     "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
 ]
@@ -74,6 +74,17 @@ Origin = TypedDict("Origin", {
 })
 
 
+class Fix(TypedDict):
+    """The standard fix of the cause at the origin op, and the replay that verifies it
+    (``diagnosis.fix.propose_fix``)."""
+
+    description: str
+    verified: Optional[bool]
+    loss: Optional[JFloat]
+    op: Optional[str]
+    detail: Optional[str]
+
+
 class Classification(TypedDict):
     """The cause verdict (``diagnosis.classify.classify``, less its rule index)."""
 
@@ -81,7 +92,7 @@ class Classification(TypedDict):
     detail: str
     evidence: list[str]
     trigger: NotRequired[Any]
-    fix: NotRequired[Any]
+    fix: NotRequired[Optional[Fix]]
 
 
 class Reproduction(TypedDict):

@@ -44,6 +44,7 @@ from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
 from .compiled import replay_as_recorded
 from .evidence import grad_norm_history
+from .fix import propose_fix
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
 from .samples import samples_for, step_batch_size
@@ -51,7 +52,7 @@ from .timeline import health_table, report_facts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay", "load_diagnosis", "replay_step", "diagnose", "diagnose_live", "Progress"]
+__all__ = ["replay", "load_diagnosis", "bundle_step_inputs", "replay_step", "diagnose", "diagnose_live", "Progress"]
 
 #: ``progress(message)``: told what the diagnosis is doing, for work that takes more than a moment
 Progress = Callable[[str], None]
@@ -161,6 +162,8 @@ def diagnose(
     if smp and smp.get("rows") and smp.get("reason"):  # an embedding origin: which lookups read its non-finite rows
         cls["evidence"].append(smp["reason"])
     cls["trigger"] = trigger(f, smp)
+    cls["fix"] = propose_fix(f, cls["cause"], model, inp, device=device, verify=counterfactuals and replayed, restore=lambda: _fresh(model, inp),
+                             progress=say)
     diag = _diagnosis_dict(result, inp, f, cls, repro, smp, report_origin(found, result, inp, smp))
     diag.update(report_facts(result, inp))  # timeline, forward_modules, batch_leaves: for `nanreplay report`
     diag["summary"] = summary_sentence(diag)
@@ -503,18 +506,8 @@ def replay(
     with opened_subject(bundle, request) as (b, subject, dev), eager_modules(subject.model):
         model, lf = subject.model, subject.loss_fn
         state = b.state()
-        rec = b.step(b.failing_step)
         load_state(model, state)
-        rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
-        history = [b.step(k) for k in b.steps if k <= b.failing_step]
-        inp = StepInputs(
-            record=rec, state=state, recorded_grads=b.grads(), loss_fn=lf, allow=Allowlist(rules, defaults=default_allow),
-            optimizer_info=resolved_optimizer_info(b), history=history, reason=dict(b.meta.get("reason") or {}),
-            scalars=scalar_history_records(b.meta.get("scalar_history")),
-            attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
-            scaler=state.extra.get("scaler"), grads_unscaled=((b.meta.get("reason") or {}).get("scaler") or {}).get("grads_unscaled"),
-            compile_state=b.meta.get("compile"),
-        )
+        inp = bundle_step_inputs(b, state, lf, allow=allow, default_allow=default_allow)
         compiled = None
         if compile:
             # the recording's own backend, mode and compiled modules unless another backend is named
@@ -530,6 +523,23 @@ def replay(
         diag["model_source"] = subject.source
         diag["warnings"] = list(subject.notes) + list(diag.get("warnings", []))
         return Diagnosis(diag, meta=dict(b.meta))
+
+
+def bundle_step_inputs(b: Bundle, state: Any, loss_fn: Optional[Callable], *, allow: Optional[Sequence[str]] = None,
+                       default_allow: bool = True) -> StepInputs:
+    """What a replay of the bundle's failing step needs (:class:`~nanreplay.engine.run.StepInputs`):
+    its record, the step-start ``state`` (``b.state()``), the recorded gradients, the ring buffer's
+    steps and the scalar history, the allowlist (the rules recorded in the bundle, plus ``allow``)."""
+    rules = list((b.meta.get("replay_options") or {}).get("allow_nonfinite", [])) + list(allow or [])
+    reason = dict(b.meta.get("reason") or {})
+    return StepInputs(
+        record=b.step(b.failing_step), state=state, recorded_grads=b.grads(), loss_fn=loss_fn, allow=Allowlist(rules, defaults=default_allow),
+        optimizer_info=resolved_optimizer_info(b), history=[b.step(k) for k in b.steps if k <= b.failing_step], reason=reason,
+        scalars=scalar_history_records(b.meta.get("scalar_history")),
+        attach_scan=b.meta.get("attach_scan") if isinstance(b.meta.get("attach_scan"), dict) else None,
+        scaler=state.extra.get("scaler"), grads_unscaled=(reason.get("scaler") or {}).get("grads_unscaled"),
+        compile_state=b.meta.get("compile"),
+    )
 
 
 def load_diagnosis(bundle: Union[str, Path, Bundle]) -> Diagnosis:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..core.results import DiagnosisDict, Origin, Reproduction, Source
+from ..core.results import DiagnosisDict, Fix, Origin, Reproduction, Source
 
-__all__ = ["summary_sentence", "verdict_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
+__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[Source]) -> str:
@@ -176,3 +176,27 @@ def summary_sentence(diag: DiagnosisDict) -> str:
     if cls:
         parts.append(f"cause: {cls['cause']} ({cls['detail']})")
     return "; ".join(parts) + f"; {verdict_phrase(diag.get('reproduction') or {})}{VERDICT_NOTES.get(kind, '')}."
+
+
+#: how ``classification.fix`` reads, by ``verified`` (true, false, null: not verified)
+FIX_PHRASES: dict[Optional[bool], str] = {
+    True: "fix verified: with {description}, step {step} replays finite{loss}",
+    False: "fix not verified: with {description}, step {step} still replays non-finite",
+    None: "fix (not verified): {description}",
+}
+
+
+def fix_sentence(diag: DiagnosisDict) -> Optional[str]:
+    """``classification.fix`` in words, e.g. ``fix verified: with sqrt(max(x, 1e-12)) at
+    model.py:25, step 3 replays finite (loss 0.713)``; ``None`` without a fix.
+
+    >>> fix_sentence({"step": 3, "classification": {"fix": {"description": "sqrt(max(x, 1e-12)) at model.py:25",
+    ...               "verified": True, "loss": 0.7131, "op": "sqrt.default", "detail": None}}})
+    'fix verified: with sqrt(max(x, 1e-12)) at model.py:25, step 3 replays finite (loss 0.7131)'
+    """
+    fix: Optional[Fix] = (diag.get("classification") or {}).get("fix")
+    if not fix:
+        return None
+    loss = fix.get("loss")
+    return FIX_PHRASES[fix.get("verified")].format(description=fix.get("description"), step=diag.get("step"),
+                                                    loss=f" (loss {loss:.4g})" if isinstance(loss, (int, float)) else "")

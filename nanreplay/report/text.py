@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
 from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
+from .summary import fix_sentence
 
 __all__ = ["render_report", "fmt_health", "styler"]
 
@@ -128,6 +129,10 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
         lines.append(f"  verdict:       {st(cls['cause'], fg='red', bold=True)} ({cls['detail']})")
         for e in cls.get("evidence", []):
             lines.append(f"                 - {e}")
+        fix = fix_sentence(diag)
+        if fix:
+            verified = (cls.get("fix") or {}).get("verified")
+            lines.append(f"  fix:           {st(fix, fg={True: 'green', False: 'yellow'}.get(verified), bold=verified is True)}")
     if diag.get("cause"):
         lines.append(f"  cause:         {diag['cause']}")
     lines.extend(_chain_lines(diag.get("chain") or []))

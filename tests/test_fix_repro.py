@@ -1,0 +1,189 @@
+"""Issue 19 items 4 and 5: the fix at the origin op, verified by a replay that rewrites only that
+op call (``classification.fix``), and ``nanreplay export BUNDLE --repro DIR``, a reproducer that
+needs only torch."""
+
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+from nanreplay import NonFiniteGradientError, Recorder
+from nanreplay.cli import main
+from nanreplay.diagnosis.api import bundle_step_inputs, replay
+from nanreplay.diagnosis.classify import Features
+from nanreplay.diagnosis.fix import ADVICE, FIXES, PHASE_ADVICE, propose_fix
+from nanreplay.diagnosis.repro import SCRIPT, TENSORS, write_repro
+from nanreplay.engine.rewrite import OpCall, OpTarget, locate, replay_rewritten
+from nanreplay.engine.state import ReplayRequest, load_state, opened_subject
+from nanreplay.errors import ReplayError
+from nanreplay.report.text import render_report
+
+
+class Norm(nn.Module):
+    """x / ||x||: NaN for an all-zero row, born in the forward pass at the division."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x / x.norm(dim=1, keepdim=True))
+
+
+class TwoFaults(nn.Module):
+    """log(x) is -Inf at x = 0 and, independently, sqrt(x - 1) is NaN for x < 1: fixing the first
+    birth alone leaves the step non-finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(torch.log(x) + torch.sqrt(x - 1.0))
+
+
+def _make(cls):
+    def factory():
+        torch.manual_seed(0)
+        return cls()
+
+    return factory
+
+
+make_norm, make_two_faults = _make(Norm), _make(TwoFaults)
+
+
+def loss_fn(model, batch):
+    return model(batch[0]).pow(2).mean()
+
+
+def _record(factory, x, out_dir):
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, loss_fn=loss_fn, model_factory=factory, out_dir=out_dir, diagnose=False) as rec:
+            rec.record((x,))
+            loss_fn(model, (x,)).backward()
+            opt.step()
+    return str(ei.value.bundle_path)
+
+
+@pytest.fixture(scope="module")
+def norm_bundle(tmp_path_factory):
+    x = torch.randn(4, 4)
+    x[2] = 0.0
+    return _record(make_norm, x, tmp_path_factory.mktemp("norm"))
+
+
+# -- item 4: the fix ---------------------------------------------------------------------------
+
+def test_a_backward_birth_gets_its_fix_verified_by_replay(sqrt_bundle):
+    diag = replay(sqrt_bundle)
+    fix = diag["classification"]["fix"]
+    assert diag["classification"]["cause"] == "numerics"
+    assert fix["description"].startswith("sqrt(max(x, 1e-12)) at models.py:")
+    assert fix["verified"] is True and fix["op"] == "sqrt.default"
+    assert isinstance(fix["loss"], float) and fix["loss"] == fix["loss"]
+    assert fix["detail"] == "the step replayed with it produces finite losses, outputs and gradients"  # sqrt's derivative replaced too
+    text = render_report(diag)
+    assert f"fix verified: with sqrt(max(x, 1e-12)) at models.py:" in text and f"step {diag['step']} replays finite (loss " in text
+    pytest.importorskip("matplotlib")
+    from nanreplay.report.html import render_html
+
+    page = render_html(diag, meta=None, bundle_name="b.h5")
+    assert "<tr><th>fix</th><td>fix verified: with sqrt(max(x, 1e-12)) at models.py:" in page
+
+
+def test_the_rewrite_changes_only_that_call_and_its_gradient(norm_bundle):
+    """The recorded step is non-finite; the same call rewritten as itself still is; rewritten with
+    the fix table's row it is finite, gradients included."""
+    with opened_subject(norm_bundle, ReplayRequest()) as (b, subject, dev):
+        state = b.state()
+        load_state(subject.model, state)
+        inp = bundle_step_inputs(b, state, subject.loss_fn)
+        call = locate(subject.model, inp, OpTarget("div"), device=dev)
+        assert call is not None and call.name == "div" and call.occurrence >= 1 and not call.backward_birth
+        same, how = replay_rewritten(subject.model, inp, call, lambda func, args, kwargs: func(*args, **kwargs), device=dev)
+        assert how["applied"] and same.products_nonfinite()
+        row = FIXES["domain"]["div"]
+        fixed, how = replay_rewritten(subject.model, inp, call, lambda func, args, kwargs: row.rewrite(func, args, kwargs, 1e-12), device=dev)
+        assert how["applied"] and how["backward_replaced"] is None  # x / ||x|| of the batch alone: no autograd node to replace
+        assert not fixed.products_nonfinite() and all(bool(torch.isfinite(g).all()) for g in fixed.grads.values())
+
+
+def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
+    x = torch.rand(4, 4) + 0.5
+    x[1, 2] = 0.0  # log(0) = -Inf (the first birth), and sqrt(x - 1) is NaN wherever x < 1
+    diag = replay(_record(make_two_faults, x, tmp_path))
+    fix = diag["classification"]["fix"]
+    assert diag["origin"]["op"] == "log"
+    assert fix["description"].startswith("log(max(x, 1e-12))")
+    assert fix["verified"] is False and fix["loss"] is None
+    assert "fix not verified: with log(max(x, 1e-12))" in render_report(diag)
+
+
+def test_causes_no_rewrite_verifies_get_the_standard_advice_unverified():
+    model = nn.Linear(2, 2)
+    fix = propose_fix(Features(phase="input", origin={}), "bad input data", model, None)  # type: ignore[arg-type]
+    assert fix == {"description": PHASE_ADVICE["input"], "verified": None, "loss": None, "op": None,
+                   "detail": "no op rewrite verifies this cause"}
+    assert propose_fix(Features(phase="none", origin={}), "transient", model, None)["description"] == ADVICE["transient"]  # type: ignore[arg-type,index]
+    assert propose_fix(Features(phase="none", origin={}), "unknown", model, None) is None  # type: ignore[arg-type]
+
+
+# -- item 5: the reproducer --------------------------------------------------------------------
+
+def test_export_repro_writes_a_script_that_reproduces_a_backward_birth(sqrt_bundle, tmp_path):
+    out = tmp_path / "repro"
+    res = CliRunner().invoke(main, ["export", str(sqrt_bundle), "--repro", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "aten sqrt.default and its derivative (with the recorded output gradient) on its recorded inputs" in res.output
+    assert (out / SCRIPT).exists() and 0 < (out / TENSORS).stat().st_size < 1_000_000
+    run = subprocess.run([sys.executable, str(out / SCRIPT)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "input gradient 0: torch.float32 [5, 1]: 1 +Inf of 5" in run.stdout and "reproduced: the result holds non-finite values" in run.stdout
+
+    # the same script on inputs with the fix applied (sqrt's input clamped to 1e-12): finite, exit 1
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(out / TENSORS))
+    tensors["arg0"] = tensors["arg0"].clamp_min(1e-12)
+    save_file(tensors, str(out / TENSORS))
+    run = subprocess.run([sys.executable, str(out / SCRIPT)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "not reproduced: the result is finite" in run.stdout
+
+
+def test_export_repro_of_a_forward_birth(norm_bundle, tmp_path, capsys):
+    out = tmp_path / "repro"
+    res = CliRunner().invoke(main, ["export", norm_bundle, "--repro", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "aten div.Tensor on its recorded inputs (step 0, test_fix_repro.py:" in res.output
+    with pytest.raises(SystemExit) as ei:
+        runpy.run_path(str(out / SCRIPT), run_name="__main__")
+    assert ei.value.code == 0
+    said = capsys.readouterr().out
+    assert "input 1: torch.float32 [4, 1]: 1 zeros of 4" in said and "output 0: torch.float32 [4, 4]: 4 NaN, " in said
+
+
+def test_export_repro_refuses_an_op_off_the_allowlist(tmp_path):
+    class Func:  # what a program from a hostile bundle could name
+        _overloadname = "default"
+
+    for name in ("system", "sqrt'); import os; os.system('true'); ('", "_load"):
+        with pytest.raises(ReplayError, match=r"expected an aten op on nanreplay's reviewed allowlist .*; the reproducer is not written"):
+            write_repro(OpCall(name, 1, Func(), args=(torch.zeros(2),), kwargs={}), tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_export_repro_without_an_op_origin_exits_5(unreproducible_bundle, tmp_path):
+    res = CliRunner().invoke(main, ["export", str(unreproducible_bundle), "--repro", str(tmp_path / "r")])
+    assert res.exit_code == 5, res.output
+    assert "expected an op to give birth to the non-finite value, found none (the replay produced no non-finite value)" in res.output
+    assert not (tmp_path / "r").exists()
