@@ -37,7 +37,7 @@ __all__ = [
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
 #: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
 #: version when one is renamed, removed or changes type
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 #: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
 JFloat = Union[float, Literal["nan", "inf", "-inf"]]
