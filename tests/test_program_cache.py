@@ -78,7 +78,7 @@ def test_early_export_leaves_training_bit_identical(tmp_path, caplog):
     rng_plain = torch.get_rng_state()
     recorded, m_rec, rec = train(5, {"out_dir": tmp_path})
     rng_rec = torch.get_rng_state()
-    assert rec._dump.programs.step == 0, "exported at the first finite step"
+    assert rec._dump.programs.step == 0 and rec._dump.programs.verified, "exported (and verified) at the first finite step"
     assert "exported the loss program at step 0" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded)), "the same losses, bit for bit"
     assert all(torch.equal(a, b) for a, b in zip(m_plain.state_dict().values(), m_rec.state_dict().values()))
@@ -172,3 +172,47 @@ def test_model_signature_sees_modes_shapes_and_the_loss_function():
     assert model_signature(model, lambda m, b: step_loss(m, b)) != sig
     model.qkv = nn.Linear(16, 48, bias=False)
     assert model_signature(model, step_loss) != sig
+
+
+class StraightThrough(torch.autograd.Function):
+    """round() forward, identity backward: a backward an exported program does not carry."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Quantised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return StraightThrough.apply(self.fc(x) * 4)
+
+
+def test_an_unfaithful_program_is_not_taken_as_verified_at_a_finite_step(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nanreplay")
+    torch.manual_seed(0)
+    model = Quantised()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(m, batch):
+        return m(batch).pow(2).mean()
+
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
+        for _ in range(2):
+            x = torch.randn(8, 4)
+            rec.record(x)
+            loss = loss_fn(model, x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    programs = rec._dump.programs
+    assert programs.step == 0
+    assert not programs.verified, "finite gradients that differ in value fail the early check"
+    assert "the dump verifies it against the failing step" in caplog.text

@@ -18,9 +18,10 @@ failing step: the same modules (class, ``forward``, training mode), parameters a
 shape, dtype, device), the same loss function, and every micro-batch of the structure, dtypes and
 shapes the program was exported for (a dimension exported as dynamic may differ). Otherwise it
 exports again, as before. A failure to export is recorded (the bundle says why), never raised;
-where the early export could not be verified against its own step (a GradScaler's scaled
-gradients, ``torch.distributed``'s averaged ones), the dump verifies the program against the
-failing step as before.
+the early verification is strict (the step is finite, so its replayed gradients must agree with
+the recorded ones in value); where it cannot run (a GradScaler's scaled gradients,
+``torch.distributed``'s averaged ones) or does not pass, the dump verifies the program against
+the failing step as before.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ProgramCache:
         step: the step the cached program was exported at, else ``None``.
         seconds: how long that export (and its verifying replay) took.
         tried: whether :meth:`early` ran (it runs once per Recorder).
+        verified: whether the cached program reproduced its step's gradients.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Any, quiet: Callable[[bool], None], *, max_bytes: int = 64 << 20) -> None:
@@ -87,6 +89,12 @@ class ProgramCache:
         self._verified = False
         self._model_sig: Optional[tuple] = None
         self._inputs_sig: Optional[tuple] = None
+
+    @property
+    def verified(self) -> bool:
+        """Whether the cached program reproduced its own step's gradients (then the dump does not
+        replay it again)."""
+        return self._verified
 
     # -- the early export ---------------------------------------------------------------------
     def early(self, rec: Any, grads: Optional[list], state: Callable[[], Any], *, verify: bool) -> None:
@@ -116,9 +124,13 @@ class ProgramCache:
                     if rec.buffers is not None:
                         snap.buffers = dict(rec.buffers)  # step-start values, as the bundle holds them
                     content = SimpleNamespace(state=snap, steps=[rec], grads={n: g.detach() for n, g in grads or []}, reason={})
-                    unfaithful = verify_program(meta, tensors, content, self.loss_fn)
-                    if unfaithful:
-                        meta, tensors = {"format": meta.get("format"), "version": meta.get("version"), "kind": None, "error": unfaithful}, {}
+                    # a finite step: the gradients must agree in value, not only in where they are non-finite;
+                    # when they do not, the dump verifies the program against the failing step instead
+                    differs = verify_program(meta, tensors, content, self.loss_fn, strict=True)
+                    if differs:
+                        verify = False
+                        logger.info("nanreplay: step %d's replay on the exported program: %s; the dump verifies it against the "
+                                    "failing step", rec.step, differs)
         except Exception as e:  # noqa: BLE001 - an export must never cost training
             meta, tensors = {"kind": None, "error": f"{type(e).__name__}: {e}"[:2000]}, {}
         finally:
