@@ -199,7 +199,7 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool) -> dict:
     bundle_bytes = bundle.stat().st_size
     del plain, recorded, opt_p, opt_r
     # out of process: a fresh interpreter, the bench's model code not importable (cwd: the bundle's folder)
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS=str(torch.get_num_threads()))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "nanreplay.cli", "replay", str(bundle), "--json"],
                           cwd=str(out_dir), env=env, capture_output=True, text=True)
@@ -299,9 +299,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--rounds", type=int, help="interleaved rounds per size (default: 15 / 7 / 3)")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--readme", action="store_true", help="rewrite the table between <!-- scale --> markers in bench/README.md")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2; 1 on a machine shared with other jobs)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     args = p.parse_args(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     res = run(args.sizes, args.rounds, args.verbose)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
