@@ -146,7 +146,24 @@ def _q(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool) -> dict:
+def _profiled(top: int, what: str, fn: Any) -> Any:
+    """``fn()``, under cProfile when ``top``: the ``top`` entries by cumulative time go to stderr."""
+    if not top:
+        return fn()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+        print(f"--- cProfile: {what} ---\n{out.getvalue()}", file=sys.stderr)
+
+
+def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: int = 0) -> dict:
     torch.manual_seed(0)
     plain = size.make()
     recorded = size.make()
@@ -188,7 +205,7 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool) -> dict:
             log.records.clear()
             t0 = time.perf_counter()
             try:
-                _step(recorded, opt_r, batch, rec)
+                _profiled(profile, f"{size.name}: the failing step in process", lambda: _step(recorded, opt_r, batch, rec))
                 raise RuntimeError("the poisoned step did not fail")
             except NonFiniteGradientError as e:
                 in_process = time.perf_counter() - t0
@@ -202,6 +219,10 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool) -> dict:
     diag_s = log.seconds(r"^nanreplay: diagnosis of step %d \(", 1)
     bundle_bytes = bundle.stat().st_size
     del plain, recorded, opt_p, opt_r
+    if profile:  # the out-of-process replay's work, in this process (the fresh interpreter's imports aside)
+        import nanreplay
+
+        _profiled(profile, f"{size.name}: nanreplay.replay of the bundle", lambda: nanreplay.replay(bundle))
     # out of process: a fresh interpreter, the bench's model code not importable (cwd: the bundle's folder)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS=str(torch.get_num_threads()))
     t0 = time.perf_counter()
@@ -232,13 +253,13 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool) -> dict:
     return res
 
 
-def run(sizes: list[str], rounds: Optional[int], verbose: bool) -> dict:
+def run(sizes: list[str], rounds: Optional[int], verbose: bool, profile: int = 0) -> dict:
     out: dict[str, Any] = {"machine": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_name(),
                                        "threads": torch.get_num_threads()}, "sizes": {}}
     for name in sizes:
         size = SIZES[name]
         with tempfile.TemporaryDirectory(prefix="nanreplay-scale-") as tmp:
-            r = bench_size(size, rounds or size.rounds, Path(tmp), verbose)
+            r = bench_size(size, rounds or size.rounds, Path(tmp), verbose, profile)
         out["sizes"][name] = r
         print(f"{name}: {r['params'] / 1e6:.1f} M params, plain step {r['plain_step_s'] * 1e3:.0f} ms, recorded {r['overhead_x']:.3f}x, "
               f"held {r['held_bytes'] / 2**20:.1f} MiB, bundle {r['bundle_bytes'] / 2**20:.0f} MiB = {r['bundle_x_state']:.2f}x state "
@@ -304,10 +325,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--readme", action="store_true", help="rewrite the table between <!-- scale --> markers in bench/README.md")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2; 1 on a machine shared with other jobs)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="cProfile the failing step and an in-process replay; print the top N entries to stderr")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = run(args.sizes, args.rounds, args.verbose)
+    res = run(args.sizes, args.rounds, args.verbose, args.profile)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     if args.readme:
