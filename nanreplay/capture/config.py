@@ -123,7 +123,9 @@ class RecorderConfig:
             (checked with ``check_every=1``), not at the failing one, and keep it
             (:mod:`nanreplay.capture.program_cache`): a failing step then only re-embeds it, unless
             the model, the loss function or the input shapes changed since. ``False``: export at
-            the dump only (a run that never fails never pays the export).
+            the dump only (a run that never fails never pays the export). The export traces the
+            model with fake tensors: forward hooks of yours on the model run once then, seeing
+            fake tensors (set it ``False`` if a hook keeps what it sees).
         dump_on_explosion: also write a bundle on a step whose gradients are all finite but
             whose 2-norm overflows float32 (an exploding step). By default such a step is
             logged as a warning with the grad-norm history and training goes on; the bundle is
