@@ -286,7 +286,7 @@ def table(res: dict, command: str) -> str:
         ("bytes held by the Recorder", [f"{sizes[n]['held_bytes'] / 2**20:.1f} MiB" for n in cols]),
         ("training state (params + AdamW state + batch)", [f"{sizes[n]['training_state_bytes'] / 2**20:.0f} MiB" for n in cols]),
         ("bundle (target <= 1.15x the training state)", [f"{sizes[n]['bundle_bytes'] / 2**20:.0f} MiB = **{sizes[n]['bundle_x_state']:.2f}x**" for n in cols]),
-        ("bundle writes (s = steps)", [f"{_fmt_x(sizes[n]['write_s'], sizes[n]['plain_step_s'])} ({sizes[n]['writes']} writes)" for n in cols]),
+        ("first bundle write (before the diagnosis; written again with it)", [_fmt_x(sizes[n]['write_s'], sizes[n]['plain_step_s']) for n in cols]),
         ("program export + verifying replay at the first step, once (`export_early`)",
          [_fmt_x(sizes[n].get('early_export_s'), sizes[n]['plain_step_s']) for n in cols]),
         ("program embedded at the dump (re-embedded when it fits)", [_fmt_x(sizes[n]['export_s'], sizes[n]['plain_step_s']) for n in cols]),
@@ -295,7 +295,7 @@ def table(res: dict, command: str) -> str:
          [f"**{_fmt_x(sizes[n]['in_process_s'], sizes[n]['plain_step_s'])}**" for n in cols]),
         ("**`nanreplay replay --json`**, a fresh process (target <= 8 steps)",
          [f"**{_fmt_x(sizes[n]['replay_cli_s'], sizes[n]['plain_step_s'])}**" for n in cols]),
-        ("diagnosis", [(sizes[n]["replay_summary"] or sizes[n]["summary"] or "")[:90] for n in cols]),
+        ("diagnosis (`nanreplay replay`)", [(sizes[n]["replay_summary"] or sizes[n]["summary"] or "").split(", step")[0][:140] for n in cols]),
     ]
     lines = [f"torch {m['torch']}, {m['cpu']}, {m['threads']} threads, python {m['python']}; command: `{command}`", "",
              "| | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
@@ -334,7 +334,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     if args.readme:
-        shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json"))
+        given = list(argv if argv is not None else sys.argv[1:])
+        shown = " ".join(a for i, a in enumerate(given) if not a.startswith("--json") and not (i and given[i - 1] == "--json"))
         write_readme(table(res, f"python bench/scale.py {shown}".strip()), HERE / "README.md")
     return res
 
