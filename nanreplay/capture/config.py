@@ -113,12 +113,19 @@ class RecorderConfig:
             theirs before the action runs (default 300). It keeps a rank that raises first from
             ending the job (``torchrun`` then stops the other ranks) while a sibling bundle is
             still being written. On timeout the rank logs which ranks did not arrive and goes on.
-        embed_program: at dump time (only then), export the failing step's forward, and the loss
-            function when one is given, as a ``torch.export`` program stored in the bundle (JSON,
-            weights shared with the pre-step state, no pickle), so ``nanreplay replay`` needs none
-            of the user's code. Costs the export time at the dump (about 1 s for a 4M-parameter
-            model, 15 s for GPT-2 124M on 2 CPU cores, see ``bench/README.md``) and a few hundred
-            KiB of JSON; a model that cannot be exported is written without it, and the bundle says why.
+        embed_program: export the step's forward, and the loss function when one is given, as a
+            ``torch.export`` program stored in the bundle (JSON, weights shared with the pre-step
+            state, no pickle), so ``nanreplay replay`` needs none of the user's code. Costs the
+            export time once (about 1 s for a 4M-parameter model, 15 s for GPT-2 124M on 2 CPU
+            cores, see ``bench/README.md``) and a few hundred KiB of JSON; a model that cannot be
+            exported is written without it, and the bundle says why.
+        export_early: with ``embed_program``, export the program at the first finite step
+            (checked with ``check_every=1``), not at the failing one, and keep it
+            (:mod:`nanreplay.capture.program_cache`): a failing step then only re-embeds it, unless
+            the model, the loss function or the input shapes changed since. ``False``: export at
+            the dump only (a run that never fails never pays the export). The export traces the
+            model with fake tensors: forward hooks of yours on the model run once then, seeing
+            fake tensors (set it ``False`` if a hook keeps what it sees).
         dump_on_explosion: also write a bundle on a step whose gradients are all finite but
             whose 2-norm overflows float32 (an exploding step). By default such a step is
             logged as a warning with the grad-norm history and training goes on; the bundle is
@@ -170,6 +177,7 @@ class RecorderConfig:
     diagnose_timeout: Optional[float] = 120.0
     dump_barrier_timeout: float = 300.0
     embed_program: bool = True
+    export_early: bool = True
     dump_on_explosion: bool = False
     on_spike: Optional[str] = "warn"
     history_steps: int = 1024

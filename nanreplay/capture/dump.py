@@ -26,6 +26,7 @@ from ..format.bundle import open_bundle, write_bundle
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .config import RecorderConfig
 from .inputs import InputCapture
+from .program_cache import ProgramCache
 from .ring import RingBuffer
 from .snapshots import replace_snapshot
 from .trackers import Trackers, event_for_bundle
@@ -75,6 +76,10 @@ class Dump:
         self.spike_attempts = 0
         # log_to: the user's experiment trackers, told of every bundle and spike episode (capture.trackers)
         self.trackers = Trackers(config.log_to) if config.log_to is not None else None
+        # the program exported at the first finite step, re-embedded at the dump (export_early)
+        self.programs = ProgramCache(model, loss_fn, lambda on: setattr(self, "replaying", on))
+        self.programs.tried = not (config.embed_program and config.export_early and config.check_every == 1
+                                   and not (dist is not None and dist.sharded))
 
     @property
     def spike_allowed(self) -> bool:
@@ -207,20 +212,23 @@ class Dump:
         self.trackers.emit(event_for_bundle(path, step=content.failing_step, diagnosis=content.diagnosis, reason=content.reason, meta=meta))
 
     def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
-        """Export the failing step as a program into ``content`` (see ``embed_program``). Never
-        raises; returns whether ``content`` changed."""
-        from ..engine.program import PROGRAM_META_KEY, program_content
+        """Put the failing step's program into ``content`` (see ``embed_program``): the one
+        exported early when it still fits (:class:`~nanreplay.capture.program_cache.ProgramCache`),
+        else a new export, verified against the step. Never raises; returns whether ``content``
+        changed."""
+        from ..engine.program import PROGRAM_META_KEY
         from ..engine.verify import verify_program
 
         t0 = time.perf_counter()
-        logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
-                       "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
-                       rec.step)
+        if not self.programs.fits(rec):
+            logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
+                           "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
+                           rec.step)
         self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
         try:
             with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
-                meta, tensors = program_content(self.model, rec, self.loss_fn)
-                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") else None
+                meta, tensors, verified = self.programs.embed(rec, content)
+                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") and not verified else None
             if unfaithful:
                 meta, tensors = {"kind": None, "error": unfaithful}, {}
         except Exception as e:  # export must never cost training

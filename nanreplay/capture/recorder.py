@@ -309,6 +309,8 @@ class Recorder:
             self._amp.on_checked(rec.finite)
         if rec.finite:
             self._actions.finite()
+            if not self._dump.programs.tried:  # export_early: the program, once, off the failing step
+                self._dump.programs.early(rec, grads, self._live, verify=self.dist is None and self.scaler is None)
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
             self._watch.judge(rec, grads, self._live)

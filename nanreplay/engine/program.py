@@ -74,6 +74,7 @@ __all__ = [
     "load_program",
     "program_loss",
     "program_content",
+    "program_accepts",
     "build_from_program",
     "PROGRAM_META_KEY",
     "PROGRAM_PREFIX",
@@ -600,6 +601,18 @@ def _match_inputs(info: dict, tree: Any, what: str) -> list:
                 )
         tensors.append(leaf)
     return tensors
+
+
+def program_accepts(meta: dict, tree: Any) -> bool:
+    """Whether a program record (:attr:`ProgramCapture.meta`) takes ``tree`` (a batch for kind
+    ``"loss"``, ``(args, kwargs)`` for ``"forward"``): the same structure and non-tensor values,
+    and tensors of the recorded dtypes and shapes (a dimension exported as dynamic may differ).
+    Reads no tensor data."""
+    try:
+        _match_inputs(meta["inputs"], tree, "the inputs")
+    except (ReplayError, KeyError, TypeError):
+        return False
+    return True
 
 
 #: set by :func:`widened_inputs`: floating inputs may come in float64 / complex128

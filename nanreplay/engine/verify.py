@@ -16,13 +16,18 @@ from .run import StepInputs, run_step
 __all__ = ["verify_program"]
 
 
-def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, loss_fn: Optional[Callable]) -> Optional[str]:
+def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, loss_fn: Optional[Callable], *,
+                   strict: bool = False, rtol: float = 1e-4) -> Optional[str]:
     """Replay the failing step of ``content`` (a :class:`~nanreplay.format.records.BundleContent`)
     on the program it was exported to, and say why the program is unfaithful (its gradients do not
     reproduce the recorded ones, e.g. a custom ``torch.autograd.Function`` whose backward is not
     part of an exported program), or ``None`` when it reproduces them. Touches no live tensor:
     weights are read, buffers copied, and random draws come from a
-    :class:`~nanreplay.core.rng.ReplayRNG` (no other thread's generator consumed or rewound)."""
+    :class:`~nanreplay.core.rng.ReplayRNG` (no other thread's generator consumed or rewound).
+
+    ``strict``: also call the program unfaithful when the finite gradients differ by more than
+    ``rtol`` times the largest recorded one (for a finite step, where the non-finite pattern
+    alone says nothing: :mod:`nanreplay.capture.program_cache` verifies at the first finite step)."""
     state = content.state
 
     def get(key: str) -> torch.Tensor:
@@ -38,11 +43,16 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
             lf = program_loss if pm.kind == "loss" else loss_fn
             inp = StepInputs(record=content.steps[-1], state=state, recorded_grads=content.grads, loss_fn=lf, scaler=state.extra.get("scaler"),
                              grads_unscaled=(content.reason.get("scaler") or {}).get("grads_unscaled"))
-            res = run_step(pm, inp, ops=False)
+            res = run_step(pm, inp, ops=False, monitors=False)  # only the gradients matter: no module monitor
     except Exception as e:  # noqa: BLE001 - an unfaithful program is dropped, never raised into training
         return f"the exported program could not replay the step ({type(e).__name__}: {_first_line(e)})"
     verdict = compare_grads(content.grads, res.grads)
     if verdict["verdict"] == "not reproduced":
         return (f"the exported program does not reproduce the step's gradients ({verdict.get('detail')}); a custom "
                 "torch.autograd.Function's backward, for one, is not part of an exported program")
+    if strict and verdict["verdict"] != "reproduced exactly":
+        scale = max((float(g.detach().abs().max()) for g in content.grads.values() if g.is_floating_point() and g.numel()), default=0.0)
+        diff = verdict.get("max_abs_diff")
+        if diff is None or not diff <= rtol * scale:
+            return f"the exported program's gradients differ from the step's by up to {diff} (largest gradient {scale:.3g})"
     return None
