@@ -25,6 +25,7 @@ NOISY_MESSAGES: tuple[str, ...] = (
     r".*degrees of freedom is <= 0",                   # std()/var() on the one-sample batches of per-sample replay
     r".*does not have a deterministic implementation",  # replays run with deterministic algorithms (warn_only)
     r"Anomaly Detection has been enabled",               # the op monitor's source lines
+    r"Error detected in \w+Backward",                    # anomaly mode's forward traceback of a replayed backward error (nanreplay reports the error itself)
     r".*DynamicCache",                                   # transformers' cache classes re-run under replay
     r".*past_key_values",
     r".*torch\.jit\.script_method. is deprecated",       # imported while torch.export / torch.compile load
