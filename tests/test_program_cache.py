@@ -216,3 +216,55 @@ def test_an_unfaithful_program_is_not_taken_as_verified_at_a_finite_step(tmp_pat
     assert programs.step == 0
     assert not programs.verified, "finite gradients that differ in value fail the early check"
     assert "the dump verifies it against the failing step" in caplog.text
+
+
+class Spike(torch.autograd.Function):
+    """A spiking neuron's step function with a surrogate gradient (sigmoid'): the traced forward
+    (a comparison) has no derivative, so an exported program gives ``fc`` no gradient at all."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u)
+        return (u > 0).to(u.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (u,) = ctx.saved_tensors
+        s = torch.sigmoid(u)
+        return grad * s * (1 - s)
+
+
+class Spiking(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(Spike.apply(self.fc(x)))
+
+
+def test_a_program_that_loses_a_gradient_is_not_taken_as_verified(tmp_path, caplog):
+    """The gradients the program does give match exactly; the ones it does not give (``fc``'s)
+    must fail the early check all the same."""
+    caplog.set_level(logging.INFO, logger="nanreplay")
+    torch.manual_seed(0)
+    model = Spiking()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(m, batch):
+        return m(batch).pow(2).mean()
+
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
+        for _ in range(2):
+            x = torch.randn(8, 4)
+            rec.record(x)
+            loss = loss_fn(model, x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert model.fc.weight.grad is not None and bool(model.fc.weight.grad.ne(0).any())
+    programs = rec._dump.programs
+    assert programs.step == 0
+    assert not programs.verified, "a nonzero recorded gradient absent in the program's replay fails the early check"
+    assert "the dump verifies it against the failing step" in caplog.text

@@ -25,8 +25,8 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
     weights are read, buffers copied, and random draws come from a
     :class:`~nanreplay.core.rng.ReplayRNG` (no other thread's generator consumed or rewound).
 
-    ``strict``: also call the program unfaithful when the finite gradients differ by more than
-    ``rtol`` times the largest recorded one (for a finite step, where the non-finite pattern
+    ``strict``: also call the program unfaithful when a nonzero recorded gradient is absent in its
+    replay, or the finite gradients differ by more than ``rtol`` times the largest recorded one (for a finite step, where the non-finite pattern
     alone says nothing: :mod:`nanreplay.capture.program_cache` verifies at the first finite step)."""
     state = content.state
 
@@ -51,6 +51,10 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
         return (f"the exported program does not reproduce the step's gradients ({verdict.get('detail')}); a custom "
                 "torch.autograd.Function's backward, for one, is not part of an exported program")
     if strict and verdict["verdict"] != "reproduced exactly":
+        lost = [n for n, r in content.grads.items() if res.grads.get(n) is None and r.is_floating_point() and bool(r.ne(0).any())]
+        if lost:  # e.g. a custom autograd.Function whose backward the program lacks: no gradient reaches these
+            return (f"the exported program gives no gradient to {len(lost)} parameter(s) the step gave one, e.g. {lost[:3]}; a custom "
+                    "torch.autograd.Function's backward, for one, is not part of an exported program")
         scale = max((float(g.detach().abs().max()) for g in content.grads.values() if g.is_floating_point() and g.numel()), default=0.0)
         diff = verdict.get("max_abs_diff")
         if diff is None or not diff <= rtol * scale:
