@@ -30,7 +30,7 @@ crashes is reported as an error, scored as a miss on every field; ``--jobs`` cas
    gradient caught only at ``optimizer.step()`` -> ``backward``, no module. No op, no cause.
 
 Fields are compared with ``tests/corpus/runner.py:field_matches`` (the same rule as
-tests/test_corpus.py). The table shows per-field accuracy, percentage and count, and "all six"
+tests/diagnosis/test_corpus.py). The table shows per-field accuracy, percentage and count, and "all six"
 (cases with every field right); then how often nanreplay proposed a fix and a replay that rewrites
 only the origin op verified it (``classification.fix``), case by case; then, per method, the misses
 (case, field, expected, got).

@@ -1,7 +1,7 @@
 """The ``nanreplay`` command line.
 
 Exit codes (stable, for scripts; :data:`EXIT_CODES` names them, :data:`ERROR_EXITS` maps the
-library's exceptions to them, and ``tests/test_cli.py`` checks this table against both):
+library's exceptions to them, and ``tests/cli/test_cli.py`` checks this table against both):
 
 ====  =========================================================================
 0     success; for ``replay`` and ``report``: the failure was reproduced

@@ -1,4 +1,4 @@
-"""One small model per failure family, for tests/test_attribution.py. Importable by replay as
+"""One small model per failure family, for tests/diagnosis/test_attribution.py. Importable by replay as
 ``failure_models:<factory>`` (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Small but realistic training models for tests/test_realistic.py: a ResNet-style CNN with
+"""Small but realistic training models for tests/diagnosis/test_realistic.py: a ResNet-style CNN with
 BatchNorm and in-place ReLUs, a Transformer encoder classifier with key padding masks, a tied-
 weight LSTM language model, a model with a frozen backbone, and a multi-output model. Importable
 by replay as ``realistic_models:<factory>`` (pytest puts tests/ on sys.path)."""

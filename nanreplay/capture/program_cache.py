@@ -7,7 +7,7 @@ of the run, checked synchronously (``check_every=1``): the Recorder's ``check_st
 :meth:`ProgramCache.early` there, once, with the step's pre-step weights still in the model and
 its gradients in ``.grad``. The export traces with fake tensors and the verifying replay runs on
 detached views of the weights under a :class:`~nanreplay.core.rng.ReplayRNG`, so neither changes
-the step's results nor any RNG stream of the user's (``tests/test_program_cache.py`` checks that
+the step's results nor any RNG stream of the user's (``tests/capture/test_program_cache.py`` checks that
 a run's losses are bit-identical with and without it). What it keeps: the program record (JSON, a
 few hundred KiB) and the program's own tensors (constants ``torch.export`` lifted; the weights
 and buffers are not kept: the program names the bundle's ``state/params/<fqn>`` and

@@ -3,7 +3,7 @@
 
 They are ``TypedDict`` s: at run time each is the plain ``dict`` it always was (the JSON shape does
 not change), and for a type checker and a reader each key is named once, here. ``diagnosis/``
-builds a :class:`DiagnosisDict`, ``report/`` and ``cli.py`` read one; ``tests/test_results.py`` checks
+builds a :class:`DiagnosisDict`, ``report/`` and ``cli.py`` read one; ``tests/core/test_results.py`` checks
 ``docs/report.md`` against these types (every documented field is a key here and every key is
 documented), and :mod:`nanreplay.core.schema` turns them into the JSON Schema shipped in
 ``nanreplay/schema/``. A renamed key fails one of those tests.

@@ -17,7 +17,7 @@ operators ``torch.export.export`` emitted for the corpus (``tests/corpus``), the
 compiled models, plus their close relatives that ordinary model code calls (every activation of
 ``torch.nn.functional``, every loss, the in-place forms ``nn`` modules use). To extend it: add the
 exact overload to the group it belongs to, with no ``out`` argument and no ``str`` argument (or a
-:data:`STRING_ARGS` entry with the values it may take), and run ``tests/test_program_checks.py``.
+:data:`STRING_ARGS` entry with the values it may take), and run ``tests/engine/test_program_checks.py``.
 
 Each entry is ``"<op>.<overload>"`` in the ``aten`` namespace, or ``"higher_order.<name>"``.
 """

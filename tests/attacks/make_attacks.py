@@ -2,7 +2,7 @@
 
 ``python tests/attacks/make_attacks.py OUTDIR`` writes every attack file into ``OUTDIR`` together
 with ``index.json`` (name -> file and expected outcomes), the way safetensors keeps its attack
-files; the test suite builds the same files into a temporary directory (``tests/test_attacks.py``),
+files; the test suite builds the same files into a temporary directory (``tests/house/test_attacks.py``),
 so no binary is committed. Each attack is built from a small, valid bundle recorded by a real
 ``Recorder`` and then edited, by h5py or byte by byte, the way an attacker or a damaged disk would.
 

@@ -4,7 +4,7 @@ Each attack starts from a valid bundle whose step program was exported by a real
 (kind ``loss``: forward and loss function), then edits the program JSON: nodes that write or read
 files, higher-order ops that name Python callables, tree specs that import modules, symbolic
 expressions that never finish, sizes that exhaust memory, strings and in-place writes where none
-belong, and plain damage. ``tests/test_program_attacks.py`` replays each one with an empty trust
+belong, and plain damage. ``tests/engine/test_program_attacks.py`` replays each one with an empty trust
 store and no code of the user's (the embedded program is the only way to replay), and checks the
 exit code, the message, the marker files and the time.
 

@@ -1,4 +1,4 @@
-"""Registers the ``corpus`` marker (the per-field diagnosis checks of tests/test_corpus.py)."""
+"""Registers the ``corpus`` marker (the per-field diagnosis checks of tests/diagnosis/test_corpus.py)."""
 
 
 def pytest_configure(config):

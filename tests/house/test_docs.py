@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 NO_TEST = re.compile(r"^<!--\s*no-test:\s*(.*?)\s*-->\s*$")

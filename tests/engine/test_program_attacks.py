@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from attacks.program_attacks import ATTACKS, PROBE, build_all
 from nanreplay.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BY_NAME = {a.name: a for a in ATTACKS}
 IN_SUBPROCESS = {"power_tower", "power_tower_srepr", "sympify_eval"}  # a hang must fail the test, not pytest
 

@@ -22,7 +22,7 @@ from nanreplay import open_bundle
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 TRAIN = textwrap.dedent('''
     import sys

@@ -20,7 +20,7 @@ import torch
 from nanreplay.format import atomic
 from nanreplay.format.container import STALE_PARTIAL_SECONDS, read_flat, write_flat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in a child process: a segfault there fails the test instead of killing pytest. It fills
 # the disk twice with a direct write_flat, then once through a Recorder's dump (logged, training

@@ -19,7 +19,7 @@ from helpers import assert_inert_page, raw_controls
 from nanreplay import BundleFormatError, open_bundle
 from nanreplay.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BY_NAME = {a.name: a for a in ATTACKS}
 IN_SUBPROCESS = {"h5_v1_corrupt_vlen_attribute", "st_sparse_huge_tensor", "fifo"}  # a crash or a hang must fail the test, not pytest
 

@@ -427,7 +427,7 @@ def test_validation_between_steps_is_not_part_of_a_step(out_dir, how):
             assert diag["reproduction"]["verdict"] == "reproduced exactly"  # same dropout masks as in training
 
 
-# -- 7. action="skip" trains on (that close() leaves no hooks: tests/test_recorder.py) -------------------------
+# -- 7. action="skip" trains on (that close() leaves no hooks: tests/capture/test_recorder.py) -------------------------
 def _train_skipping(out_dir, *, recorder: bool, bad_steps=(3, 6), steps=9):
     """With the recorder: action="skip" on NaN batches. Without: the reference loop, which never
     runs the bad steps at all (only the scheduler moves on)."""

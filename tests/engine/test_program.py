@@ -312,12 +312,12 @@ def test_bench_models_round_trip():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
         import models as _  # noqa: F401  (tests/models is imported already; load bench/models by path)
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("bench_models", Path(__file__).resolve().parents[1] / "bench" / "models.py")
+        spec = importlib.util.spec_from_file_location("bench_models", Path(__file__).resolve().parents[2] / "bench" / "models.py")
         bm = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(bm)
     finally:

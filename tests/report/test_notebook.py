@@ -93,7 +93,7 @@ def test_the_example_notebook_records_replays_and_shows_the_report_inline(tmp_pa
     pytest.importorskip("matplotlib")
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "notebook.ipynb"
+    path = Path(__file__).resolve().parents[2] / "examples" / "notebook.ipynb"
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "the notebook is stored without outputs"
     nbclient.NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from nanreplay.core import results as R
 from nanreplay.core import schema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT_MD = ROOT / "docs" / "report.md"
 
 #: a section of docs/report.md (its heading, or the label of a bullet) -> the type it documents

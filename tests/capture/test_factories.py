@@ -16,7 +16,7 @@ from nanreplay import open_bundle, replay
 from nanreplay.core.callables import CallablePath, callable_path, import_callable, script_imports, script_runs_code
 from nanreplay.errors import ReplayError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MODEL_PY = '''
 import torch, torch.nn as nn

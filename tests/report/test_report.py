@@ -26,7 +26,7 @@ from nanreplay.cli import EXIT_BAD_BUNDLE, EXIT_NOT_REPRODUCED, EXIT_OK, EXIT_RE
 from nanreplay.core.results import SCHEMA_VERSION
 from nanreplay.report.text import render_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, **kw):

@@ -17,7 +17,7 @@ from nanreplay.cli import main
 from nanreplay.core.inert import inert, inert_name, inert_tree
 from nanreplay.report.text import render_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: strings an attacker would store in a diagnosis: each must reach the page as text only
 HTML_PAYLOADS = (

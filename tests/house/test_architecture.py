@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "nanreplay"
+PACKAGE = Path(__file__).resolve().parents[2] / "nanreplay"
 
 #: bottom first; a module may import from its own layer and the layers before it
 LAYERS = ["errors", "core", "report", "format", "engine", "diagnosis", "capture", "search", "testing", "integrations", "cli"]

@@ -22,7 +22,7 @@ from nanreplay import NonFiniteGradientError, Recorder, open_bundle
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402
 
-NANREPLAY_DIR = str(Path(__file__).resolve().parents[1] / "nanreplay")
+NANREPLAY_DIR = str(Path(__file__).resolve().parents[2] / "nanreplay")
 ORDERS = ("compile-then-record", "record-then-compile", "method-compile-then-record", "record-then-method-compile")
 
 
