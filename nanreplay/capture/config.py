@@ -125,7 +125,10 @@ class RecorderConfig:
             the model, the loss function or the input shapes changed since. ``False``: export at
             the dump only (a run that never fails never pays the export). The export traces the
             model with fake tensors: forward hooks of yours on the model run once then, seeing
-            fake tensors (set it ``False`` if a hook keeps what it sees).
+            fake tensors (set it ``False`` if a hook keeps what it sees). Only a Recorder on the
+            main thread exports early: torch.export changes process-wide state while it runs, and
+            exports from two training threads at once were seen to leave torch.compile disabled
+            for the process; on another thread the export waits for the dump.
         dump_on_explosion: also write a bundle on a step whose gradients are all finite but
             whose 2-norm overflows float32 (an exploding step). By default such a step is
             logged as a warning with the grad-norm history and training goes on; the bundle is

@@ -27,6 +27,7 @@ the failing step as before.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -107,6 +108,13 @@ class ProgramCache:
             return
         self.tried = True
         if not rec.batches and not rec.forwards:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            # torch.export saves and restores process-wide state (its "inside an export" flag, which
+            # makes torch.compile a no-op); exports from two training threads at once were seen to
+            # leave it set, so a Recorder on another thread exports only when it dumps
+            logger.info("nanreplay: training runs on thread %r, not the main thread: the program is exported when a bundle "
+                        "is written, not now", threading.current_thread().name)
             return
         from ..engine.program import program_content
         from ..engine.verify import verify_program

@@ -162,6 +162,10 @@ def _replayed(start: tuple, n: int) -> list:
 def test_two_recorders_in_two_threads_leave_every_threads_draws_alone(tmp_path):
     plain = _threaded_run(tmp_path / "plain", recorder=False)
     run = _threaded_run(tmp_path / "rec", recorder=True)
+    # Recorders on two training threads: neither exports early (only B, when it dumps), and
+    # torch.export's process-wide "inside an export" flag is off again (else torch.compile is a
+    # no-op for the rest of the process)
+    assert not torch.compiler.is_exporting()
     b = run["b"]
     assert b.diagnosed  # B dumped and diagnosed in process, while C was drawing
     assert run["c"]["during_b_step"] > 0
