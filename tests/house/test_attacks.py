@@ -64,7 +64,7 @@ def test_reading_gives_the_expected_outcome_and_runs_nothing(attacks, name):
     out, files = attacks
     attack, path = BY_NAME[name], files[name]
     if name in IN_SUBPROCESS:
-        code = "import sys\nfrom tests.test_attacks import _read_everything\n_read_everything(sys.argv[1])"
+        code = "import sys\nfrom tests.house.test_attacks import _read_everything\n_read_everything(sys.argv[1])"
         r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}, cwd=ROOT)
         if attack.read is None:
