@@ -299,7 +299,6 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         if advice is None:
             return None
         return {"description": advice, "verified": None, "loss": None, "op": None, "detail": "no op rewrite verifies this cause"}
-    backward = b.get("phase") == "backward"
     eps = eps_for(_dtype(b))
     text = row.say(eps, offending_operand(b))
     fix: Fix = {"description": text + _where(b), "verified": None, "loss": None, "op": None, "detail": None}
@@ -308,6 +307,14 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         return fix
     if progress is not None:
         progress(f"replaying the step with the fix ({text})")
+    return _verify(fix, row, cause, b, model, inp, eps, device=device, restore=restore)
+
+
+def _verify(fix: Fix, row: Any, cause: str, b: dict, model: torch.nn.Module, inp: StepInputs, eps: float, *,
+            device: Optional[torch.device], restore: Optional[Callable[[], None]]) -> Fix:
+    """``fix`` with its verdict: the birth's call located by one plain replay, then the step
+    replayed with that call (and its twins from the same source line) rewritten by ``row``."""
+    backward = b.get("phase") == "backward"
     try:
         call = locate(model, inp, OpTarget(b.get("op"), backward, b.get("node")), device=device)
         if restore:
