@@ -195,16 +195,13 @@ class Quantised(nn.Module):
         return StraightThrough.apply(self.fc(x) * 4)
 
 
-def test_an_unfaithful_program_is_not_taken_as_verified_at_a_finite_step(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="nanreplay")
-    torch.manual_seed(0)
-    model = Quantised()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def _two_finite_steps(model: nn.Module, opt, out_dir) -> Recorder:
+    """Two finite steps of ``model`` on random (8, 4) batches under a Recorder (loss: mean square)."""
 
     def loss_fn(m, batch):
         return m(batch).pow(2).mean()
 
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, diagnose=False) as rec:
         for _ in range(2):
             x = torch.randn(8, 4)
             rec.record(x)
@@ -212,6 +209,16 @@ def test_an_unfaithful_program_is_not_taken_as_verified_at_a_finite_step(tmp_pat
             opt.zero_grad()
             loss.backward()
             opt.step()
+    return rec
+
+
+def test_an_unfaithful_program_is_not_taken_as_verified_at_a_finite_step(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nanreplay")
+    torch.manual_seed(0)
+    model = Quantised()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    rec = _two_finite_steps(model, opt, tmp_path)
     programs = rec._dump.programs
     assert programs.step == 0
     assert not programs.verified, "finite gradients that differ in value fail the early check"
@@ -252,17 +259,7 @@ def test_a_program_that_loses_a_gradient_is_not_taken_as_verified(tmp_path, capl
     model = Spiking()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def loss_fn(m, batch):
-        return m(batch).pow(2).mean()
-
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
-        for _ in range(2):
-            x = torch.randn(8, 4)
-            rec.record(x)
-            loss = loss_fn(model, x)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    rec = _two_finite_steps(model, opt, tmp_path)
     assert model.fc.weight.grad is not None and bool(model.fc.weight.grad.ne(0).any())
     programs = rec._dump.programs
     assert programs.step == 0
