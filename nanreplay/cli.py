@@ -582,6 +582,7 @@ def _summarise(bundle: Path, keys: bool, verify: bool = True) -> dict:
             "loss_fn": b.loss_fn,
             "optimizer": (b.meta.get("optimizer") or {}).get("class"),
             "steps": steps,
+            "grads": {"whole": len(b.meta["grads"]), "digests": len(b.grads_digested)},
             "tensors": len(infos),
             "tensor_bytes": sum(i.nbytes for i in infos.values()),
             "file_bytes": b.path.stat().st_size,
@@ -632,6 +633,9 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
             f"    step {s['step']:>6}  forwards {s['forwards']}  batches {s['batches']}  loss {s['loss']}  grad norm {s['grad_norm']}  lr {s['lrs']}"
             + ("  [weights snapshot]" if s["snapshot"] else "")
         )
+    g = info.get("grads") or {}
+    echo(f"  failing step's gradients: {g.get('whole', 0)} whole, {g.get('digests', 0)} as digests (counts, non-finite positions, norms, "
+         "a hash: Recorder(store_grads=...))" if g.get("digests") else f"  failing step's gradients: {g.get('whole', 0)} whole")
     d = info.get("diagnosis")
     none = f"(none: {info['diagnosis_error']})" if info.get("diagnosis_error") else "(none)"
     echo(f"  stored diagnosis: {st((d or {}).get('summary') or none, bold=bool(d))}")

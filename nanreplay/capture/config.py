@@ -64,6 +64,19 @@ class RecorderConfig:
             kept only until the step is checked finite (so the failing step's bundle still has it,
             for a replay whose loss function cannot run, e.g. when only the forward program
             exported). ``True``: kept for every step in the ring buffer; ``False``: never.
+        store_grads: what the bundle keeps of the failing step's gradients. ``"auto"``
+            (default): their digests (:class:`~nanreplay.core.digest.GradDigest`: NaN/+Inf/-Inf
+            counts, the positions of each as packed bits, the finite values' sum, 2-norm, largest
+            magnitude and SHA-256; a few hundred bytes plus ``numel / 8`` bytes per kind for a
+            gradient that is only partly non-finite) when any gradient is non-finite, since the
+            replay recomputes them and the digests say whether it reproduced them (exactly, when
+            the hashes agree); the whole gradients when all are finite (an exploding step, a
+            failing optimizer update, a spike), whose replay of the update reads them. With
+            digests the bundle is about the parameters plus the optimizer state (1.0x fp32
+            AdamW's training state); whole gradients add the parameter bytes again (1.33x).
+            ``"full"``: always the whole gradients (the replay's differences are then exact
+            values, not a lower bound from the norms). ``"digest"``: always digests. Sharded
+            (FSDP2 / DTensor) runs keep whole gradient shards, which ``nanreplay`` puts together.
         check_loss: also check the loss given to :meth:`Recorder.log_loss`.
         check_in_optimizer_step: run the check in the optimizer's step pre-hook (default). Turn it
             off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
@@ -169,6 +182,7 @@ class RecorderConfig:
     diagnose: bool = True
     copy_batch: Optional[bool] = None
     capture_cotangent: Optional[bool] = None
+    store_grads: str = "auto"
     check_loss: bool = True
     check_in_optimizer_step: bool = True
     origin_hook: bool = True
@@ -208,6 +222,8 @@ class RecorderConfig:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {self.memory_budget}")
         if self.bundle_format not in ("h5", "safetensors"):
             raise ValueError(f"bundle_format must be 'h5' or 'safetensors', got {self.bundle_format!r}")
+        if self.store_grads not in ("auto", "full", "digest"):
+            raise ValueError(f"store_grads must be 'auto', 'full' or 'digest', got {self.store_grads!r}")
         if self.max_consecutive < 1:
             raise ValueError(f"max_consecutive must be >= 1, got {self.max_consecutive}")
         if self.max_scaler_skips < 1:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..core.callables import callable_path
+from ..core.digest import maybe_digest
 from ..core.jsonable import fnum, jsonable
 from ..core.quiet import replay_quiet
 from ..format.bundle import open_bundle, write_bundle
@@ -101,6 +102,8 @@ class Dump:
         grad_tensors = {n: g.detach() for n, g in grads}
         if self.dist is not None:
             grad_tensors = self.dist.local_grads(grads, grad_tensors)
+        sharded = self.dist is not None and self.dist.sharded  # merge_run puts whole shards together
+        grad_tensors = maybe_digest(grad_tensors, "full" if sharded else self.config.store_grads)
         steps = self.ring.upto(rec.step)
         for r in steps:
             r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step

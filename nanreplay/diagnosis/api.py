@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import any_nonfinite, kinds
+from ..core.digest import grads_nonfinite, is_digest
+from ..core.numerics import kinds
 from ..core.quiet import quietly
 from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
 from ..core.state import load_buffers
@@ -148,7 +149,7 @@ def diagnose(
     say = progress or _silent
     repro = _reproduction(result, inp, replayed)
     errors: list[dict] = []
-    found = find_origin(result, inp, model, optimizer_replay=_optimizer_replay(inp, device, say, errors))
+    found = find_origin(result, inp, model, optimizer_replay=_optimizer_replay(inp, device, say, errors, result, repro))
     f = _features(found, inp, compiled, errors)
     f.compile_state = inp.compile_state
     if counterfactuals and replayed:
@@ -180,15 +181,24 @@ def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> Repr
     return repro
 
 
-def _optimizer_replay(inp: StepInputs, device: Optional[torch.device], say: Progress, errors: list[dict]) -> Callable[[], Optional[dict]]:
+def _optimizer_replay(inp: StepInputs, device: Optional[torch.device], say: Progress, errors: list[dict], result: ReplayResult,
+                      repro: Reproduction) -> Callable[[], Optional[dict]]:
     """The optimizer-update replay as the origin stage asks for it: run once, on demand; a
-    replay that raised is added to ``errors``."""
+    replay that raised is added to ``errors``. It reads the recorded gradients; where the bundle
+    keeps only their digests (``store_grads``), the replayed ones when the replay reproduced
+    them exactly (same hashes), and no update replay otherwise."""
     cache: dict[str, Optional[dict]] = {}
 
     def run() -> Optional[dict]:
         if "opt" not in cache:
+            grads = inp.recorded_grads
+            if any(is_digest(g) for g in grads.values()):
+                if repro.get("verdict") != "reproduced exactly":
+                    cache["opt"] = None
+                    return None
+                grads = {n: result.grads[n] for n in grads}
             say("replaying the optimizer update")
-            res = replay_optimizer_update(inp.state, inp.recorded_grads, inp.optimizer_info, device=device, allow=inp.allow)
+            res = replay_optimizer_update(inp.state, grads, inp.optimizer_info, device=device, allow=inp.allow)
             if res is not None and res.get("error"):
                 errors.append({"replay": "optimizer update", "error": res["error"]})
             cache["opt"] = res
@@ -334,7 +344,7 @@ def _determinism(f: Features, repro: Reproduction, model: torch.nn.Module, inp: 
     """No birth, recorded gradients non-finite, replay not reproduced (and not a compiler
     difference): replay twice more; disagreeing replays are nondeterminism; all finite, with a
     float64 replay finite too, is a suspected hardware fault (``transient``)."""
-    if (f.phase == "none" and repro["verdict"] == "not reproduced" and any_nonfinite(inp.recorded_grads.values())
+    if (f.phase == "none" and repro["verdict"] == "not reproduced" and grads_nonfinite(inp.recorded_grads)
             and not (f.compiled or {}).get("only_under_compile")):
         say("replaying the step again (determinism check)")
         f.repeats = 1 + _repeat_finite(model, inp, device, times=2)

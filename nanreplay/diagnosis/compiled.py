@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.numerics import any_nonfinite
+from ..core.digest import grads_nonfinite
 from ..core.state import load_buffers
 from ..engine.compiled import compile_check, recorded_compile
 from ..engine.deadline import replay_error
@@ -68,7 +68,7 @@ def replay_as_recorded(f: Any, repro: dict, model: torch.nn.Module, inp: StepInp
     compiled: replay the step compiled as recorded (backend, mode, modules) into ``f.compiled``
     (the ``compile`` entry; ``automatic`` true). A backend the bundle may not name, or a replay
     that raised, leaves ``f.compiled`` as it was and says why in ``f.evidence`` / ``f.errors``."""
-    if f.compiled is not None or f.phase != "none" or repro.get("verdict") != "not reproduced" or not any_nonfinite(inp.recorded_grads.values()):
+    if f.compiled is not None or f.phase != "none" or repro.get("verdict") != "not reproduced" or not grads_nonfinite(inp.recorded_grads):
         return
     opts, refused = recorded_compile(inp.compile_state)
     if refused:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
+from ..core.digest import grads_nonfinite
 from ..core.numerics import any_nonfinite, is_float
 from ..engine.deadline import replay_error
 from ..engine.monitors import OpMonitor
@@ -283,7 +284,7 @@ def weights_evidence(inp: StepInputs, tensor: str, *, is_param: bool) -> dict:
         out["nonfinite_lr"] = [bad_lr[0], repr(bad_lr[1])]
         ev.append(f"the learning rate was {bad_lr[1]!r} at step {bad_lr[0]} (recorded in the ring buffer)")
     _optimizer_state_evidence(inp, tensor, out, ev)
-    grads_finite = not any_nonfinite(inp.recorded_grads.values())
+    grads_finite = not grads_nonfinite(inp.recorded_grads)
     ev.append("the recorded gradients of this step are " + ("finite" if grads_finite else "non-finite (they follow from the weights)"))
     why = out["hyperparameters"][0] if out["hyperparameters"] else (f"learning rate {out['nonfinite_lr'][1]} at step {out['nonfinite_lr'][0]}"
                                                                      if out["nonfinite_lr"] else None)

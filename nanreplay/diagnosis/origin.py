@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.numerics import Health, any_nonfinite, kinds
+from ..core.digest import grad_absmax, grads_nonfinite
+from ..core.numerics import Health, kinds
 from ..engine.run import ReplayResult, StepInputs, nonfinite_leaves
 
 __all__ = ["Found", "STAGES", "find_origin", "report_origin", "health_json"]
@@ -181,17 +182,17 @@ def _explosion(c: Context) -> Optional[Found]:
     gn = reason.get("grad_norm")
     overflowed = bool(reason.get("explosion")) or (gn is not None and math.isinf(float(gn)))
     local = (reason.get("distributed") or {}).get("grads") == "local"  # DDP: the norm is of reduced grads, these are local
-    if not grads or not overflowed or local or any_nonfinite(grads.values()):
+    if not grads or not overflowed or local or grads_nonfinite(grads):
         return None
-    fqn, g = max(grads.items(), key=lambda kv: float(kv[1].detach().abs().max()) if kv[1].numel() else 0.0)
+    fqn, g = max(grads.items(), key=lambda kv: grad_absmax(kv[1]))
     owner = fqn.rpartition(".")[0]
     return Found("backward", {"module": owner, "class": c.classes.get(owner), "kind": "explosion", "param": fqn,
-                              "largest_gradient": float(g.detach().abs().max().double())})
+                              "largest_gradient": grad_absmax(g)})
 
 
 def _optimizer(c: Context) -> Optional[Found]:
     grads = c.inp.recorded_grads
-    if not grads or any_nonfinite(grads.values()) or c.result.products_nonfinite():
+    if not grads or grads_nonfinite(grads) or c.result.products_nonfinite():
         return None
     res = c.optimizer_replay()
     if not res or not res.get("nonfinite"):

@@ -9,10 +9,11 @@ reproduced; a loop that rescaled every gradient after backward (``clip_grad_norm
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Mapping, Optional, Union
 
 import torch
 
+from ..core.digest import GradDigest, RecordedGrad, digest_of, grads_nonfinite, is_digest
 from ..core.jsonable import fnum
 from ..core.numerics import any_nonfinite, as_real, is_float
 
@@ -21,42 +22,25 @@ __all__ = ["VERDICTS", "compare_grads", "common_factor", "compare_loss"]
 VERDICTS = ("reproduced exactly", "reproduced", "not reproduced", "not replayed")
 
 
-def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> dict:
+def compare_grads(recorded: Mapping[str, RecordedGrad], replayed: dict[str, torch.Tensor]) -> dict:
     """Compare gradients: same non-finite positions (NaN, +Inf, -Inf) and the max abs
     difference of the finite values. Verdict: ``reproduced exactly`` (same pattern, finite values
     bit-equal), ``reproduced`` (the replay is non-finite where the recording was, within a max abs
     difference), ``not reproduced`` (the replay's gradients are finite, or differ in which
-    parameters are non-finite)."""
+    parameters are non-finite).
+
+    A recorded gradient kept as a :class:`~nanreplay.core.digest.GradDigest` is compared with the
+    replayed one's digest: the pattern from the counts and packed positions, bit-equality from
+    the hashes. Its finite values are not kept, so where they differ ``max_abs_diff`` is
+    ``None`` and ``norm_diff`` gives the largest difference of the finite 2-norms (a lower bound
+    of the 2-norm of the difference)."""
     if not recorded:
         return {"verdict": "not reproduced", "max_abs_diff": None, "detail": "the bundle holds no recorded gradients to compare"}
-    exact, max_diff, mismatched, missing = True, 0.0, [], []
-    rec_bad, rep_bad = set(), set()
+    t = _Tally()
     for name, r in recorded.items():
-        g = replayed.get(name)
-        if g is None:
-            missing.append(name)
-            exact = False
-            if any_nonfinite(r):
-                rec_bad.add(name)  # a non-finite gradient the replay never produced is not reproduced
-            continue
-        r = r.to(g.device)
-        if not is_float(r):
-            continue
-        r, g = as_real(r), as_real(g)
-        if any_nonfinite(r):
-            rec_bad.add(name)
-        if any_nonfinite(g):
-            rep_bad.add(name)
-        same_pattern = (
-            torch.equal(torch.isnan(r), torch.isnan(g)) and torch.equal(torch.isposinf(r), torch.isposinf(g)) and torch.equal(torch.isneginf(r), torch.isneginf(g))
-        )
-        fin = torch.isfinite(r) & torch.isfinite(g)
-        d = float((r[fin].double() - g[fin].double()).abs().max()) if fin.any() else 0.0
-        max_diff = max(max_diff, d)
-        if not same_pattern:
-            mismatched.append(name)
-        if not same_pattern or d != 0.0:
-            exact = False
+        t.add(name, r, replayed.get(name))
+    exact, max_diff, mismatched, missing, rec_bad, rep_bad, norm_diff = (
+        t.exact, t.max_diff, t.mismatched, t.missing, t.rec_bad, t.rep_bad, t.norm_diff)
     detail = []
     if missing:
         detail.append(f"{len(missing)} recorded gradient(s) absent in the replay, e.g. {missing[:3]}")
@@ -72,6 +56,9 @@ def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
         verdict = "reproduced exactly"
     else:
         verdict = "reproduced"
+    if norm_diff is not None:
+        detail.append(f"finite values differ; the bundle keeps gradient digests, not values: their finite 2-norms differ by up to "
+                      f"{_g(norm_diff)} (record with store_grads='full' for the exact differences)")
     factor = None if exact or missing else common_factor(recorded, replayed)
     if factor is not None:
         # the loop rescaled every gradient between backward and optimizer.step()
@@ -83,30 +70,95 @@ def compare_grads(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
         ]
     out = {
         "verdict": verdict,
-        "max_abs_diff": fnum(max_diff),
+        "max_abs_diff": fnum(max_diff) if norm_diff is None else None,
         "nonfinite_recorded": len(rec_bad),
         "nonfinite_replayed": len(rep_bad),
         "detail": "; ".join(detail),
     }
+    if norm_diff is not None:
+        out["norm_diff"] = fnum(norm_diff)
     if factor is not None:
         out["grad_factor"] = fnum(factor)
     return out
+
+
+class _Tally:
+    """What :func:`compare_grads` gathers over the gradients, one :meth:`add` each."""
+
+    def __init__(self) -> None:
+        self.exact, self.max_diff = True, 0.0
+        self.mismatched: list[str] = []
+        self.missing: list[str] = []
+        self.rec_bad: set[str] = set()
+        self.rep_bad: set[str] = set()
+        self.norm_diff: Optional[float] = None  # set when a digest's finite values differ from the replay's
+
+    def add(self, name: str, r: RecordedGrad, g: Optional[torch.Tensor]) -> None:
+        if g is None:
+            self.missing.append(name)
+            self.exact = False
+            if grads_nonfinite([r]):
+                self.rec_bad.add(name)  # a non-finite gradient the replay never produced is not reproduced
+            return
+        if not is_digest(r) and not is_float(r):
+            return
+        if grads_nonfinite([r]):
+            self.rec_bad.add(name)
+        if any_nonfinite(g):
+            self.rep_bad.add(name)
+        same_pattern, d = _digest_diff(r, g) if is_digest(r) else _tensor_diff(r, g)
+        if isinstance(d, tuple):  # a digest whose finite values differ: the norms' difference
+            self.norm_diff, d = max(self.norm_diff or 0.0, d[1]), None
+        else:
+            self.max_diff = max(self.max_diff, d)
+        if not same_pattern:
+            self.mismatched.append(name)
+        if not same_pattern or d != 0.0:
+            self.exact = False
+
+
+def _tensor_diff(r: torch.Tensor, g: torch.Tensor) -> tuple[bool, float]:
+    """(same NaN/+Inf/-Inf positions, max abs difference of the finite values) of a recorded
+    and a replayed gradient."""
+    r, g = as_real(r.to(g.device)), as_real(g)
+    same_pattern = (
+        torch.equal(torch.isnan(r), torch.isnan(g)) and torch.equal(torch.isposinf(r), torch.isposinf(g)) and torch.equal(torch.isneginf(r), torch.isneginf(g))
+    )
+    fin = torch.isfinite(r) & torch.isfinite(g)
+    return same_pattern, float((r[fin].double() - g[fin].double()).abs().max()) if fin.any() else 0.0
+
+
+def _digest_diff(r: GradDigest, g: torch.Tensor) -> tuple[bool, Union[float, tuple[None, float]]]:
+    """As :func:`_tensor_diff` for a recorded digest: the difference is 0.0 when the finite
+    values hash the same, else unknown, given as ``(None, |recorded 2-norm - replayed 2-norm|)``."""
+    if not is_float(g):
+        return False, (None, r.norm)
+    rg = digest_of(g)
+    return r.same_pattern(rg), 0.0 if r.same_values(rg) else (None, abs(r.norm - rg.norm))
 
 
 def _g(x: float) -> str:
     return f"{x:.6g}" if math.isfinite(x) else repr(x)
 
 
-def common_factor(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> Optional[float]:
+def common_factor(recorded: Mapping[str, RecordedGrad], replayed: dict[str, torch.Tensor]) -> Optional[float]:
     """The one scalar ``c`` (not 1) with ``recorded == c * replayed`` for every gradient, within
     float32 rounding and with the same NaN/Inf pattern, or ``None``. ``c`` is NaN when every
     recorded value is NaN and the replay holds a non-finite value (``clip_grad_norm_`` with a
     NaN total norm), 0 for an Inf total norm. Needs two finite non-zero values to infer a finite
-    ``c``; one tensor at a time, no copy of all gradients."""
-    names = [n for n, r in recorded.items() if is_float(r)]
+    ``c``; one tensor at a time, no copy of all gradients. Recorded digests are matched on their
+    finite sums and 2-norms (``c`` from the ratio of the norms, its sign from the sums)."""
+    names = [n for n, r in recorded.items() if is_digest(r) or is_float(r)]
     if not names or any(n not in replayed for n in names):
         return None
-    pairs = [(as_real(recorded[n].detach().to(replayed[n].device)).double(), as_real(replayed[n].detach()).double()) for n in names]
+    if any(is_digest(recorded[n]) for n in names):
+        return _digest_factor({n: recorded[n] if is_digest(recorded[n]) else digest_of(recorded[n]) for n in names},
+                              {n: replayed[n] for n in names})
+    return _tensor_factor([(as_real(recorded[n].detach().to(replayed[n].device)).double(), as_real(replayed[n].detach()).double()) for n in names])
+
+
+def _tensor_factor(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
+    """:func:`common_factor` on whole (recorded, replayed) gradient pairs, as float64."""
     c, best, usable = None, 0.0, 0
     for r, g in pairs:
         ok = torch.isfinite(r) & torch.isfinite(g) & (g != 0)
@@ -127,6 +179,34 @@ def common_factor(recorded: dict[str, torch.Tensor], replayed: dict[str, torch.T
             return None
         fin = torch.isfinite(r)
         if fin.any() and float((r[fin] - e[fin]).abs().max()) > 4e-6 * float(r[fin].abs().max()) + 1e-30:
+            return None
+    return c
+
+
+def _digest_factor(recorded: dict[str, GradDigest], replayed: dict[str, torch.Tensor]) -> Optional[float]:
+    """:func:`common_factor` on digests: every tensor's finite 2-norm scaled by one ``|c|`` and its
+    finite sum by one ``c`` (relative tolerance 1e-5), the same non-finite pattern in ``c *
+    replayed``, and at least two finite non-zero values."""
+    c: Optional[float] = None
+    for n, r in recorded.items():
+        g = replayed[n]
+        if r.nan == r.numel and r.numel and any_nonfinite(g):
+            continue
+        if c is None and r.nonzero:
+            gd = digest_of(g)
+            if gd.norm == 0:
+                return None
+            c = math.copysign(r.norm / gd.norm, r.sum * gd.sum if gd.sum else 1.0)
+    if c is None:
+        every_nan = all(r.nan == r.numel for r in recorded.values())
+        return math.nan if every_nan and any_nonfinite(list(replayed.values())) else None
+    if c == 1.0 or sum(r.nonzero for r in recorded.values()) < 2:
+        return None
+    for n, r in recorded.items():
+        e = digest_of(replayed[n].double() * c)
+        if not r.same_pattern(e):
+            return None
+        if not (math.isclose(r.norm, e.norm, rel_tol=1e-5, abs_tol=1e-30) and math.isclose(r.sum, e.sum, rel_tol=1e-5, abs_tol=1e-7 * math.sqrt(r.numel) * r.norm + 1e-30)):
             return None
     return c
 

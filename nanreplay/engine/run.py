@@ -22,6 +22,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
 from ..core.batch import batch_size, rows_of
+from ..core.digest import RecordedGrad
 from ..core.numerics import Health, any_nonfinite, is_float, tensor_health
 from ..core.rng import ReplayRNG
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
@@ -41,7 +42,7 @@ class StepInputs:
 
     record: StepRecord
     state: Snapshot
-    recorded_grads: dict[str, torch.Tensor]
+    recorded_grads: dict[str, RecordedGrad]  # FQN -> tensor, or its GradDigest where the bundle keeps one
     loss_fn: Optional[Callable] = None
     scaler: Optional[dict] = None          # GradScaler state_dict of the step, when one was used
     grads_unscaled: Optional[bool] = None  # whether the recorded gradients were unscaled

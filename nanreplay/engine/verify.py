@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..core.digest import grad_absmax, is_digest
 from ..core.rng import ReplayRNG
 from .compare import compare_grads
 from .program import _first_line, load_program, program_loss
@@ -51,11 +52,12 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
         return (f"the exported program does not reproduce the step's gradients ({verdict.get('detail')}); a custom "
                 "torch.autograd.Function's backward, for one, is not part of an exported program")
     if strict and verdict["verdict"] != "reproduced exactly":
-        lost = [n for n, r in content.grads.items() if res.grads.get(n) is None and r.is_floating_point() and bool(r.ne(0).any())]
+        lost = [n for n, r in content.grads.items() if res.grads.get(n) is None
+                and (r.nonzero > 0 if is_digest(r) else r.is_floating_point() and bool(r.ne(0).any()))]
         if lost:  # e.g. a custom autograd.Function whose backward the program lacks: no gradient reaches these
             return (f"the exported program gives no gradient to {len(lost)} parameter(s) the step gave one, e.g. {lost[:3]}; a custom "
                     "torch.autograd.Function's backward, for one, is not part of an exported program")
-        scale = max((float(g.detach().abs().max()) for g in content.grads.values() if g.is_floating_point() and g.numel()), default=0.0)
+        scale = max((grad_absmax(g) for g in content.grads.values() if is_digest(g) or g.is_floating_point()), default=0.0)
         diff = verdict.get("max_abs_diff")
         if diff is None or not diff <= rtol * scale:
             return f"the exported program's gradients differ from the step's by up to {diff} (largest gradient {scale:.3g})"

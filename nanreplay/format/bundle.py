@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..core.callables import CallablePath, model_init_names, torch_optimizer_class
+from ..core.digest import GradDigest, RecordedGrad, is_digest
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
@@ -86,6 +87,10 @@ def environment() -> dict:
     }
 
 
+#: the key prefixes of the bundle's own layout (extra tensors go under their own, e.g. ``program/``)
+_LAYOUT_PREFIXES = ("state/", "steps/", "grads/", "gradmask/")
+
+
 def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True, trusted: Optional[bool] = None) -> Path:
     """Write ``content`` to one bundle file; the format follows the extension (``.h5``/``.hdf5``
     or ``.safetensors``). The write is atomic (temporary name, then rename) and, with ``fsync``
@@ -105,9 +110,14 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
     tensors: dict[str, torch.Tensor] = {}
     steps_meta = [_step_to_flat(rec, tensors) for rec in content.steps]
     state_meta = _snapshot_to_flat(content.state, "state/", tensors)
+    digests = {}
     for k, g in content.grads.items():
-        tensors[f"grads/{k}"] = g
-    clash = sorted(k for k in content.extra_tensors if k in tensors)
+        if is_digest(g):  # a gradient kept as its digest (core.digest): counts, norms, a hash, packed non-finite positions
+            digests[k] = g.to_meta()
+            tensors.update({f"gradmask/{kind}/{k}": m for kind, m in g.masks.items()})
+        else:
+            tensors[f"grads/{k}"] = g
+    clash = sorted(k for k in content.extra_tensors if k in tensors or k.startswith(_LAYOUT_PREFIXES))
     if clash:
         raise ValueError(f"extra_tensors keys {clash[:5]} collide with the bundle layout; store them under their own prefix (e.g. program/)")
     tensors.update(content.extra_tensors)
@@ -124,9 +134,11 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
         "loss_fn": None if content.loss_fn is None else str(content.loss_fn),
         "steps": steps_meta,
         "state": state_meta,
-        "grads": list(content.grads),
+        "grads": [k for k, g in content.grads.items() if not is_digest(g)],
         "diagnosis": content.diagnosis,
     }
+    if digests:
+        meta["grad_digests"] = digests
     if content.extra_tensors:
         meta["extra_tensors"] = sorted(content.extra_tensors)
     where = {k: p.extras() for k, p in (("model_factory", content.model_factory), ("loss_fn", content.loss_fn)) if isinstance(p, CallablePath) and p.extras()}
@@ -248,6 +260,7 @@ class Bundle:
         self._steps = {s["step"]: s for s in self.meta["steps"]}
         self._state_meta = self.meta["state"]
         self._grad_keys = list(self.meta["grads"])
+        self._digest_meta = dict(self.meta.get("grad_digests") or {})
 
     # -- context manager -------------------------------------------------------------------
     def close(self) -> None:
@@ -405,9 +418,19 @@ class Bundle:
         ty = self._types_for(types)
         return self._guard("state", lambda: _snapshot_from_flat(self.tensor, self._state_meta, "state/", ty))
 
-    def grads(self) -> dict[str, torch.Tensor]:
-        """The gradients the failing step produced, FQN -> tensor."""
-        return {k: self.tensor(f"grads/{k}") for k in self._grad_keys}
+    def grads(self) -> dict[str, RecordedGrad]:
+        """The gradients the failing step produced, FQN -> tensor, or FQN ->
+        :class:`~nanreplay.core.digest.GradDigest` for a gradient the bundle keeps as its digest
+        (``Recorder(store_grads=...)``; :attr:`grads_digested` says which)."""
+        out: dict[str, RecordedGrad] = {k: self.tensor(f"grads/{k}") for k in self._grad_keys}
+        for k, m in self._digest_meta.items():
+            out[k] = GradDigest.from_meta(m, {kind: self.tensor(f"gradmask/{kind}/{k}") for kind in m["masks"]})
+        return out
+
+    @property
+    def grads_digested(self) -> list[str]:
+        """FQNs of the gradients the bundle keeps as digests, not values (empty for whole ones)."""
+        return list(self._digest_meta)
 
     def content(self, *, types: Types = None) -> BundleContent:
         """Everything the bundle holds, as the :class:`~nanreplay.format.records.BundleContent`
@@ -422,7 +445,7 @@ class Bundle:
             BundleFormatError: the file contradicts its own manifest.
         """
         known = {"kind", "created_unix", "environment", "failing_step", "reason", "model", "optimizer",
-                 "model_factory", "loss_fn", "steps", "state", "grads", "diagnosis", "extra_tensors", "callables"}
+                 "model_factory", "loss_fn", "steps", "state", "grads", "grad_digests", "diagnosis", "extra_tensors", "callables"}
         return BundleContent(
             failing_step=self.failing_step,
             steps=[self.step(k, types=types) for k in self.steps],

@@ -518,6 +518,46 @@ def _check_state_and_grads(c: _Checker, m: dict, groups: Optional[list], params_
         want = shapes.get(k)
         if want is not None and want[1] != shape:
             raise MetaError("meta.grads", f"gradient {k[:200]!r} of the parameter's shape {list(want[1])}", f"{list(shape)}")
+    digests = c.obj(m.get("grad_digests") or {}, "meta.grad_digests")
+    both = sorted(set(digests) & set(m["grads"]))
+    if both:
+        raise MetaError("meta.grad_digests", "gradients not also listed in meta.grads", _show(both[:3]))
+    for k, d in digests.items():
+        _check_digest(c, k, d, f"meta.grad_digests[{k[:200]!r}]", shapes.get(k))
+
+
+_DIGEST_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+                            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+
+
+def _check_digest(c: _Checker, k: str, d: Any, where: str, param: Optional[tuple]) -> None:
+    """One gradient digest (:class:`~nanreplay.core.digest.GradDigest`): its dtype and shape,
+    counts within its element count, a SHA-256, and one packed-bit tensor per listed mask."""
+    d = c.obj(d, where, ("dtype", "shape", "nan", "posinf", "neginf", "nonzero", "sum", "sumsq", "absmax", "sha256", "masks"))
+    c.string(k, where)
+    if d["dtype"] not in _DIGEST_DTYPES:
+        raise MetaError(f"{where}.dtype", f"a floating dtype name, one of {sorted(_DIGEST_DTYPES)}", _show(d["dtype"]))
+    shape = [c.integer(s, f"{where}.shape[{i}]") for i, s in enumerate(c.array(d["shape"], f"{where}.shape", 64))]
+    if param is not None and tuple(shape) != tuple(param[1]):
+        raise MetaError(f"{where}.shape", f"the parameter's shape {list(param[1])}", _show(shape))
+    numel = math.prod(shape) * (2 if d["dtype"].startswith("complex") else 1)
+    counts = [c.integer(d[n], f"{where}.{n}", 0, numel) for n in ("nan", "posinf", "neginf", "nonzero")]
+    if sum(counts) > numel:
+        raise MetaError(where, f"NaN, +Inf, -Inf and non-zero counts summing to at most {numel} elements", str(sum(counts)))
+    for n in ("sum", "sumsq", "absmax"):
+        c.fnum(d[n], f"{where}.{n}")
+    sha = c.string(d["sha256"], f"{where}.sha256", max_len=64)
+    if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
+        raise MetaError(f"{where}.sha256", "64 lowercase hex digits", _show(sha))
+    masks = c.names(d["masks"], f"{where}.masks", 3)
+    for kind, count in zip(("nan", "posinf", "neginf"), counts):
+        if (kind in masks) != (0 < count < numel):
+            raise MetaError(f"{where}.masks", f"{kind!r} listed exactly when 0 < {kind} < {numel}", _show(masks))
+        if kind in masks:
+            c.tensor(f"gradmask/{kind}/{k}", f"{where}.masks", dtype=torch.uint8, shape=((numel + 7) // 8,))
+    extra = sorted(set(masks) - {"nan", "posinf", "neginf"})
+    if extra:
+        raise MetaError(f"{where}.masks", "names among 'nan', 'posinf', 'neginf'", _show(extra))
 
 
 def _check_steps(c: _Checker, m: dict, failing: int, groups: Optional[list], params_info: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core.digest import RecordedGrad
 from ..core.rng import RNGState
 
 __all__ = ["ForwardRecord", "Snapshot", "StepRecord", "BundleContent", "scalar_history_records"]
@@ -114,7 +115,7 @@ class BundleContent:
     failing_step: int
     steps: list[StepRecord]
     state: Snapshot                          # the failing step's pre-step state
-    grads: dict[str, torch.Tensor]           # the failing step's gradients, FQN -> tensor
+    grads: dict[str, RecordedGrad]           # the failing step's gradients, FQN -> tensor or GradDigest (core.digest)
     model_info: dict
     optimizer_info: dict
     reason: dict

@@ -1,0 +1,115 @@
+"""Bundles that keep the failing step's gradients as digests (Recorder(store_grads=...)): what
+they hold, the verdict read from them, and the schema check of a tampered digest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanreplay import open_bundle, replay
+from nanreplay.core.digest import GradDigest
+from nanreplay.errors import BundleFormatError
+from nanreplay.format.container import read_flat, write_flat
+from helpers import fail_once
+
+
+def _grad_keys(b) -> list[str]:
+    return [k for k in b.keys() if k.startswith("grads/")]
+
+
+def mse(model, batch):
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def inf_in_one_sample(out_dir, **opts):
+    """A +Inf in one feature of sample 1 of 4: the first Linear's weight gradient is NaN in the
+    rows that sample reaches and finite elsewhere (partly non-finite: packed masks)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    x, y = torch.randn(4, 64), torch.randn(4, 1)
+    x[1, 3] = float("inf")
+    return fail_once(model, torch.optim.Adam(model.parameters()), {"x": x, "y": y}, mse, out_dir, diagnose=False, **opts).bundle_path
+
+
+@pytest.fixture
+def digest_bundle(out_dir):
+    """Kept as digests (the default, store_grads="auto", on non-finite gradients)."""
+    return inf_in_one_sample(out_dir)
+
+
+def test_auto_keeps_digests_of_non_finite_gradients_and_the_replay_reproduces_them_exactly(digest_bundle):
+    with open_bundle(digest_bundle) as b:
+        grads = b.grads()
+        assert _grad_keys(b) == [] and sorted(b.grads_digested) == sorted(grads)
+        assert all(isinstance(g, GradDigest) for g in grads.values())
+        assert grads["0.weight"].nan > 0 and sorted(grads["0.weight"].masks) == ["nan"]
+        params = b.state().params
+        assert all(grads[n].shape == tuple(p.shape) for n, p in params.items() if n in grads)
+    d = replay(digest_bundle)
+    assert d["reproduction"]["verdict"] == "reproduced exactly"
+    assert d["phase"] == "input"
+
+
+def test_full_keeps_whole_gradients_and_the_two_bundles_agree(out_dir, tmp_path, digest_bundle):
+    full = inf_in_one_sample(tmp_path / "full", store_grads="full")
+    with open_bundle(full) as f, open_bundle(digest_bundle) as d:
+        assert f.grads_digested == [] and len(_grad_keys(f)) == len(d.grads_digested)
+        whole, digests = f.grads(), d.grads()
+        assert all(digests[n].same_values(GradDigest.from_meta(d.meta["grad_digests"][n], digests[n].masks)) for n in digests)
+        from nanreplay.core.digest import digest_of
+
+        assert all(digest_of(whole[n]).same_values(digests[n]) for n in whole)
+        # the whole gradients cost their bytes; the digests a few hundred bytes each
+        grad_bytes = sum(g.numel() * g.element_size() for g in whole.values())
+        assert f.path.stat().st_size - d.path.stat().st_size >= grad_bytes * 0.9
+    assert replay(full)["reproduction"]["verdict"] == replay(digest_bundle)["reproduction"]["verdict"] == "reproduced exactly"
+
+
+def test_store_grads_is_validated():
+    from nanreplay.capture.config import RecorderConfig
+
+    with pytest.raises(ValueError, match="store_grads must be 'auto', 'full' or 'digest', got 'none'"):
+        RecorderConfig(store_grads="none")
+
+
+def _tamper(path, tmp_path, edit):
+    """A copy of the bundle whose metadata ``edit`` changed (every tensor kept)."""
+    with read_flat(path) as f:
+        tensors = {k: f.get(k) for k in f.keys()}
+        meta = json.loads(json.dumps(f.manifest["meta"]))
+    edit(meta, tensors)
+    return write_flat(tmp_path / f"tampered{path.suffix}", tensors, meta)
+
+
+def _first(meta):
+    return next(iter(meta["grad_digests"].values()))
+
+
+@pytest.mark.parametrize("edit, where", [
+    (lambda m, t: _first(m).update(sha256="../../etc"), "sha256"),
+    (lambda m, t: _first(m).update(nan=10 ** 9), ".nan"),
+    (lambda m, t: _first(m).update(dtype="object"), ".dtype"),
+    (lambda m, t: _first(m).update(shape=[1, 2, 3]), ".shape"),
+    (lambda m, t: _first(m).update(masks=["posinf"]), ".masks"),
+    (lambda m, t: m["grads"].append(next(iter(m["grad_digests"]))), "meta.grads"),
+    (lambda m, t: m.update(grad_digests=[1]), "meta.grad_digests"),
+])
+def test_a_tampered_digest_is_a_format_error_naming_where(digest_bundle, tmp_path, edit, where):
+    bad = _tamper(Path(digest_bundle), tmp_path, edit)
+    with pytest.raises(BundleFormatError, match="invalid metadata") as info:
+        open_bundle(bad)
+    assert where in str(info.value)
+
+
+def test_a_missing_mask_tensor_is_a_format_error(digest_bundle, tmp_path):
+    """A partly non-finite gradient's mask is a tensor the metadata refers to."""
+
+    def drop(meta, tensors):
+        tensors.pop("gradmask/nan/0.weight")
+
+    bad = _tamper(Path(digest_bundle), tmp_path, drop)
+    with pytest.raises(BundleFormatError, match="gradmask/nan/0.weight"):
+        open_bundle(bad)
