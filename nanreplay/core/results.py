@@ -37,7 +37,7 @@ __all__ = [
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
 #: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
 #: version when one is renamed, removed or changes type
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 #: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
 JFloat = Union[float, Literal["nan", "inf", "-inf"]]
@@ -105,6 +105,7 @@ class Reproduction(TypedDict):
     detail: NotRequired[Optional[str]]
     loss_recorded: NotRequired[Any]
     grad_factor: NotRequired[Optional[JFloat]]
+    norm_diff: NotRequired[Optional[JFloat]]
     repeats: NotRequired[int]
 
 

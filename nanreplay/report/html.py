@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 from ..core.inert import inert
 from ..core.results import BisectResult, DiagnosisDict, ForwardModule, TimelineStep
 from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotlib, samples_svg, timeline_svg, trials_svg, moves_svg
-from .summary import fix_sentence, verdict_phrase
+from .summary import difference_phrase, fix_sentence, verdict_phrase
 from .text import fmt_health
 
 __all__ = ["render_html", "render_inline_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
@@ -271,8 +271,8 @@ def _origin_rows(diag: DiagnosisDict) -> list[tuple[str, Any]]:
         ("verdict", h("<b>{}</b> ({})", cls.get("cause"), cls.get("detail"))
          + (h("<ul>{}</ul>", join(h("<li>{}</li>", x) for x in evidence)) if evidence else "") if cls else ""),
         ("fix", fix_sentence(diag) or ""),
-        ("reproduction", h('{} <span class="muted">(max abs difference of finite gradient values: {}; replay mode {})</span>',
-                           verdict_phrase(r), r.get("max_abs_diff"), diag.get("mode"))),
+        ("reproduction", h('{} <span class="muted">({}; replay mode {})</span>',
+                           verdict_phrase(r), difference_phrase(r), diag.get("mode"))),
         ("", r.get("detail") or ""),
     ]
     return [(k, v) for k, v in rows if v]

@@ -14,11 +14,11 @@ dict; nothing is decided here.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from ..core.results import DiagnosisDict, Fix, Origin, Reproduction, Source
 
-__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
+__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "difference_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[Source]) -> str:
@@ -81,6 +81,15 @@ TAILS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def difference_phrase(repro: Reproduction, num: Callable[[Any], str] = str) -> str:
+    """How far the replayed gradients' finite values are from the recorded ones: the max abs
+    difference, or, where the bundle keeps gradient digests and the values differ, the largest
+    difference of their 2-norms."""
+    if repro.get("max_abs_diff") is None and repro.get("norm_diff") is not None:
+        return f"finite gradient 2-norms differ by up to {num(repro['norm_diff'])} (the bundle keeps gradient digests, not values)"
+    return f"max abs difference of finite gradient values: {num(repro.get('max_abs_diff'))}"
+
+
 def verdict_phrase(repro: Reproduction) -> str:
     """The reproduction verdict as the summary says it: ``reproduced exactly``, ``reproduced (max
     abs difference X)``, ``reproduced up to one gradient factor C that the loop applied after
@@ -93,6 +102,8 @@ def verdict_phrase(repro: Reproduction) -> str:
         return f"reproduced up to one gradient factor {repro['grad_factor']} that the loop applied after backward"
     if v == "reproduced" and repro.get("max_abs_diff") is not None:
         return f"reproduced (max abs difference {repro['max_abs_diff']})"
+    if v == "reproduced" and repro.get("norm_diff") is not None:
+        return f"reproduced (same non-finite positions; finite gradient 2-norms differ by up to {repro['norm_diff']})"
     if v == "not replayed":
         return "not replayed (the recorded data shows the cause; nanreplay replay verifies it)"
     return v

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
 from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
-from .summary import fix_sentence
+from .summary import difference_phrase, fix_sentence
 
 __all__ = ["render_report", "fmt_health", "styler"]
 
@@ -137,7 +137,7 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
         lines.append(f"  cause:         {diag['cause']}")
     lines.extend(_chain_lines(diag.get("chain") or []))
     r = diag.get("reproduction") or {}
-    lines.append(f"  reproduction:  {st(str(r.get('verdict')), fg=_VERDICT_COLOR.get(r.get('verdict')), bold=True)} (max abs difference of finite gradient values: {_num(r.get('max_abs_diff'))})")
+    lines.append(f"  reproduction:  {st(str(r.get('verdict')), fg=_VERDICT_COLOR.get(r.get('verdict')), bold=True)} ({difference_phrase(r, _num)})")
     if r.get("detail"):
         lines.append(f"                 {r['detail']}")
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))

@@ -113,3 +113,29 @@ def test_a_missing_mask_tensor_is_a_format_error(digest_bundle, tmp_path):
     bad = _tamper(Path(digest_bundle), tmp_path, drop)
     with pytest.raises(BundleFormatError, match="gradmask/nan/0.weight"):
         open_bundle(bad)
+
+
+def test_finite_values_that_differ_are_reported_by_their_norms(out_dir):
+    """A gradient changed after backward, its non-finite pattern kept: the verdict is
+    `reproduced`, and with digests the report gives the 2-norms' difference, not a made-up max."""
+    from nanreplay import NonFiniteGradientError, Recorder
+    from nanreplay.report.text import render_report
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(4, 64), torch.randn(4, 1)
+    x[1, 3] = float("inf")
+    with Recorder(model, opt, loss_fn=mse, out_dir=out_dir, diagnose=False) as rec:
+        rec.record({"x": x, "y": y})
+        mse(model, {"x": x, "y": y}).backward()
+        with torch.no_grad():
+            g = model[0].weight.grad.view(-1)  # NaN where sample 1's +Inf reaches, finite elsewhere
+            g[int(torch.isfinite(g).nonzero()[0])] += 0.5  # after backward: no replay produces it
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    d = replay(info.value.bundle_path)
+    r = d["reproduction"]
+    assert r["verdict"] == "reproduced" and r["max_abs_diff"] is None
+    assert 0.0 < r["norm_diff"] <= 0.5  # | |g + 0.5 e_i| - |g| | <= 0.5
+    assert "finite gradient 2-norms differ by up to" in render_report(d)
