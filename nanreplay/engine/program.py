@@ -48,6 +48,7 @@ import logging
 import math
 import operator
 import re
+import threading
 import time
 import warnings
 from collections import namedtuple
@@ -282,7 +283,18 @@ def _user_stack_traces() -> Iterator[None]:
         TracerBase._filter_traceback_frames = orig
 
 
+#: one torch.export at a time in this process: export sets process-wide state while it runs (its
+#: "inside an export" flag, which makes torch.compile a no-op; the tracer's frame filter that
+#: ``_user_stack_traces`` swaps), and two training threads dumping at once left it set
+_EXPORT_LOCK = threading.Lock()
+
+
 def _export(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
+    with _EXPORT_LOCK:
+        return _export_unlocked(root, tensors, dynamic)
+
+
+def _export_unlocked(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
     with warnings.catch_warnings(), torch.enable_grad(), _user_stack_traces():
         warnings.simplefilter("ignore")
         if dynamic and any(t.dim() for t in tensors):

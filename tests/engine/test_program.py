@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import pickle
+import time
 import zipfile
 
 import pytest
@@ -227,6 +228,40 @@ def test_forward_program_rebuilds_the_output_tree_and_replays_the_cotangent():
         assert torch.equal(g, _grads(pm)[n]), n
     with pytest.raises(ReplayError, match="expects bool"):
         pm(batch["ids"], pad=batch["pad"].float())
+
+
+def test_exports_from_two_threads_run_one_at_a_time(monkeypatch):
+    """torch.export sets process-wide state while it runs: two training threads dumping at once
+    export one after the other, both succeed, and the 'inside an export' flag is off after."""
+    import threading
+
+    inside, most = [0], [0]
+    real = torch.export.export
+
+    def counting(*a, **k):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.2)  # hold the export open so an unserialised second one would overlap
+            return real(*a, **k)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    caps, start = [], threading.Barrier(2)
+
+    def run() -> None:
+        start.wait(10)
+        caps.append(export_program(models.MLP(), (torch.randn(5, 8),), verify=False))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(caps) == 2 and all(c.ok for c in caps), [c.error for c in caps]
+    assert most[0] == 1
+    assert not torch.compiler.is_exporting()
 
 
 def test_dynamic_shapes_let_another_micro_batch_length_run():
