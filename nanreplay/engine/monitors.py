@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import is_float, tensor_health
+from ..core.numerics import as_real, is_float, tensor_health
 from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
@@ -251,9 +251,30 @@ def _summary(ts: list[torch.Tensor], *, counts: bool = True) -> Optional[dict]:
     if not bad or not counts:
         return {"nan": int(nan), "posinf": int(posinf), "neginf": int(neginf), "numel": sum(t.numel() for t in ts), "absmax": absmax,
                 "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
-    h = tensor_health(ts)
-    assert h is not None
-    return {"nan": h.nan, "posinf": h.posinf, "neginf": h.neginf, "numel": h.numel, "absmax": h.absmax, "dtype": h.dtype, "shape": h.shape}
+    nan_n = pos_n = neg_n = numel = nfin = 0
+    absmax = 0.0
+    for t in ts:
+        n, p, q, a = _counts(t)
+        size = as_real(t).numel()  # as tensor_health counts: a complex element is two
+        nan_n, pos_n, neg_n, numel, nfin = nan_n + n, pos_n + p, neg_n + q, numel + size, nfin + size - n - p - q
+        absmax = max(absmax, a)
+    return {"nan": nan_n, "posinf": pos_n, "neginf": neg_n, "numel": numel, "absmax": absmax if nfin else None,
+            "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
+
+
+def _counts(t: torch.Tensor) -> tuple[int, int, int, float]:
+    """``(NaN count, +Inf count, -Inf count, largest finite magnitude)`` of one floating tensor
+    (of its real and imaginary parts for a complex one; the magnitude is 0 when no element is
+    finite), with one host read and no copy of the finite values: the counts of
+    :func:`~nanreplay.core.numerics.tensor_health`, about a third of its passes over the data."""
+    x = as_real(t.detach())
+    if x.numel() == 0:
+        return 0, 0, 0, 0.0
+    a = x.abs()
+    nan, pos, neg = torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum()
+    big = torch.nan_to_num_(a, nan=0.0, posinf=0.0).amax()  # |x| of the finite elements (0 in place of NaN and +-Inf)
+    n, p, q, m = torch.stack([nan.double(), pos.double(), neg.double(), big.double()]).tolist()
+    return int(n), int(p), int(q), m
 
 
 def _summary_nonfinite(s: dict) -> bool:
