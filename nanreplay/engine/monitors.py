@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils.module_tracker import ModuleTracker
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..core.allowlist import Allowlist
@@ -187,10 +187,15 @@ class ModuleMonitor:
         self._backward = backward
 
     def _pre(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self._stack.append(all(not _nonfinite(t) for t in _tensors((args, kwargs))))
+        with _unseen():
+            self._stack.append(all(not _nonfinite(t) for t in _tensors((args, kwargs))))
 
     def _post(self, mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         check_deadline()
+        with _unseen():
+            self._record_output(mod, out)
+
+    def _record_output(self, mod: torch.nn.Module, out: Any) -> None:
         inputs_finite = self._stack.pop() if self._stack else True
         outs = [t for t in tensor_leaves(out) if is_float(t)]
         summary = _summary(outs, counts=self.counts)
@@ -204,16 +209,18 @@ class ModuleMonitor:
 
     def _cot_hook(self, name: str, cls: str) -> Callable:
         def hook(g: torch.Tensor) -> None:  # counted: the report's module strip shows them
-            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls,
-                                "output": _summary([g], counts=self.counts)})
+            with _unseen():
+                self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls,
+                                    "output": _summary([g], counts=self.counts)})
 
         return hook
 
     def _param_hook(self, pname: str, owner: str) -> Callable:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname,
-                                    "output": _summary([p.grad], counts=False)})
+                with _unseen():
+                    self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname,
+                                        "output": _summary([p.grad], counts=False)})
 
         return hook
 
@@ -224,6 +231,13 @@ class ModuleMonitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _unseen() -> Any:
+    """Around the module monitor's own reductions: the dispatch modes of the replay (the op
+    monitor, the RNG scope) do not see them, so they are neither checked as ops of the step nor
+    counted in its op indices and propagated ops."""
+    return _disable_current_modes()
 
 
 def _nonfinite(t: torch.Tensor) -> bool:
