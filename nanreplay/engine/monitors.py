@@ -311,13 +311,16 @@ class OpMonitor(TorchDispatchMode):
             only asks whether one birth happens again.
 
     Attributes:
-        births: one dict per birth, in execution order (see ``docs/report.md``, "A birth").
+        births: one dict per birth, in execution order (see ``docs/report.md``, "A birth"); after
+            :meth:`settle`, those of the forward pass and the loss only.
         allowed: births the allowlist matched (never the origin, never a taint).
         propagated: ops that only passed non-finite values on.
         facts: the per-tensor :class:`Facts`.
         run_phase: set by the replay: ``forward`` (the model's forward calls), ``loss_fn`` (the
             user's loss function, the model's forward inside it), ``backward``, ``optimizer``.
         micro_batch, batch_size: which recorded batch / forward call is replaying, and its size.
+        settled: the forward origin is settled (:meth:`settle`) and backward ops run unchecked.
+        checked, passed: how many ops were checked, and how many ran unchecked.
 
     Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
     hooks miss; ``ModuleTracker`` supplies the module context in both passes.
@@ -349,6 +352,25 @@ class OpMonitor(TorchDispatchMode):
             except Exception:  # noqa: BLE001 - a ModuleTracker without the private namer: names come on first call
                 pass
         self._n_births = itertools.count()
+        self.settled = False  # the forward origin is settled: backward ops run unchecked (:meth:`settle`)
+        self.checked = 0      # ops whose outputs were checked
+        self.passed = 0       # ops run unchecked (unwatched, or backward ops once settled)
+
+    def settle(self, products: Iterable[torch.Tensor]) -> bool:
+        """Called as the backward pass starts, with what the step has produced so far (losses, or
+        model outputs fed by recorded cotangents): when the first birth recorded is in the
+        forward pass or the loss and its values reach ``products``, it is the origin whatever
+        the backward pass does (the origin rule, :mod:`nanreplay.diagnosis.origin`, takes the
+        first reaching birth of the forward pass and the loss before any backward one, and no
+        earlier forward birth exists), so the backward ops from here on run unchecked: no health
+        reads, no provenance, no backward births recorded (``births``, ``allowed`` and
+        ``propagated`` then hold the forward pass and the loss only). Never with ``watch``
+        (taint is not tracked). Returns whether the monitor is settled."""
+        if self.settled or self.watch is not None or not self.births:
+            return self.settled
+        first = self.births[0]
+        self.settled = first["phase"] in ("forward", "loss") and first["birth"] in self.taint_of(products)
+        return self.settled
 
     # -- where an op runs -----------------------------------------------------------------
     def _active(self) -> list[str]:
@@ -387,8 +409,10 @@ class OpMonitor(TorchDispatchMode):
         check_deadline()
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        if name in _UNINITIALISED or (self.watch is not None and name not in self.watch):
+        if name in _UNINITIALISED or (self.watch is not None and name not in self.watch) or (self.settled and self.run_phase == "backward"):
+            self.passed += 1
             return func(*args, **kwargs)
+        self.checked += 1
         ins = [t for t in _tensors((args, kwargs))]
         in_facts = [self.facts.get(t) for t in ins]  # before the op: an in-place op overwrites its input
         mutating = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
