@@ -180,3 +180,46 @@ def test_first_birth_reaching_only_the_gradients_keeps_the_backward_checked(out_
     assert (o_settled.phase, o_settled.origin["op"]) == ("forward", "sqrt")
     assert (o_full.phase, o_full.origin) == (o_settled.phase, o_settled.origin)
     assert [_signature(b) for b in settled.births] == [_signature(b) for b in full.births]
+
+
+def test_locating_a_forward_birth_stops_at_its_call(out_dir, monkeypatch):
+    """The fix's verification locates the birth's call in a plain replay: it names the call a full
+    scan of the step names (the first addmm call that gives birth), and stops there instead of
+    running the rest of the forward pass and the backward pass."""
+    from nanreplay.engine import rewrite
+
+    model = make_gpt()
+    with torch.no_grad():
+        model.blocks[1]["mlp"][0].weight[0, :] = 3e38
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    err = fail_once(model, opt, (t[:, :-1], t[:, 1:]), lm_loss, out_dir, diagnose=False, embed_program=False)
+
+    class Scan(rewrite._AtOp):  # every call of the step, and the addmm calls that give birth
+        def __init__(self) -> None:
+            super().__init__()
+            self.births: list[int] = []
+
+        def call(self, func, name, n, args, kwargs):
+            out = func(*args, **kwargs)
+            if name == "addmm" and torch._C._current_autograd_node() is None and rewrite._birth(args, kwargs, out):
+                self.births.append(n)
+            return out
+
+    modes: list = []
+    init = rewrite._Locate.__init__
+    monkeypatch.setattr(rewrite._Locate, "__init__", lambda self, target: (init(self, target), modes.append(self))[0])
+    with open_bundle(str(err.bundle_path)) as b:
+        state = b.state()
+        model = make_gpt()
+        load_state(model, state)
+        inp = bundle_step_inputs(b, state, lm_loss)
+        scan, every = Scan(), rewrite._AtOp()  # the scan's own reads are ops it sees too: the step's ops are counted apart
+        rewrite._plain(model, inp, None, scan)
+        load_state(model, state)
+        rewrite._plain(model, inp, None, every)
+        load_state(model, state)
+        call = rewrite.locate(model, inp, rewrite.OpTarget("addmm"))
+    assert call is not None and (call.name, call.occurrence, call.backward_birth) == ("addmm", scan.births[0], False)
+    seen, total = sum(modes[0].counts.values()), sum(every.counts.values())
+    assert seen < total / 2  # stopped in block 1's MLP: before the later blocks, the loss and the backward pass
