@@ -13,9 +13,13 @@
   (finite or the NaN/Inf counts, and the largest finite magnitude), and in the backward pass the
   cotangent at each module's output and each parameter's gradient.
 
-Both are lean on the common path: one ``abs().amax()`` reduction per floating output gives
+Both are lean on the common path: one ``aminmax`` reduction per floating output gives
 finiteness and magnitude at once, and a tensor's flags are computed once and cached; the full
-counts (:class:`~nanreplay.core.numerics.Health`) are computed only where a value is born.
+counts (:class:`~nanreplay.core.numerics.Health`) are computed only where a value is born. The
+module monitor's own reductions run outside the replay's dispatch modes, so the op monitor sees
+only the step's ops; and once the first birth is in the forward pass or the loss and reaches the
+losses, the op monitor *settles* (:meth:`OpMonitor.settle`): the backward ops run unchecked,
+since nothing they do can change the origin.
 """
 
 from __future__ import annotations
