@@ -392,7 +392,7 @@ def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, de
         result = run_step(model, inp, ops=False, device=device)
         return diagnose(result, inp, model, device=device, samples=False, counterfactuals=False, progress=say, compiled=compiled)
     say(f"replaying step {inp.record.step}" + (" under the op monitor" if ops else ""))
-    result = run_step(model, inp, ops=ops, device=device)
+    result = run_step(model, inp, ops=ops, device=device, settle=True)  # backward ops unchecked once a forward origin is settled
     _fresh(model, inp)
     return diagnose(result, inp, model, device=device, samples=samples, counterfactuals=ops, progress=say, compiled=compiled)
 

@@ -13,9 +13,13 @@
   (finite or the NaN/Inf counts, and the largest finite magnitude), and in the backward pass the
   cotangent at each module's output and each parameter's gradient.
 
-Both are lean on the common path: one ``abs().amax()`` reduction per floating output gives
+Both are lean on the common path: one ``aminmax`` reduction per floating output gives
 finiteness and magnitude at once, and a tensor's flags are computed once and cached; the full
-counts (:class:`~nanreplay.core.numerics.Health`) are computed only where a value is born.
+counts (:class:`~nanreplay.core.numerics.Health`) are computed only where a value is born. The
+module monitor's own reductions run outside the replay's dispatch modes, so the op monitor sees
+only the step's ops; and once the first birth is in the forward pass or the loss and reaches the
+losses, the op monitor *settles* (:meth:`OpMonitor.settle`): the backward ops run unchecked,
+since nothing they do can change the origin.
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils.module_tracker import ModuleTracker
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import is_float, tensor_health
+from ..core.numerics import as_real, is_float, tensor_health
 from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
@@ -187,10 +191,15 @@ class ModuleMonitor:
         self._backward = backward
 
     def _pre(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self._stack.append(all(not _nonfinite(t) for t in _tensors((args, kwargs))))
+        with _unseen():
+            self._stack.append(all(not _nonfinite(t) for t in _tensors((args, kwargs))))
 
     def _post(self, mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         check_deadline()
+        with _unseen():
+            self._record_output(mod, out)
+
+    def _record_output(self, mod: torch.nn.Module, out: Any) -> None:
         inputs_finite = self._stack.pop() if self._stack else True
         outs = [t for t in tensor_leaves(out) if is_float(t)]
         summary = _summary(outs, counts=self.counts)
@@ -204,16 +213,18 @@ class ModuleMonitor:
 
     def _cot_hook(self, name: str, cls: str) -> Callable:
         def hook(g: torch.Tensor) -> None:  # counted: the report's module strip shows them
-            self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls,
-                                "output": _summary([g], counts=self.counts)})
+            with _unseen():
+                self.events.append({"phase": "backward", "kind": "output cotangent", "module": name, "class": cls,
+                                    "output": _summary([g], counts=self.counts)})
 
         return hook
 
     def _param_hook(self, pname: str, owner: str) -> Callable:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname,
-                                    "output": _summary([p.grad], counts=False)})
+                with _unseen():
+                    self.events.append({"phase": "backward", "kind": "parameter gradient", "module": owner, "param": pname,
+                                        "output": _summary([p.grad], counts=False)})
 
         return hook
 
@@ -226,6 +237,13 @@ class ModuleMonitor:
         self._handles.clear()
 
 
+def _unseen() -> Any:
+    """Around the module monitor's own reductions: the dispatch modes of the replay (the op
+    monitor, the RNG scope) do not see them, so they are neither checked as ops of the step nor
+    counted in its op indices and propagated ops."""
+    return _disable_current_modes()
+
+
 def _nonfinite(t: torch.Tensor) -> bool:
     nan, inf, _ = flags_of(t)
     return nan or inf
@@ -234,26 +252,61 @@ def _nonfinite(t: torch.Tensor) -> bool:
 def _summary(ts: list[torch.Tensor], *, counts: bool = True) -> Optional[dict]:
     """The small health summary of module events: counts only when something is non-finite, and
     only with ``counts`` (else ``nan``/``posinf``/``neginf`` are 0/1 flags; a tensor holding NaN
-    may hold an Inf its flags do not show)."""
+    may hold an Inf its flags do not show). The counts and the largest finite magnitude are
+    those of :func:`~nanreplay.core.numerics.tensor_health` (a complex element counts as two),
+    computed in fewer passes (:func:`_counts`)."""
     ts = [t for t in ts if isinstance(t, torch.Tensor) and is_float(t)]
     if not ts:
         return None
     absmax, nan, posinf, neginf = 0.0, False, False, False
+    flags: list[tuple[torch.Tensor, bool, bool, bool, float]] = []
     for t in ts:
         if t.numel() == 0:
             continue
         lo, hi = _extremes(t.detach())  # one pass per output: its flags, and its largest magnitude when finite
         t_nan, t_pos, t_neg = math.isnan(lo) or math.isnan(hi), hi == math.inf, lo == -math.inf
         nan, posinf, neginf = nan or t_nan, posinf or t_pos, neginf or t_neg
+        flags.append((t, t_nan, t_pos, t_neg, max(-lo, hi)))
         if not (t_nan or t_pos or t_neg):
             absmax = max(absmax, float(t.detach().abs().amax()) if t.is_complex() else max(-lo, hi))
     bad = nan or posinf or neginf
     if not bad or not counts:
         return {"nan": int(nan), "posinf": int(posinf), "neginf": int(neginf), "numel": sum(t.numel() for t in ts), "absmax": absmax,
                 "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
-    h = tensor_health(ts)
-    assert h is not None
-    return {"nan": h.nan, "posinf": h.posinf, "neginf": h.neginf, "numel": h.numel, "absmax": h.absmax, "dtype": h.dtype, "shape": h.shape}
+    nan_n = pos_n = neg_n = nfin = 0
+    absmax = 0.0
+    for t, t_nan, t_pos, t_neg, m in flags:
+        n, p, q, a = _counts(t, t_nan, t_pos, t_neg) if (t_nan or t_pos or t_neg) else (0, 0, 0, m)
+        nan_n, pos_n, neg_n, nfin = nan_n + n, pos_n + p, neg_n + q, nfin + as_real(t).numel() - n - p - q
+        absmax = max(absmax, a)
+    numel = sum(as_real(t).numel() for t in ts)  # as tensor_health counts: a complex element is two
+    return {"nan": nan_n, "posinf": pos_n, "neginf": neg_n, "numel": numel, "absmax": absmax if nfin else None,
+            "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """The number of true elements of a boolean tensor, as a 0-dim integer tensor (no host read):
+    summed as bytes into int32 where it cannot overflow (several times faster on CPU than a
+    boolean ``sum``, which widens every element to int64)."""
+    if mask.numel() < 2**31:
+        return mask.view(torch.uint8).sum(dtype=torch.int32)
+    return torch.count_nonzero(mask)
+
+
+def _counts(t: torch.Tensor, has_nan: bool, has_pos: bool, has_neg: bool) -> tuple[int, int, int, float]:
+    """``(NaN count, +Inf count, -Inf count, largest finite magnitude)`` of one non-empty
+    floating tensor (of its real and imaginary parts for a complex one; the magnitude is 0 when
+    no element is finite), given its flags from :func:`_extremes` (without NaN they tell exactly
+    which kinds of Inf it holds, so only those are counted), with one host read and no copy of
+    the finite values."""
+    x = as_real(t.detach())
+    zero = torch.zeros((), dtype=torch.int32, device=x.device)
+    nan = _count(torch.isnan(x)) if has_nan else zero
+    pos = _count(torch.isposinf(x)) if has_nan or has_pos else zero
+    neg = _count(torch.isneginf(x)) if has_nan or has_neg else zero
+    big = torch.nan_to_num_(x.abs(), nan=0.0, posinf=0.0).amax()  # |x| of the finite elements (0 in place of NaN and +-Inf)
+    n, p, q, m = torch.stack([nan.double(), pos.double(), neg.double(), big.double()]).tolist()
+    return int(n), int(p), int(q), m
 
 
 def _summary_nonfinite(s: dict) -> bool:
@@ -276,13 +329,16 @@ class OpMonitor(TorchDispatchMode):
             only asks whether one birth happens again.
 
     Attributes:
-        births: one dict per birth, in execution order (see ``docs/report.md``, "A birth").
+        births: one dict per birth, in execution order (see ``docs/report.md``, "A birth"); after
+            :meth:`settle`, those of the forward pass and the loss only.
         allowed: births the allowlist matched (never the origin, never a taint).
         propagated: ops that only passed non-finite values on.
         facts: the per-tensor :class:`Facts`.
         run_phase: set by the replay: ``forward`` (the model's forward calls), ``loss_fn`` (the
             user's loss function, the model's forward inside it), ``backward``, ``optimizer``.
         micro_batch, batch_size: which recorded batch / forward call is replaying, and its size.
+        settled: the forward origin is settled (:meth:`settle`) and backward ops run unchecked.
+        checked, passed: how many ops were checked, and how many ran unchecked.
 
     Technique: ``TorchDispatchMode`` sees functional ops and backward kernels alike, which module
     hooks miss; ``ModuleTracker`` supplies the module context in both passes.
@@ -314,6 +370,25 @@ class OpMonitor(TorchDispatchMode):
             except Exception:  # noqa: BLE001 - a ModuleTracker without the private namer: names come on first call
                 pass
         self._n_births = itertools.count()
+        self.settled = False  # the forward origin is settled: backward ops run unchecked (:meth:`settle`)
+        self.checked = 0      # ops whose outputs were checked
+        self.passed = 0       # ops run unchecked (unwatched, or backward ops once settled)
+
+    def settle(self, products: Iterable[torch.Tensor]) -> bool:
+        """Called as the backward pass starts, with what the step has produced so far (losses, or
+        model outputs fed by recorded cotangents): when the first birth recorded is in the
+        forward pass or the loss and its values reach ``products``, it is the origin whatever
+        the backward pass does (the origin rule, :mod:`nanreplay.diagnosis.origin`, takes the
+        first reaching birth of the forward pass and the loss before any backward one, and no
+        earlier forward birth exists), so the backward ops from here on run unchecked: no health
+        reads, no provenance, no backward births recorded (``births``, ``allowed`` and
+        ``propagated`` then hold the forward pass and the loss only). Never with ``watch``
+        (taint is not tracked). Returns whether the monitor is settled."""
+        if self.settled or self.watch is not None or not self.births:
+            return self.settled
+        first = self.births[0]
+        self.settled = first["phase"] in ("forward", "loss") and first["birth"] in self.taint_of(products)
+        return self.settled
 
     # -- where an op runs -----------------------------------------------------------------
     def _active(self) -> list[str]:
@@ -352,8 +427,10 @@ class OpMonitor(TorchDispatchMode):
         check_deadline()
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        if name in _UNINITIALISED or (self.watch is not None and name not in self.watch):
+        if name in _UNINITIALISED or (self.watch is not None and name not in self.watch) or (self.settled and self.run_phase == "backward"):
+            self.passed += 1
             return func(*args, **kwargs)
+        self.checked += 1
         ins = [t for t in _tensors((args, kwargs))]
         in_facts = [self.facts.get(t) for t in ins]  # before the op: an in-place op overwrites its input
         mutating = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))

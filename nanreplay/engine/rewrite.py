@@ -35,6 +35,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import NanReplayError
 from . import probes
 from .monitors import born, flags_of
 from .run import ReplayResult, StepInputs, run_step
@@ -135,6 +136,13 @@ class _AtOp(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _Located(NanReplayError):
+    """Raised by :class:`_Locate` once it found a forward birth's call: the call is the first one
+    that gives birth, so nothing later in the step can change it, and the replay stops there
+    (through the replay's ``finally`` blocks, as a deadline does; a nanreplay error, so the
+    embedded program's runner lets it through). Never leaves :func:`locate`."""
+
+
 class _Locate(_AtOp):
     def __init__(self, target: OpTarget) -> None:
         super().__init__()
@@ -158,6 +166,7 @@ class _Locate(_AtOp):
                     self.found = OpCall(k[0], k[1], k[2], backward_birth=True)
         elif node_now is None and name == t.op and _birth(args, kwargs, out):
             self.found = OpCall(name, n, func)
+            raise _Located()
         return out
 
 
@@ -284,13 +293,17 @@ def locate(model: torch.nn.Module, inp: StepInputs, target: OpTarget, *, device:
     """The call of the step that gives birth to ``target``: for a forward (or loss) birth, the
     first call of ``target.op`` whose output is non-finite while its inputs are not; for a
     backward birth, the forward call whose autograd node (named ``target.node``) gives birth in
-    its backward kernel. One plain replay; ``None`` when no call matches.
+    its backward kernel. One plain replay, which stops at the call of a forward birth once found
+    (the rest of the step cannot change which call is the first); ``None`` when no call matches.
 
     Raises:
         ReplayError: as :func:`~nanreplay.engine.run.run_step`.
     """
     mode = _Locate(target)
-    _plain(model, inp, device, mode)
+    try:
+        _plain(model, inp, device, mode)
+    except _Located:
+        pass
     return mode.found
 
 

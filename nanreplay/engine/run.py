@@ -227,8 +227,9 @@ class _Run:
     ``runner`` is what the step calls (the model, or a compiled wrapper of it)."""
 
     def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device], *, monitors: bool = True,
-                 runner: Optional[torch.nn.Module] = None, lean: bool = False, watch: Optional[frozenset] = None) -> None:
+                 runner: Optional[torch.nn.Module] = None, lean: bool = False, watch: Optional[frozenset] = None, settle: bool = False) -> None:
         self.model, self.inp, self.device = model, inp, device
+        self.settle = settle
         self.runner = runner if runner is not None else model
         self.mon: Any = ModuleMonitor(model, backward=not lean, counts=not lean) if monitors else _NoModuleMonitor()
         self.tracker: Any = ModuleTracker() if monitors else contextlib.nullcontext()
@@ -243,6 +244,8 @@ class _Run:
     def phase(self, phase: str, micro_batch: Optional[int] = None) -> None:
         self.mon.phase = "backward" if phase == "backward" else "forward"
         if self.opmon is not None:
+            if phase == "backward" and self.settle:
+                self.opmon.settle(self.products)  # a forward origin that reaches the products: backward ops unchecked
             self.opmon.run_phase = phase
             if micro_batch is not None:
                 self.opmon.micro_batch = micro_batch
@@ -368,7 +371,7 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
 
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
              runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
-             watch: Optional[frozenset] = None) -> ReplayResult:
+             watch: Optional[frozenset] = None, settle: bool = False) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -393,6 +396,12 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             which skips anomaly mode's per-op stack capture.
         watch: with ``ops``, check only these aten ops (see
             :class:`~nanreplay.engine.monitors.OpMonitor`); ``result.reaching`` is then unknown.
+        settle: with ``ops``, stop checking ops once the origin is settled in the forward pass
+            (:meth:`~nanreplay.engine.monitors.OpMonitor.settle`): the first birth is in the
+            forward pass or the loss and reaches the losses (or outputs) as the backward pass
+            starts. The origin, its phase, place and evidence are those of a fully checked
+            replay; ``result.births`` then lacks the backward births that follow it. About
+            two thirds of a step's ops are backward ones.
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -411,7 +420,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
-    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops, watch=watch)
+    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops, watch=watch, settle=settle)
     if rec.stale_inputs:
         run.warnings.append(
             f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "
