@@ -266,7 +266,7 @@ def per_sample_replay(model: torch.nn.Module, inp: StepInputs, *, phase: str, de
         load_buffers(model, inp.state.buffers)
         sub = dataclasses.replace(inp, record=_slice_record(inp.record, idx, size), recorded_grads={})
         try:
-            res = run_step(model, sub, ops=False, device=device, lean=True)
+            res = run_step(model, sub, ops=False, device=device, lean=True, backward=phase == "backward")
         except Exception as e:  # e.g. a loss that needs two samples; one sample cannot be judged alone
             replay_error(e)  # the deadline goes through
             if state["error"] is None:

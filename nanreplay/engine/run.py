@@ -227,9 +227,10 @@ class _Run:
     ``runner`` is what the step calls (the model, or a compiled wrapper of it)."""
 
     def __init__(self, model: torch.nn.Module, inp: StepInputs, ops: bool, device: Optional[torch.device], *, monitors: bool = True,
-                 runner: Optional[torch.nn.Module] = None, lean: bool = False, watch: Optional[frozenset] = None, settle: bool = False) -> None:
+                 runner: Optional[torch.nn.Module] = None, lean: bool = False, watch: Optional[frozenset] = None, settle: bool = False,
+                 backward: bool = True) -> None:
         self.model, self.inp, self.device = model, inp, device
-        self.settle = settle
+        self.settle, self.backward = settle, backward
         self.runner = runner if runner is not None else model
         self.mon: Any = ModuleMonitor(model, backward=not lean, counts=not lean) if monitors else _NoModuleMonitor()
         self.tracker: Any = ModuleTracker() if monitors else contextlib.nullcontext()
@@ -274,8 +275,9 @@ class _Run:
             self.losses.append(tensor_health([loss]))
             self.loss_values.append(float(loss.detach().float().sum()) if loss.numel() else math.nan)
             self.products.append(loss)
-            self.phase("backward")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if self.backward:
+                self.phase("backward")
+                (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def with_cotangent(self, autocast: Any, mode: str) -> None:
         """The model's forward calls, then backward seeded with the recorded output gradients."""
@@ -288,7 +290,7 @@ class _Run:
                 out = self.runner(*args, **kwargs)
             self.outs.append(tensor_health(tensor_leaves(out)))
             self.products.extend(tensor_leaves(out))
-            if mode == "cotangent":
+            if mode == "cotangent" and self.backward:
                 pending.append((i, out, _to_device(fw.cotangent, self.device)))
         # backward after all forwards: each micro-batch's graph is independent
         for i, out, cot in pending:
@@ -361,7 +363,7 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
                 run.with_loss(scaler, autocast)
             else:
                 run.with_cotangent(autocast, mode)
-            if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only":
+            if scaler is not None and inp.grads_unscaled is not False and mode != "forward-only" and run.backward:
                 # the recorded gradients were unscaled by the scaler: unscale the replayed ones the same way
                 scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
     finally:
@@ -371,7 +373,7 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
 
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
              runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
-             watch: Optional[frozenset] = None, settle: bool = False) -> ReplayResult:
+             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -402,6 +404,9 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             starts. The origin, its phase, place and evidence are those of a fully checked
             replay; ``result.births`` then lacks the backward births that follow it. About
             two thirds of a step's ops are backward ones.
+        backward: ``False`` stops after the forward pass and the loss (no gradients; the
+            outputs' and losses' health only), for the per-sample replays of a forward or loss
+            birth: about a third of a step's time.
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -420,7 +425,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
     scaler = replay_scaler(inp.scaler, dev)
     ac = rec.autocast
     autocast = torch.autocast(dev.type, dtype=getattr(torch, ac["dtype"])) if ac else contextlib.nullcontext()
-    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops, watch=watch, settle=settle)
+    run = _Run(model, inp, ops, device, monitors=monitors, runner=runner, lean=lean and not ops, watch=watch, settle=settle,
+               backward=backward)
     if rec.stale_inputs:
         run.warnings.append(
             f"step {rec.step}'s recorded inputs were modified in place after capture (a recycled input buffer): "

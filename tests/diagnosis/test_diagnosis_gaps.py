@@ -167,3 +167,32 @@ def test_per_sample_replay_blames_only_on_evidence(out_dir, factory, loss_fn, ex
         assert samples["indices"] == [] and expect in samples["cannot_tell"]
         assert any(w.startswith("cannot tell per sample: ") for w in samples["warnings"])
         assert "samples [" not in diag["summary"]
+
+
+def test_per_sample_replays_of_a_forward_or_loss_birth_run_no_backward_pass(out_dir):
+    """Which samples give birth in the loss is read from the losses: the per-sample replays stop
+    there, and only a backward birth's replays run the backward pass."""
+    from nanreplay.diagnosis.api import bundle_step_inputs
+    from nanreplay.diagnosis.samples import per_sample_replay
+    from nanreplay.format.bundle import open_bundle
+
+    model = _eval_bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.rand(6, 4)
+    x[3, 0] = -100.0
+    with pytest.raises(NonFiniteGradientError) as info:
+        with Recorder(model, opt, loss_fn=_mean_sqrt_loss, model_factory=_eval_bn_model, out_dir=out_dir, diagnose=False,
+                      embed_program=False) as rec:
+            rec.record((x,))
+            _mean_sqrt_loss(model, (x,)).backward()
+            opt.step()
+    backward_calls = []
+    with open_bundle(info.value.bundle_path) as b:
+        inp = bundle_step_inputs(b, b.state(), _mean_sqrt_loss)
+        model2 = _eval_bn_model()
+        model2.load_state_dict(dict(inp.state.params, **inp.state.buffers))
+        model2[2].register_full_backward_hook(lambda *a: backward_calls.append(1))
+        found = per_sample_replay(model2, inp, phase="loss")
+        assert found["indices"] == [3] and found["runs"] > 1 and backward_calls == []
+        per_sample_replay(model2, inp, phase="backward")
+        assert backward_calls  # a backward birth's samples are judged by their gradients
