@@ -120,9 +120,11 @@ def is_digest(g: Any) -> bool:
 
 
 def digest_of(t: torch.Tensor) -> GradDigest:
-    """The :class:`GradDigest` of a floating or complex tensor on any device. Reads the tensor
-    once on the device for the counts and sums (one host read), then copies it to the host once
-    for the hash and the masks; holds at most one extra copy of it at a time.
+    """The :class:`GradDigest` of a floating or complex tensor on any device: a few reductions
+    on its device with one host read (the NaN/+Inf/-Inf counts and masks only when its float64
+    sum is non-finite), then one copy of the finite values to the host for the hash; holds one
+    extra copy of the tensor at a time. About 1 s for 42M float32 elements on one loaded CPU
+    core.
 
     Raises:
         TypeError: ``t`` is not a floating or complex tensor.
