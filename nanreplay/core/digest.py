@@ -19,6 +19,7 @@ default) sees a non-finite gradient, and whole gradients otherwise (``docs/bundl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -120,11 +121,13 @@ def is_digest(g: Any) -> bool:
 
 
 def digest_of(t: torch.Tensor) -> GradDigest:
-    """The :class:`GradDigest` of a floating or complex tensor on any device: a few reductions
-    on its device with one host read (the NaN/+Inf/-Inf counts and masks only when its float64
-    sum is non-finite), then one copy of the finite values to the host for the hash; holds one
-    extra copy of the tensor at a time. About 1 s for 42M float32 elements on one loaded CPU
-    core.
+    """The :class:`GradDigest` of a floating or complex tensor on any device. One float64 sum
+    on its device and one host read tell whether it is finite; only a non-finite one pays for
+    the NaN/+Inf/-Inf counts (one more read) and, when partly non-finite, the masks. A tensor
+    with no finite value (the common case once a NaN has spread) stops there: its sums are 0 and
+    its hash is that of zeros, computed without a copy. Otherwise a few reductions (one read) and
+    one copy of the finite values to the host for the hash; one extra copy of the tensor is held
+    at a time. On one loaded CPU core: about 1 s for 42M float32 elements, 0.15 s when all NaN.
 
     Raises:
         TypeError: ``t`` is not a floating or complex tensor.
@@ -139,27 +142,42 @@ def digest_of(t: torch.Tensor) -> GradDigest:
                         f"{getattr(t, 'dtype', '')}")
     x = as_real(t.detach()).reshape(-1)
     n = x.numel()
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    total = torch.sum(x, dtype=torch.float64) if n else zero  # finite iff every element is (float64 holds any float32 sum)
-    vals = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    vals.add_(0.0)  # -0.0 + 0.0 is +0.0: the hash reads values, not signs of zero
-    lo, hi = torch.aminmax(vals) if n else (zero, zero)
-    stats = torch.stack([total, torch.sum(vals, dtype=torch.float64) if n else zero,
-                         torch.linalg.vector_norm(vals, 2, dtype=torch.float64) if n else zero,
-                         torch.count_nonzero(vals).double(), lo.double(), hi.double()]).tolist()
-    if math.isfinite(stats[0]):
-        nan = pos = neg = 0
-    else:
-        nan, pos, neg = (int(v) for v in torch.stack([torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum()]).tolist())
-    nonzero = int(stats[3])
-    host = vals.to("cpu").contiguous()
-    h = hashlib.sha256(host.view(torch.uint8).numpy() if n else b"")
+    nan = pos = neg = 0
+    # the float64 sum is finite iff every element is (float64 holds any float32 or bf16 sum)
+    if n and not math.isfinite(float(torch.sum(x, dtype=torch.float64))):
+        acc = torch.int32 if n < 2**31 else torch.int64  # a boolean sum in int64 is several times slower on CPU
+
+        def count(test: Any) -> Any:
+            return test(x).view(torch.uint8).sum(dtype=acc)
+
+        nan = int(count(torch.isnan))
+        if nan < n:  # NaN everywhere, once it has spread: nothing else to count
+            pos, neg = (int(v) for v in torch.stack([count(torch.isposinf), count(torch.isneginf)]).tolist())
     masks: dict[str, Any] = {}
     for kind, count, test in (("nan", nan, torch.isnan), ("posinf", pos, torch.isposinf), ("neginf", neg, torch.isneginf)):
         if 0 < count < n:
             masks[kind] = torch.from_numpy(np.packbits(test(x).cpu().numpy()))
-    return GradDigest(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), nan=nan, posinf=pos, neginf=neg, nonzero=nonzero,
-                      sum=float(stats[1]), sumsq=float(stats[2]) ** 2, absmax=max(abs(stats[4]), abs(stats[5])), sha256=h.hexdigest(), masks=masks)
+    meta = dict(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), nan=nan, posinf=pos, neginf=neg, masks=masks)
+    if nan + pos + neg == n:  # no finite value (or no element): every finite statistic is 0, the values hash as zeros
+        return GradDigest(**meta, nonzero=0, sum=0.0, sumsq=0.0, absmax=0.0, sha256=_zeros_sha256(n * x.element_size()))
+    vals = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    vals.add_(0.0)  # -0.0 + 0.0 is +0.0: the hash reads values, not signs of zero
+    lo, hi = torch.aminmax(vals)
+    stats = torch.stack([torch.sum(vals, dtype=torch.float64), torch.linalg.vector_norm(vals, 2, dtype=torch.float64),
+                         torch.count_nonzero(vals).double(), lo.double(), hi.double()]).tolist()
+    host = vals.to("cpu").contiguous()
+    return GradDigest(**meta, nonzero=int(stats[2]), sum=float(stats[0]), sumsq=float(stats[1]) ** 2,
+                      absmax=max(abs(stats[3]), abs(stats[4])), sha256=hashlib.sha256(host.view(torch.uint8).numpy()).hexdigest())
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_sha256(nbytes: int) -> str:
+    """The SHA-256 of ``nbytes`` zero bytes, streamed from one 1 MiB buffer."""
+    h, chunk = hashlib.sha256(), bytes(1 << 20)
+    for _ in range(nbytes >> 20):
+        h.update(chunk)
+    h.update(bytes(nbytes & ((1 << 20) - 1)))
+    return h.hexdigest()
 
 
 def grads_nonfinite(grads: Union[Mapping[str, Any], Iterable[Any]]) -> bool:
