@@ -123,11 +123,13 @@ def is_digest(g: Any) -> bool:
 def digest_of(t: torch.Tensor) -> GradDigest:
     """The :class:`GradDigest` of a floating or complex tensor on any device. One float64 sum
     on its device and one host read tell whether it is finite; only a non-finite one pays for
-    the NaN/+Inf/-Inf counts (one more read) and, when partly non-finite, the masks. A tensor
+    the NaN/+Inf/-Inf counts (a read per kind) and, for a kind only partly present, its
+    positions, packed from the boolean tensor that counted it. A tensor
     with no finite value (the common case once a NaN has spread) stops there: its sums are 0 and
     its hash is that of zeros, computed without a copy. Otherwise a few reductions (one read) and
     one copy of the finite values to the host for the hash; one extra copy of the tensor is held
-    at a time. On one loaded CPU core: about 1 s for 42M float32 elements, 0.15 s when all NaN.
+    at a time. On this machine's 2 CPU cores: about 0.7-1 s for 42M float32 elements, 0.3 s when
+    all NaN.
 
     Raises:
         TypeError: ``t`` is not a floating or complex tensor.
@@ -135,7 +137,7 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     import numpy as np
     import torch
 
-    from .numerics import as_real, is_float
+    from .numerics import as_real, count_true, is_float
 
     if not isinstance(t, torch.Tensor) or not is_float(t):
         raise TypeError(f"a gradient digest needs a floating or complex tensor, found {type(t).__name__} "
@@ -143,20 +145,18 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     x = as_real(t.detach()).reshape(-1)
     n = x.numel()
     nan = pos = neg = 0
+    masks: dict[str, Any] = {}
     # the float64 sum is finite iff every element is (float64 holds any float32 or bf16 sum)
     if n and not math.isfinite(float(torch.sum(x, dtype=torch.float64))):
-        acc = torch.int32 if n < 2**31 else torch.int64  # a boolean sum in int64 is several times slower on CPU
-
-        def count(test: Any) -> Any:
-            return test(x).view(torch.uint8).sum(dtype=acc)
-
-        nan = int(count(torch.isnan))
-        if nan < n:  # NaN everywhere, once it has spread: nothing else to count
-            pos, neg = (int(v) for v in torch.stack([count(torch.isposinf), count(torch.isneginf)]).tolist())
-    masks: dict[str, Any] = {}
-    for kind, count, test in (("nan", nan, torch.isnan), ("posinf", pos, torch.isposinf), ("neginf", neg, torch.isneginf)):
-        if 0 < count < n:
-            masks[kind] = torch.from_numpy(np.packbits(test(x).cpu().numpy()))
+        found = {}
+        for kind, test in (("nan", torch.isnan), ("posinf", torch.isposinf), ("neginf", torch.isneginf)):
+            is_kind = test(x)
+            found[kind] = count = int(count_true(is_kind))
+            if 0 < count < n:  # its positions, packed from the same boolean tensor
+                masks[kind] = torch.from_numpy(np.packbits(is_kind.cpu().numpy()))
+            if kind == "nan" and count == n:
+                break  # NaN everywhere, once it has spread: nothing else to count
+        nan, pos, neg = found["nan"], found.get("posinf", 0), found.get("neginf", 0)
     meta = dict(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), nan=nan, posinf=pos, neginf=neg, masks=masks)
     if nan + pos + neg == n:  # no finite value (or no element): every finite statistic is 0, the values hash as zeros
         return GradDigest(**meta, nonzero=0, sum=0.0, sumsq=0.0, absmax=0.0, sha256=_zeros_sha256(n * x.element_size()))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "any_nonfinite", "kinds", "as_real"]
+__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "count_true", "is_float", "any_nonfinite", "kinds", "as_real"]
 
 
 def is_float(t: torch.Tensor) -> bool:
@@ -100,6 +100,17 @@ def kinds(h: Any) -> str:
     h = h.to_json() if hasattr(h, "to_json") else h
     parts = [n for n, k in (("NaN", "nan"), ("+Inf", "posinf"), ("-Inf", "neginf")) if h.get(k)]
     return " and ".join(parts) if parts else "finite"
+
+
+def count_true(mask: torch.Tensor) -> torch.Tensor:
+    """The number of true elements of a boolean tensor, as a 0-dim integer tensor on its device
+    (no host read): summed as bytes into int32 where it cannot overflow (several times faster on
+    CPU than a boolean ``sum``, which widens every element to int64)."""
+    import torch
+
+    if mask.numel() < 2**31:
+        return mask.view(torch.uint8).sum(dtype=torch.int32)
+    return torch.count_nonzero(mask)
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..core.allowlist import Allowlist
-from ..core.numerics import as_real, is_float, tensor_health
+from ..core.numerics import as_real, count_true, is_float, tensor_health
 from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
@@ -284,15 +284,6 @@ def _summary(ts: list[torch.Tensor], *, counts: bool = True) -> Optional[dict]:
             "dtype": str(ts[0].dtype).replace("torch.", ""), "shape": list(ts[0].shape)}
 
 
-def _count(mask: torch.Tensor) -> torch.Tensor:
-    """The number of true elements of a boolean tensor, as a 0-dim integer tensor (no host read):
-    summed as bytes into int32 where it cannot overflow (several times faster on CPU than a
-    boolean ``sum``, which widens every element to int64)."""
-    if mask.numel() < 2**31:
-        return mask.view(torch.uint8).sum(dtype=torch.int32)
-    return torch.count_nonzero(mask)
-
-
 def _counts(t: torch.Tensor, has_nan: bool, has_pos: bool, has_neg: bool) -> tuple[int, int, int, float]:
     """``(NaN count, +Inf count, -Inf count, largest finite magnitude)`` of one non-empty
     floating tensor (of its real and imaginary parts for a complex one; the magnitude is 0 when
@@ -301,9 +292,9 @@ def _counts(t: torch.Tensor, has_nan: bool, has_pos: bool, has_neg: bool) -> tup
     the finite values."""
     x = as_real(t.detach())
     zero = torch.zeros((), dtype=torch.int32, device=x.device)
-    nan = _count(torch.isnan(x)) if has_nan else zero
-    pos = _count(torch.isposinf(x)) if has_nan or has_pos else zero
-    neg = _count(torch.isneginf(x)) if has_nan or has_neg else zero
+    nan = count_true(torch.isnan(x)) if has_nan else zero
+    pos = count_true(torch.isposinf(x)) if has_nan or has_pos else zero
+    neg = count_true(torch.isneginf(x)) if has_nan or has_neg else zero
     big = torch.nan_to_num_(x.abs(), nan=0.0, posinf=0.0).amax()  # |x| of the finite elements (0 in place of NaN and +-Inf)
     n, p, q, m = torch.stack([nan.double(), pos.double(), neg.double(), big.double()]).tolist()
     return int(n), int(p), int(q), m
