@@ -59,7 +59,7 @@ def compare_grads(recorded: Mapping[str, RecordedGrad], replayed: dict[str, torc
     if norm_diff is not None:
         detail.append(f"finite values differ; the bundle keeps gradient digests, not values: their finite 2-norms differ by up to "
                       f"{_g(norm_diff)} (record with store_grads='full' for the exact differences)")
-    factor = None if exact or missing else common_factor(recorded, replayed)
+    factor = None if exact or missing else common_factor(recorded, replayed, replayed_digests=t.replay_digests)
     if factor is not None:
         # the loop rescaled every gradient between backward and optimizer.step()
         verdict = "reproduced"
@@ -92,6 +92,7 @@ class _Tally:
         self.rec_bad: set[str] = set()
         self.rep_bad: set[str] = set()
         self.norm_diff: Optional[float] = None  # set when a digest's finite values differ from the replay's
+        self.replay_digests: dict[str, GradDigest] = {}  # the replayed gradients compared with recorded digests
 
     def add(self, name: str, r: RecordedGrad, g: Optional[torch.Tensor]) -> None:
         if g is None:
@@ -104,9 +105,15 @@ class _Tally:
             return
         if grads_nonfinite([r]):
             self.rec_bad.add(name)
-        if any_nonfinite(g):
+        if is_digest(r):
+            rg = self.replay_digests[name] = digest_of(g) if is_float(g) else None
+            replay_bad = rg is not None and rg.nonfinite > 0
+            same_pattern, d = _digest_diff(r, rg)
+        else:
+            replay_bad = any_nonfinite(g)
+            same_pattern, d = _tensor_diff(r, g)
+        if replay_bad:
             self.rep_bad.add(name)
-        same_pattern, d = _digest_diff(r, g) if is_digest(r) else _tensor_diff(r, g)
         if isinstance(d, tuple):  # a digest whose finite values differ: the norms' difference
             self.norm_diff, d = max(self.norm_diff or 0.0, d[1]), None
         else:
@@ -128,12 +135,12 @@ def _tensor_diff(r: torch.Tensor, g: torch.Tensor) -> tuple[bool, float]:
     return same_pattern, float((r[fin].double() - g[fin].double()).abs().max()) if fin.any() else 0.0
 
 
-def _digest_diff(r: GradDigest, g: torch.Tensor) -> tuple[bool, Union[float, tuple[None, float]]]:
-    """As :func:`_tensor_diff` for a recorded digest: the difference is 0.0 when the finite
-    values hash the same, else unknown, given as ``(None, |recorded 2-norm - replayed 2-norm|)``."""
-    if not is_float(g):
+def _digest_diff(r: GradDigest, rg: Optional[GradDigest]) -> tuple[bool, Union[float, tuple[None, float]]]:
+    """As :func:`_tensor_diff` for a recorded digest and the replayed gradient's (``None`` for a
+    non-floating one): the difference is 0.0 when the finite values hash the same, else unknown,
+    given as ``(None, |recorded 2-norm - replayed 2-norm|)``."""
+    if rg is None:
         return False, (None, r.norm)
-    rg = digest_of(g)
     return r.same_pattern(rg), 0.0 if r.same_values(rg) else (None, abs(r.norm - rg.norm))
 
 
@@ -141,19 +148,21 @@ def _g(x: float) -> str:
     return f"{x:.6g}" if math.isfinite(x) else repr(x)
 
 
-def common_factor(recorded: Mapping[str, RecordedGrad], replayed: dict[str, torch.Tensor]) -> Optional[float]:
+def common_factor(recorded: Mapping[str, RecordedGrad], replayed: dict[str, torch.Tensor], *,
+                  replayed_digests: Optional[Mapping[str, GradDigest]] = None) -> Optional[float]:
     """The one scalar ``c`` (not 1) with ``recorded == c * replayed`` for every gradient, within
     float32 rounding and with the same NaN/Inf pattern, or ``None``. ``c`` is NaN when every
     recorded value is NaN and the replay holds a non-finite value (``clip_grad_norm_`` with a
     NaN total norm), 0 for an Inf total norm. Needs two finite non-zero values to infer a finite
     ``c``; one tensor at a time, no copy of all gradients. Recorded digests are matched on their
-    finite sums and 2-norms (``c`` from the ratio of the norms, its sign from the sums)."""
+    finite sums and 2-norms (``c`` from the ratio of the norms, its sign from the sums);
+    ``replayed_digests``: digests of ``replayed`` already computed (:func:`compare_grads` has them)."""
     names = [n for n, r in recorded.items() if is_digest(r) or is_float(r)]
     if not names or any(n not in replayed for n in names):
         return None
     if any(is_digest(recorded[n]) for n in names):
         return _digest_factor({n: recorded[n] if is_digest(recorded[n]) else digest_of(recorded[n]) for n in names},
-                              {n: replayed[n] for n in names})
+                              {n: replayed[n] for n in names}, dict(replayed_digests or {}))
     return _tensor_factor([(as_real(recorded[n].detach().to(replayed[n].device)).double(), as_real(replayed[n].detach()).double()) for n in names])
 
 
@@ -183,17 +192,18 @@ def _tensor_factor(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional[f
     return c
 
 
-def _digest_factor(recorded: dict[str, GradDigest], replayed: dict[str, torch.Tensor]) -> Optional[float]:
+def _digest_factor(recorded: dict[str, GradDigest], replayed: dict[str, torch.Tensor], known: dict[str, GradDigest]) -> Optional[float]:
     """:func:`common_factor` on digests: every tensor's finite 2-norm scaled by one ``|c|`` and its
     finite sum by one ``c`` (relative tolerance 1e-5), the same non-finite pattern in ``c *
-    replayed``, and at least two finite non-zero values."""
+    replayed``, and at least two finite non-zero values. ``known``: replayed digests already
+    computed, by FQN."""
     c: Optional[float] = None
     for n, r in recorded.items():
         g = replayed[n]
         if r.nan == r.numel and r.numel and any_nonfinite(g):
             continue
         if c is None and r.nonzero:
-            gd = digest_of(g)
+            gd = known.get(n) or digest_of(g)
             if gd.norm == 0:
                 return None
             c = math.copysign(r.norm / gd.norm, r.sum * gd.sum if gd.sum else 1.0)
