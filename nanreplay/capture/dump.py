@@ -223,10 +223,6 @@ class Dump:
         from ..engine.verify import verify_program
 
         t0 = time.perf_counter()
-        if not self.programs.fits(rec):
-            logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
-                           "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
-                           rec.step)
         self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
         try:
             with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop

@@ -194,5 +194,9 @@ class ProgramCache:
             logger.debug("program cache check failed", exc_info=True)
         from ..engine.program import program_content
 
+        logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
+                       "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
+                       rec.step)
+
         meta, tensors = program_content(self.model, rec, self.loss_fn)
         return meta, tensors, False
