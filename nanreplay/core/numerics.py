@@ -103,13 +103,12 @@ def kinds(h: Any) -> str:
 
 
 def count_true(mask: torch.Tensor) -> torch.Tensor:
-    """The number of true elements of a boolean tensor, as a 0-dim integer tensor on its device
-    (no host read): summed as bytes into int32 where it cannot overflow (several times faster on
-    CPU than a boolean ``sum``, which widens every element to int64)."""
+    """The number of true elements of a boolean tensor, as a 0-dim int64 tensor on its device (no
+    host read). ``torch.count_nonzero``: on CPU (torch 2.13, 2 threads) 3-14x faster than summing
+    the mask's bytes into int32 and 10-30x faster than a boolean ``sum``, which widens every element
+    to int64 (1.3-1.6 ms against 4.6-20 ms for 8M elements)."""
     import torch
 
-    if mask.numel() < 2**31:
-        return mask.view(torch.uint8).sum(dtype=torch.int32)
     return torch.count_nonzero(mask)
 
 
@@ -120,10 +119,8 @@ def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     if not is_float(t) or t.numel() == 0:
         return 0, 0, 0
     t = as_real(t)
-    nan = int(torch.isnan(t).sum())
-    pos = int(torch.isposinf(t).sum())
-    neg = int(torch.isneginf(t).sum())
-    return nan, pos, neg
+    counts = torch.stack([count_true(torch.isnan(t)), count_true(torch.isposinf(t)), count_true(torch.isneginf(t))]).tolist()
+    return counts[0], counts[1], counts[2]
 
 
 @dataclass
