@@ -121,15 +121,15 @@ def is_digest(g: Any) -> bool:
 
 
 def digest_of(t: torch.Tensor) -> GradDigest:
-    """The :class:`GradDigest` of a floating or complex tensor on any device. One float64 sum
+    """The :class:`GradDigest` of a floating or complex tensor on any device. One ``aminmax``
     on its device and one host read tell whether it is finite; only a non-finite one pays for
     the NaN/+Inf/-Inf counts (a read per kind) and, for a kind only partly present, its
     positions, packed from the boolean tensor that counted it. A tensor
     with no finite value (the common case once a NaN has spread) stops there: its sums are 0 and
     its hash is that of zeros, computed without a copy. Otherwise a few reductions (one read) and
     one copy of the finite values to the host for the hash; one extra copy of the tensor is held
-    at a time. On this machine's 2 CPU cores: about 0.7-1 s for 42M float32 elements, 0.3 s when
-    all NaN.
+    at a time. On this machine's 2 CPU cores: about 0.5-0.65 s for 42M float32 elements, 0.05 s
+    when all NaN.
 
     Raises:
         TypeError: ``t`` is not a floating or complex tensor.
@@ -146,8 +146,9 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     n = x.numel()
     nan = pos = neg = 0
     masks: dict[str, Any] = {}
-    # the float64 sum is finite iff every element is (float64 holds any float32 or bf16 sum)
-    if n and not math.isfinite(float(torch.sum(x, dtype=torch.float64))):
+    # min and max are both finite iff every element is (NaN propagates through both): one pass
+    # with no temporary, about 15x faster on CPU than the float64 sum this check used to be
+    if n and not all(math.isfinite(v) for v in torch.stack(torch.aminmax(x)).tolist()):
         found = {}
         for kind, test in (("nan", torch.isnan), ("posinf", torch.isposinf), ("neginf", torch.isneginf)):
             is_kind = test(x)
