@@ -872,5 +872,16 @@ def trust(bundles: tuple[Path, ...], revoke: bool) -> None:
         click.echo(f"{inert(b)}: trusted; replay may now run {_code_listing(code) or 'no code'}")
 
 
-if __name__ == "__main__":  # pragma: no cover
+def entry() -> None:
+    """The ``nanreplay`` command: :func:`main` in a process whose heap keeps freed memory for the
+    replays' reuse (:func:`nanreplay.core.allocator.keep_freed_memory`; fewer page faults). Only
+    the command's own process: ``main`` called in-process (tests, ``CliRunner``) leaves the
+    caller's allocator alone."""
+    from .core.allocator import keep_freed_memory
+
+    keep_freed_memory()
     main()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    entry()
