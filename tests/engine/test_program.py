@@ -569,3 +569,22 @@ def test_root_level_parameters_and_buffers_follow_to_and_load():
         pm.shift.fill_(2.0)  # as load_state/load_buffers do, in place
         model.shift.fill_(2.0)
     assert torch.equal(pm(x), model(x))
+
+
+def test_schema_objects_match_torchs_own_conversion():
+    """The program's JSON becomes the same export-schema objects as torch's private converter makes
+    (dynamic shapes, a loss, BatchNorm buffers, a forward-only program), and unknown fields are ignored."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import _dict_to_dataclass
+
+    from nanreplay.engine.program import _schema_object
+
+    caps = [export_program(TinyTransformer().train(), loss_fn=lm_loss, batch=lm_batch(3, 6), dynamic=True),
+            export_program(NestedDropout().train(), loss_fn=criterion_loss, batch=(torch.randn(4, 8), torch.randint(0, 3, (4,)))),
+            export_program(models.MLP(), (torch.randn(5, 8),))]
+    for cap in caps:
+        assert cap.ok, cap.error
+        data = json.loads(json.dumps(cap.meta["program"]))
+        assert _schema_object(schema.ExportedProgram, data) == _dict_to_dataclass(schema.ExportedProgram, data)
+    data["graph_module"]["a_field_of_a_later_torch"] = 1
+    assert _schema_object(schema.ExportedProgram, data) == _dict_to_dataclass(schema.ExportedProgram, data)
