@@ -515,7 +515,7 @@ def replay(
                             batch_types=batch_types, import_script=import_script)
     with opened_subject(bundle, request) as (b, subject, dev), eager_modules(subject.model):
         model, lf = subject.model, subject.loss_fn
-        state = b.state()
+        state = b.state(lazy_optimizer=True)  # read only if the diagnosis replays the optimizer update
         load_state(model, state)
         inp = bundle_step_inputs(b, state, lf, allow=allow, default_allow=default_allow)
         compiled = None
