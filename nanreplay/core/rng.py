@@ -155,11 +155,29 @@ class RNGState:
 
 # -- replaying recorded states without touching another thread's generators -----------------------
 
+#: names of threads known to draw no random numbers (nanreplay's status line on a terminal, ``nanreplay.cli``)
+INERT_THREAD_NAMES = frozenset({"nanreplay-status"})
+
+
+def _draws_nothing(thread: threading.Thread) -> bool:
+    """A thread known to draw no random numbers: one of :data:`INERT_THREAD_NAMES`, or tqdm's
+    monitor (``tqdm._monitor.TMonitor``: it sleeps and reads its bars' timestamps). tqdm starts its
+    monitor with the first progress bar made, even a disabled one, and ``torch.fx.Interpreter.run``
+    makes one at every run: without this, every process that had tqdm installed and replayed an
+    embedded program once (or showed a progress bar in its training loop) counted as shared."""
+    if thread.name in INERT_THREAD_NAMES:
+        return True
+    cls = type(thread)
+    return cls.__name__ == "TMonitor" and cls.__module__ == "tqdm._monitor"
+
+
 def sole_thread() -> bool:
-    """Whether the calling thread is the only Python thread alive. Then nothing else in the process
-    draws from the process-wide generators while it works (no other thread exists to do so, and
-    only this one could start one), so setting them and putting them back is safe."""
-    return threading.active_count() == 1
+    """Whether the calling thread is the only Python thread alive that may draw random numbers
+    (threads known not to are not counted: :func:`_draws_nothing`). Then nothing else in the
+    process draws from the process-wide generators while it works, so setting them and putting
+    them back is safe."""
+    me = threading.current_thread()
+    return all(t is me or _draws_nothing(t) for t in threading.enumerate())
 
 
 class ReplayRNG:

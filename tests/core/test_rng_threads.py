@@ -183,3 +183,46 @@ def test_two_recorders_in_two_threads_leave_every_threads_draws_alone(tmp_path):
     expected = _replayed(run["c"]["start"], len(draws))
     mismatches = [i for i, (x, y) in enumerate(zip(draws, expected)) if not _same(x, y)]
     assert mismatches == [], f"{len(mismatches)} of {len(draws)} draws of thread C differ, first at {mismatches[:1]}"
+
+
+def _alive_thread(name: str) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name=name, daemon=True)
+    t.start()
+    return t, stop
+
+
+def test_threads_that_draw_nothing_leave_the_replay_on_the_process_wide_generators():
+    """tqdm's monitor (started by the first progress bar, even a disabled one: torch.fx's Interpreter
+    makes one at every run) and nanreplay's status line draw no random numbers: a replay beside them
+    still sets and restores the process-wide generators, exactly; any other thread makes it private."""
+    from nanreplay.core.rng import ReplayRNG, sole_thread
+
+    tqdm = pytest.importorskip("tqdm")
+    bar = tqdm.tqdm(total=1, disable=True)
+    status, stop_status = _alive_thread("nanreplay-status")
+    try:
+        assert any(type(t).__name__ == "TMonitor" for t in threading.enumerate()) or tqdm.tqdm.monitor_interval == 0
+        assert sole_thread()
+        with ReplayRNG() as rng:
+            assert not rng.shared
+        other, stop_other = _alive_thread("user-data-loader")
+        try:
+            assert not sole_thread()
+            with ReplayRNG() as rng:
+                assert rng.shared
+        finally:
+            stop_other.set()
+            other.join()
+    finally:
+        bar.close()
+        stop_status.set()
+        status.join()
+
+
+def test_an_fx_interpreter_run_does_not_make_later_replays_private():
+    from nanreplay.core.rng import sole_thread
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    torch.fx.Interpreter(gm).run(torch.ones(1, 2))
+    assert sole_thread()
