@@ -15,9 +15,12 @@ For each size, in one process:
 * **bundle size** against the **training state**: parameters + optimizer state + the batch (the
   bytes a checkpoint of the step would hold);
 * **out of process**: ``nanreplay replay BUNDLE --json`` in a fresh interpreter (imports included),
-  wall-clock, the model's code not on the path (the embedded program replays).
+  wall-clock, the model's code not on the path (the embedded program replays), ``--replays`` times
+  (default 3), each run between two plain steps of the plain model: its figure in step-times is
+  the median over runs of the run against the mean of the two plain steps around it (this
+  machine's speed drifts by 20% within minutes, so a run is compared with steps taken beside it).
 
-Every time is also given in plain step-times (the median plain step of the rounds). Usage::
+Every other time is also given in plain step-times (the median plain step of the rounds). Usage::
 
     python bench/scale.py --readme                          # the three sizes; writes the table in bench/README.md
     python bench/scale.py --sizes 42M --rounds 8            # one size
@@ -163,7 +166,7 @@ def _profiled(top: int, what: str, fn: Any) -> Any:
         print(f"--- cProfile: {what} ---\n{out.getvalue()}", file=sys.stderr)
 
 
-def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: int = 0) -> dict:
+def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: int = 0, replays: int = 3) -> dict:
     torch.manual_seed(0)
     plain = size.make()
     recorded = size.make()
@@ -218,22 +221,33 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: i
     export = log.seconds(r"embedded step %d's %s program in", 2)
     diag_s = log.seconds(r"^nanreplay: diagnosis of step %d \(", 1)
     bundle_bytes = bundle.stat().st_size
-    del plain, recorded, opt_p, opt_r
+    del recorded, opt_r
     if profile:  # the out-of-process replay's work, in this process (the fresh interpreter's imports aside)
         import nanreplay
 
         _profiled(profile, f"{size.name}: nanreplay.replay of the bundle", lambda: nanreplay.replay(bundle))
-    # out of process: a fresh interpreter, the bench's model code not importable (cwd: the bundle's folder)
+    # out of process: a fresh interpreter, the bench's model code not importable (cwd: the bundle's folder);
+    # each run between two plain steps, its ratio against their mean (the machine's speed drifts)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS=str(torch.get_num_threads()))
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "nanreplay.cli", "replay", str(bundle), "--json"],
-                          cwd=str(out_dir), env=env, capture_output=True, text=True)
-    replay_s = time.perf_counter() - t0
-    if proc.returncode not in (0,):
-        print(proc.stderr[-2000:], file=sys.stderr)
+    replay_runs, replay_ratios, proc = [], [], None
+    for i in range(replays):
+        before = _step(plain, opt_p, batch)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "nanreplay.cli", "replay", str(bundle), "--json"],
+                              cwd=str(out_dir), env=env, capture_output=True, text=True)
+        replay_runs.append(time.perf_counter() - t0)
+        after = _step(plain, opt_p, batch)
+        replay_ratios.append(replay_runs[-1] / ((before + after) / 2))
+        if verbose:
+            print(f"  [{size.name}] replay {i + 1}/{replays}: {replay_runs[-1]:.1f} s, plain steps around it {before * 1e3:.0f} / "
+                  f"{after * 1e3:.0f} ms: {replay_ratios[-1]:.1f} steps", file=sys.stderr)
+        if proc.returncode not in (0,):
+            print(proc.stderr[-2000:], file=sys.stderr)
+    del plain, opt_p
+    replay_s = statistics.median(replay_runs)
     try:
         replay_summary = json.loads(proc.stdout).get("summary")
-    except ValueError:
+    except (ValueError, AttributeError):
         replay_summary = None
     res = {
         "params": params, "tokens_per_step": size.batch * size.ctx, "rounds": rounds,
@@ -244,22 +258,24 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: i
         "in_process_s": in_process, "write_s": sum(writes), "writes": len(writes), "export_s": export[0] if export else None,
         "early_export_s": early[0] if early else None,
         "diagnose_s": diag_s[0] if diag_s else None,
-        "replay_cli_s": replay_s, "replay_cli_rc": proc.returncode,
+        "replay_cli_s": replay_s, "replay_cli_rc": proc.returncode if proc is not None else None,
+        "replay_cli_runs_s": replay_runs, "replay_cli_ratios": replay_ratios,
         "summary": diag.get("summary"), "replay_summary": replay_summary,
     }
     for k in ("in_process_s", "write_s", "export_s", "early_export_s", "diagnose_s", "replay_cli_s"):
         if res[k] is not None:
             res[k.replace("_s", "_x_step")] = res[k] / step
+    res["replay_cli_x_step"] = statistics.median(replay_ratios)  # each run against the plain steps around it
     return res
 
 
-def run(sizes: list[str], rounds: Optional[int], verbose: bool, profile: int = 0) -> dict:
+def run(sizes: list[str], rounds: Optional[int], verbose: bool, profile: int = 0, replays: int = 3) -> dict:
     out: dict[str, Any] = {"machine": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_name(),
                                        "threads": torch.get_num_threads()}, "sizes": {}}
     for name in sizes:
         size = SIZES[name]
         with tempfile.TemporaryDirectory(prefix="nanreplay-scale-") as tmp:
-            r = bench_size(size, rounds or size.rounds, Path(tmp), verbose, profile)
+            r = bench_size(size, rounds or size.rounds, Path(tmp), verbose, profile, replays)
         out["sizes"][name] = r
         print(f"{name}: {r['params'] / 1e6:.1f} M params, plain step {r['plain_step_s'] * 1e3:.0f} ms, recorded {r['overhead_x']:.3f}x, "
               f"held {r['held_bytes'] / 2**20:.1f} MiB, bundle {r['bundle_bytes'] / 2**20:.0f} MiB = {r['bundle_x_state']:.2f}x state "
@@ -293,8 +309,9 @@ def table(res: dict, command: str) -> str:
         ("in-process diagnosis", [_fmt_x(sizes[n]['diagnose_s'], sizes[n]['plain_step_s']) for n in cols]),
         ("**in process: detect + dump + diagnosis** (target <= 10 steps at 42M)",
          [f"**{_fmt_x(sizes[n]['in_process_s'], sizes[n]['plain_step_s'])}**" for n in cols]),
-        ("**`nanreplay replay --json`**, a fresh process (target <= 8 steps)",
-         [f"**{_fmt_x(sizes[n]['replay_cli_s'], sizes[n]['plain_step_s'])}**" for n in cols]),
+        ("**`nanreplay replay --json`**, a fresh process (target <= 8 steps; median of runs, each against the plain steps around it)",
+         [f"**{sizes[n]['replay_cli_s']:.1f} s = {sizes[n]['replay_cli_x_step']:.1f}** ({len(sizes[n]['replay_cli_ratios'])} runs: "
+          + ", ".join(f"{x:.1f}" for x in sizes[n]['replay_cli_ratios']) + ")" for n in cols]),
         ("diagnosis (`nanreplay replay`)", [(sizes[n]["replay_summary"] or sizes[n]["summary"] or "").split(", step")[0][:140] for n in cols]),
     ]
     lines = [f"torch {m['torch']}, {m['cpu']}, {m['threads']} threads, python {m['python']}; command: `{command}`", "",
@@ -322,6 +339,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES), help="model sizes (default: all three)")
     p.add_argument("--rounds", type=int, help="interleaved rounds per size (default: 9 / 5 / 2)")
+    p.add_argument("--replays", type=int, default=3, help="`nanreplay replay` runs per size, each between two plain steps (default 3)")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--readme", action="store_true", help="rewrite the table between <!-- scale --> markers in bench/README.md")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2; 1 on a machine shared with other jobs)")
@@ -330,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = run(args.sizes, args.rounds, args.verbose, args.profile)
+    res = run(args.sizes, args.rounds, args.verbose, args.profile, args.replays)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     if args.readme:
