@@ -289,10 +289,13 @@ def _counts(t: torch.Tensor, has_nan: bool, has_pos: bool, has_neg: bool) -> tup
     floating tensor (of its real and imaginary parts for a complex one; the magnitude is 0 when
     no element is finite), given its flags from :func:`_extremes` (without NaN they tell exactly
     which kinds of Inf it holds, so only those are counted), with one host read and no copy of
-    the finite values."""
+    the finite values; a tensor holding NaN reads its NaN count first and stops there when every
+    element is NaN (a second host read otherwise)."""
     x = as_real(t.detach())
-    zero = torch.zeros((), dtype=torch.int32, device=x.device)
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
     nan = count_true(torch.isnan(x)) if has_nan else zero
+    if has_nan and int(nan) == x.numel():  # NaN everywhere (the common case once it has spread): nothing else to count
+        return x.numel(), 0, 0, 0.0
     pos = count_true(torch.isposinf(x)) if has_nan or has_pos else zero
     neg = count_true(torch.isneginf(x)) if has_nan or has_neg else zero
     big = torch.nan_to_num_(x.abs(), nan=0.0, posinf=0.0).amax()  # |x| of the finite elements (0 in place of NaN and +-Inf)

@@ -60,3 +60,11 @@ def test_all_nonfinite_output_has_no_finite_magnitude():
     t = torch.tensor([math.nan, math.inf, -math.inf])
     assert monitors._summary([t], counts=True) == {"nan": 1, "posinf": 1, "neginf": 1, "numel": 3, "absmax": None, "dtype": "float32",
                                                    "shape": [3]}
+
+
+def test_counts_of_tensors_that_are_nan_everywhere_equal_tensor_health():
+    """The short cut for a tensor whose every element is NaN (once a NaN has spread) counts as the full path does."""
+    nan = torch.full((3, 4), math.nan)
+    mixed = torch.tensor([1.0, -math.inf, 2.0])
+    for ts in ([nan], [nan.to(torch.bfloat16)], [torch.complex(nan, nan)], [nan, mixed], [mixed, nan.t()]):
+        assert monitors._summary(ts, counts=True) == _health_summary(ts)
