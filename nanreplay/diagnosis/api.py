@@ -33,7 +33,7 @@ from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import DEFAULT_BACKEND, compile_check, eager_modules, recorded_compile
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
-from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, preserve_live, run_step
+from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, nonfinite_state, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
 from ..engine.state import ReplayRequest, load_state, opened_subject
 from ..errors import BundleFormatError, ReplayError
@@ -86,7 +86,7 @@ def _compact(b: dict) -> dict:
 def cheap_origin(inp: StepInputs) -> bool:
     """Whether the bundle alone shows the origin: non-finite step-start weights, or a batch that
     already holds NaN or +Inf."""
-    if nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, ""):
+    if nonfinite_state(inp.state):
         return True
     trees = inp.record.batches if inp.uses_loss else [fw.inputs for fw in inp.record.forwards]
     return any(x["health"].nan or x["health"].posinf for t in trees for x in nonfinite_leaves(t, ""))
@@ -104,7 +104,7 @@ class _NoModules:
 def _unreplayed(inp: StepInputs) -> ReplayResult:
     """A replay result holding only what the bundle shows without replaying."""
     rec = inp.record
-    weights = nonfinite_leaves({"params": inp.state.params, "buffers": inp.state.buffers}, "")
+    weights = nonfinite_state(inp.state)
     if inp.uses_loss:
         mode = "loss_fn"
         inputs = [x for i, b in enumerate(rec.batches) for x in nonfinite_leaves(b, f"batch[{i}]" if len(rec.batches) > 1 else "batch")]

@@ -23,7 +23,7 @@ from torch.utils.module_tracker import ModuleTracker
 from ..core.allowlist import Allowlist
 from ..core.batch import batch_size, rows_of
 from ..core.digest import RecordedGrad
-from ..core.numerics import Health, any_nonfinite, is_float, tensor_health
+from ..core.numerics import Health, all_finite_flag, any_nonfinite, is_float, tensor_health
 from ..core.rng import ReplayRNG
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
 from ..errors import ReplayError
@@ -33,7 +33,7 @@ from .state import replay_scaler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves", "discrete_leaves"]
+__all__ = ["StepInputs", "ReplayResult", "run_step", "preserve_live", "nonfinite_leaves", "nonfinite_state", "discrete_leaves"]
 
 
 @dataclass
@@ -155,7 +155,7 @@ def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
     out = []
     size = batch_size(tree)
     for path, leaf in _leaves_with_paths(tree, root):
-        if is_float(leaf) and leaf.numel():
+        if is_float(leaf) and leaf.numel() and not bool(all_finite_flag(leaf.detach())):  # only a non-finite leaf pays for its health
             h = tensor_health([leaf])
             if h is not None and not h.finite:
                 rows = rows_of(~torch.isfinite(leaf.detach()), size) if size is not None and leaf.dim() else None
@@ -163,9 +163,10 @@ def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
     return out
 
 
-def _nonfinite_state(state: Any) -> list:
-    """``nonfinite_leaves`` of a step-start state, computed once per state object (a diagnosis
-    replays the same state many times: per-sample replays, counterfactuals)."""
+def nonfinite_state(state: Any) -> list:
+    """``nonfinite_leaves`` of a step-start state's parameters and buffers, computed once per
+    state object (a diagnosis reads it before replaying, then replays the same state many times:
+    per-sample replays, counterfactuals)."""
     cached = getattr(state, "_nanreplay_nonfinite", None)
     if cached is None:
         cached = nonfinite_leaves({"params": state.params, "buffers": state.buffers}, "")
@@ -419,7 +420,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             "of the model in that step. Call Recorder.record(batch) in the loop."
         )
     _set_modes(model, rec)
-    weights = _nonfinite_state(inp.state)
+    weights = nonfinite_state(inp.state)
     mode, inputs = _mode_and_inputs(inp)
     dev = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
     scaler = replay_scaler(inp.scaler, dev)
