@@ -312,22 +312,30 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
 
 def _verify(fix: Fix, row: Any, cause: str, b: dict, model: torch.nn.Module, inp: StepInputs, eps: float, *,
             device: Optional[torch.device], restore: Optional[Callable[[], None]]) -> Fix:
-    """``fix`` with its verdict: the birth's call located by one plain replay, then the step
-    replayed with that call (and its twins from the same source line) rewritten by ``row``."""
+    """``fix`` with its verdict: the step replayed with the birth's call (and its twins from the
+    same source line) rewritten by ``row``. A forward or loss birth's call is found in that replay
+    itself (:func:`~nanreplay.engine.rewrite.replay_rewritten` with ``find``); a backward birth's
+    forward call is located by one plain replay first."""
     backward = b.get("phase") == "backward"
+    src = b.get("source") or {}
+    line = (src["file"], src["line"]) if src.get("file") and src.get("line") is not None else None
+    rewrite: Rewrite = lambda func, args, kwargs: row.rewrite(func, args, kwargs, eps)  # noqa: E731
     try:
-        call = locate(model, inp, OpTarget(b.get("op"), backward, b.get("node")), device=device)
-        if restore:
-            restore()
-        if call is None:
-            fix["detail"] = "not verified: a plain replay of the step did not make the call that gave birth"
-            return fix
-        row = _row(cause, call.name) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
-        fix["op"] = call.overload
-        rewrite: Rewrite = lambda func, args, kwargs: row.rewrite(func, args, kwargs, eps)  # noqa: E731
-        src = b.get("source") or {}
-        line = (src["file"], src["line"]) if src.get("file") and src.get("line") is not None else None
-        res, how = replay_rewritten(model, inp, call, rewrite, device=device, line=line)
+        if backward:  # the forward call whose node gives birth in its backward: located by one plain replay first
+            call = locate(model, inp, OpTarget(b.get("op"), backward, b.get("node")), device=device)
+            if restore:
+                restore()
+            if call is None:
+                fix["detail"] = "not verified: a plain replay of the step did not make the call that gave birth"
+                return fix
+            row = _row(cause, call.name) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
+            res, how = replay_rewritten(model, inp, call, rewrite, device=device, line=line)
+        else:  # a forward or loss birth: its call is found in the rewriting replay itself (one replay)
+            res, how = replay_rewritten(model, inp, None, rewrite, device=device, line=line, find=OpTarget(b.get("op")))
+            if how["call"] is None:
+                fix["detail"] = "not verified: a plain replay of the step did not make the call that gave birth"
+                return fix
+        fix["op"] = how["call"].overload
     except Exception as e:  # noqa: BLE001 - a verification that cannot run leaves the fix unverified, the error said
         fix["detail"] = f"not verified: the replay with the fix raised {replay_error(e)}"
         return fix

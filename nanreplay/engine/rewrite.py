@@ -101,6 +101,16 @@ def _birth(args: tuple, kwargs: dict, out: Any) -> bool:
     return born(any(n for n, _, _ in ins), any(n or i for n, i, _ in ins), any(n for n, _, _ in outs), any(i for _, i, _ in outs))
 
 
+def _mutable(func: Any) -> bool:
+    return bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
+
+
+def _clone_args(args: tuple, kwargs: dict) -> tuple:
+    """The call's arguments, tensors detached and cloned (what the rewrite's gradient reads in the
+    backward pass, after later in-place ops may have changed them)."""
+    return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+
+
 def _cpu_copy(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, tree)
 
@@ -199,12 +209,20 @@ class _RewriteState:
     error: Optional[str] = None
     backward_replaced: Optional[bool] = None
     notes: list[str] = field(default_factory=list)
+    found: Optional[OpCall] = None  # the birth's call, when the pass looked for it (``find``)
+    birth_seen: bool = False
 
 
 class _Rewrite(_AtOp):
-    def __init__(self, call: OpCall, rewrite: Rewrite, line: Optional[tuple[str, int]] = None) -> None:
+    """Rewrites ``call`` (and, with ``line``, the op's other calls from that source line); with
+    ``find`` instead of a call (a forward or loss birth), the call is the first call of
+    ``find.op`` that gives birth, as :func:`locate` would find it, decided in this same pass."""
+
+    def __init__(self, call: Optional[OpCall], rewrite: Rewrite, line: Optional[tuple[str, int]] = None,
+                 find: Optional[OpTarget] = None) -> None:
         super().__init__()
-        self.target, self.rewrite, self.line = call, rewrite, line
+        self.target, self.rewrite, self.line, self.find = call, rewrite, line, find
+        self.name = call.name if call is not None else (find.op if find is not None else None)
         self.state = _RewriteState()
 
     def _same_line(self) -> bool:
@@ -212,19 +230,42 @@ class _Rewrite(_AtOp):
         return frame is not None and (frame["file"], frame["line"]) == self.line
 
     def call(self, func: Any, name: str, n: int, args: tuple, kwargs: dict) -> Any:
-        if name != self.target.name or self.state.error is not None:
+        if name != self.name or self.state.error is not None:
             return func(*args, **kwargs)
+        if self.target is None:
+            return self._call_found(func, name, n, args, kwargs)
         if n == self.target.occurrence:
             self.state.applied = True
         elif self.line is None or not self._same_line():  # another call of the op: rewritten only from the same source line
             return func(*args, **kwargs)
         else:
             self.state.others += 1
-        if getattr(getattr(func, "_schema", None), "is_mutable", False):
+        if _mutable(func):
             self.state.error = f"{name} writes into its input (an in-place op): not rewritten"
             return func(*args, **kwargs)
-        saved = pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        want = func(*args, **kwargs)
+        saved = _clone_args(args, kwargs)
+        return self._rewritten(func, name, args, kwargs, saved, func(*args, **kwargs))
+
+    def _call_found(self, func: Any, name: str, n: int, args: tuple, kwargs: dict) -> Any:
+        """One pass of a forward birth: the op runs first; its first call that gives birth (the
+        call :func:`locate` finds: nothing was rewritten before it but calls from the same line,
+        which are rewritten in either pass) and its calls from ``line`` are then rewritten."""
+        mutable = _mutable(func)
+        want = func(*args, **kwargs)  # a call that is not mutable leaves its arguments as they were
+        birth = not self.state.birth_seen and torch._C._current_autograd_node() is None and _birth(args, kwargs, want)
+        if not birth and (self.line is None or not self._same_line()):
+            return want
+        if birth or self.state.found is None:  # the birth's call; until it comes, the first call rewritten from its line
+            self.state.found = OpCall(name, n, func)
+        self.state.birth_seen = self.state.birth_seen or birth
+        if mutable:
+            self.state.error = f"{name} writes into its input (an in-place op): not rewritten"
+            return want
+        self.state.others += 1  # every rewritten call; one of them is the birth's (report: others = count - 1)
+        self.state.applied = True
+        return self._rewritten(func, name, args, kwargs, _clone_args(args, kwargs), want)
+
+    def _rewritten(self, func: Any, name: str, args: tuple, kwargs: dict, saved: tuple, want: Any) -> Any:
         try:
             out = self.rewrite(func, args, kwargs)
         except Exception as e:  # noqa: BLE001 - a rewrite that cannot run on these inputs: the verification says so
@@ -315,22 +356,37 @@ def capture(model: torch.nn.Module, inp: StepInputs, call: OpCall, *, device: Op
     return mode.got
 
 
-def replay_rewritten(model: torch.nn.Module, inp: StepInputs, call: OpCall, rewrite: Rewrite, *,
-                     device: Optional[torch.device] = None, line: Optional[tuple[str, int]] = None) -> tuple[ReplayResult, dict]:
+def replay_rewritten(model: torch.nn.Module, inp: StepInputs, call: Optional[OpCall], rewrite: Rewrite, *,
+                     device: Optional[torch.device] = None, line: Optional[tuple[str, int]] = None,
+                     find: Optional[OpTarget] = None) -> tuple[ReplayResult, dict]:
     """Replay the step with ``call`` computed by ``rewrite`` instead (its value, and its gradient
     in the backward pass); every other op as recorded. With ``line`` (``(file, line)``: the
     user's source line of the call, :func:`nanreplay.engine.probes.user_frame_now`), the other
     calls of the same op from that line are rewritten too, as a fix written on that line would
     be (a model called twice in a step, on real and on generated samples).
 
+    ``call=None`` with ``find`` (a forward or loss birth, ``find.backward`` false): the call is
+    found in this same replay, as the first call of ``find.op`` that gives birth (what
+    :func:`locate` would return), so the fix is verified in one replay instead of a locating one
+    and this one: the same ops are rewritten either way (nothing runs rewritten before the birth's
+    call but calls from its own line, which both rewrite).
+
     Returns:
         ``(result, report)``: the plain replay (:meth:`ReplayResult.products_nonfinite`,
         ``loss_values``) and ``{"applied": bool, "others": int, "error": str | None,
-        "backward_replaced": bool | None, "notes": [str]}`` (``applied`` false: the replay never
-        made the call; ``others``: calls from the same line rewritten too).
+        "backward_replaced": bool | None, "notes": [str], "call": OpCall | None}`` (``applied``
+        false: the replay never made the call; ``others``: calls from the same line rewritten too;
+        ``call``: the call rewritten, the one found with ``find``).
+
+    Raises:
+        ValueError: neither ``call`` nor a forward ``find`` given.
+        ReplayError: as :func:`~nanreplay.engine.run.run_step`.
     """
-    mode = _Rewrite(call, rewrite, line)
+    if call is None and (find is None or find.backward or not find.op):
+        raise ValueError("replay_rewritten needs the call to rewrite, or a forward birth's op to find (find=OpTarget(op))")
+    mode = _Rewrite(call, rewrite, line, find)
     res = _plain(model, inp, device, mode)
     s = mode.state
-    return res, {"applied": s.applied and s.error is None, "others": s.others, "error": s.error, "backward_replaced": s.backward_replaced,
-                 "notes": list(s.notes)}
+    others = s.others if call is not None else max(s.others - 1, 0)
+    return res, {"applied": s.applied and s.error is None, "others": others, "error": s.error, "backward_replaced": s.backward_replaced,
+                 "notes": list(s.notes), "call": call if call is not None else s.found}

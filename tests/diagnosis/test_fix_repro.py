@@ -117,6 +117,62 @@ def test_the_rewrite_changes_only_that_call_and_its_gradient(norm_bundle):
         assert not fixed.products_nonfinite() and all(bool(torch.isfinite(g).all()) for g in fixed.grads.values())
 
 
+class TwiceFromOneLine(nn.Module):
+    """The same division on one source line runs twice a step (on x, then on 2x); the first call
+    is finite, the second gives birth only where x is 0 in a row whose other entries are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def scale(self, x):
+        return x / x.amax(dim=1, keepdim=True)
+
+    def forward(self, x):
+        return self.fc(self.scale(x + 1.0) + self.scale(x))
+
+
+make_twice = _make(TwiceFromOneLine)
+
+
+@pytest.mark.parametrize("case", ["norm", "twice"])
+def test_finding_the_call_in_the_rewriting_replay_rewrites_what_locating_it_first_does(case, norm_bundle, tmp_path):
+    """A forward birth's fix is verified in one replay (replay_rewritten(find=...)): the call it
+    finds, what it rewrites and the replayed step equal the two-pass verification's (locate, then
+    replay_rewritten(call)), with and without the birth's source line (the same line's other calls)."""
+    if case == "norm":
+        bundle, op = norm_bundle, "div"
+    else:
+        x = torch.rand(4, 4) + 0.5
+        x[1] = 0.0
+        bundle, op = _record(make_twice, x, tmp_path), "div"
+    row = FIXES["domain"]["div"]
+    rewrite = lambda func, args, kwargs: row.rewrite(func, args, kwargs, 1e-12)  # noqa: E731
+    with opened_subject(bundle, ReplayRequest()) as (b, subject, dev):
+        state = b.state()
+        load_state(subject.model, state)
+        inp = bundle_step_inputs(b, state, subject.loss_fn)
+        origin = replay(b)["origin"]
+        line = (origin["source"]["file"], origin["source"]["line"])
+        call = locate(subject.model, inp, OpTarget(op), device=dev)
+        for where in (None, line):
+            two, how2 = replay_rewritten(subject.model, inp, call, rewrite, device=dev, line=where)
+            one, how1 = replay_rewritten(subject.model, inp, None, rewrite, device=dev, line=where, find=OpTarget(op))
+            assert (how1["call"].name, how1["call"].occurrence) == (call.name, call.occurrence)
+            assert {k: how1[k] for k in ("applied", "others", "error", "notes")} == {k: how2[k] for k in ("applied", "others", "error", "notes")}
+            assert one.loss_values == two.loss_values and one.products_nonfinite() == two.products_nonfinite()
+            assert set(one.grads) == set(two.grads) and all(torch.equal(one.grads[k], two.grads[k]) for k in two.grads)
+        if case == "twice":
+            assert how1["others"] == 1  # both calls of the line rewritten
+
+
+def test_replay_rewritten_needs_a_call_or_a_forward_op(norm_bundle):
+    with opened_subject(norm_bundle, ReplayRequest()) as (b, subject, dev):
+        inp = bundle_step_inputs(b, b.state(), subject.loss_fn)
+        with pytest.raises(ValueError, match="find=OpTarget"):
+            replay_rewritten(subject.model, inp, None, lambda f, a, k: f(*a, **k), find=OpTarget("div", backward=True))
+
+
 def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
     x = torch.rand(4, 4) + 0.5
     x[1, 2] = 0.0  # log(0) = -Inf (the first birth), and sqrt(x - 1) is NaN wherever x < 1
