@@ -285,7 +285,8 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         f: the facts the cause rule read (the origin's birth); ``cause`` its verdict.
         model: holds the step-start weights; ``restore()`` puts back what a replay moved (buffers).
         progress: told what the verification replays.
-        verify: run the two plain replays (locate the call, replay it rewritten); ``False`` (the
+        verify: replay the step with the call rewritten (a backward birth's forward call located
+            by one plain replay first); ``False`` (the
             in-process diagnosis answered from the bundle alone) proposes without verifying.
 
     Returns:

@@ -7,7 +7,10 @@ A call is addressed as ``(name, occurrence)``: the ``occurrence``-th call (from 
 ``name`` (its overload packet, e.g. ``sqrt``) in a plain replay of the step
 (``run_step(ops=False, monitors=False)``). Plain replays of one step run the same ops in the same
 order, so the address found by :func:`locate` holds in :func:`capture` and :func:`replay_rewritten`
-(every pass checks it: a call whose op differs is not rewritten and the pass says so).
+(every pass checks it: a call whose op differs is not rewritten and the pass says so). A forward
+birth's call can also be found by :func:`replay_rewritten` itself (``find``), which spares the
+locating replay: nothing before the birth's call runs rewritten but calls from its own source
+line, which both ways rewrite.
 
 Techniques and where they come from:
 
