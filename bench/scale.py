@@ -318,7 +318,8 @@ def table(res: dict, command: str) -> str:
              "| | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
     lines += [f"| {label} | " + " | ".join(vals) + " |" for label, vals in rows]
     lines.append("")
-    lines.append("Times in seconds = plain step-times of the same model (the median plain step of the rounds).")
+    lines.append("Times in seconds = plain step-times of the same model (the median plain step of the rounds; "
+                 "`nanreplay replay`: each run against the plain steps around it).")
     return "\n".join(lines)
 
 
