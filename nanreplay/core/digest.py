@@ -137,7 +137,7 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     import numpy as np
     import torch
 
-    from .numerics import as_real, count_true, is_float
+    from .numerics import all_finite_flag, as_real, count_true, is_float
 
     if not isinstance(t, torch.Tensor) or not is_float(t):
         raise TypeError(f"a gradient digest needs a floating or complex tensor, found {type(t).__name__} "
@@ -146,9 +146,7 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     n = x.numel()
     nan = pos = neg = 0
     masks: dict[str, Any] = {}
-    # min and max are both finite iff every element is (NaN propagates through both): one pass
-    # with no temporary, about 15x faster on CPU than the float64 sum this check used to be
-    if n and not all(math.isfinite(v) for v in torch.stack(torch.aminmax(x)).tolist()):
+    if n and not bool(all_finite_flag(x)):
         found = {}
         for kind, test in (("nan", torch.isnan), ("posinf", torch.isposinf), ("neginf", torch.isneginf)):
             is_kind = test(x)
