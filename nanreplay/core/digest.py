@@ -137,7 +137,7 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     import numpy as np
     import torch
 
-    from .numerics import all_finite_flag, as_real, count_true, is_float
+    from .numerics import all_finite_flag, as_real, is_float
 
     if not isinstance(t, torch.Tensor) or not is_float(t):
         raise TypeError(f"a gradient digest needs a floating or complex tensor, found {type(t).__name__} "
@@ -150,7 +150,7 @@ def digest_of(t: torch.Tensor) -> GradDigest:
         found = {}
         for kind, test in (("nan", torch.isnan), ("posinf", torch.isposinf), ("neginf", torch.isneginf)):
             is_kind = test(x)
-            found[kind] = count = int(count_true(is_kind))
+            found[kind] = count = int(torch.count_nonzero(is_kind))
             if 0 < count < n:  # its positions, packed from the same boolean tensor
                 masks[kind] = torch.from_numpy(np.packbits(is_kind.cpu().numpy()))
             if kind == "nan" and count == n:

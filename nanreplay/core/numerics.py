@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "count_true", "is_float", "all_finite_flag", "any_nonfinite", "kinds",
+__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "all_finite_flag", "any_nonfinite", "kinds",
            "as_real"]
 
 
@@ -119,16 +119,6 @@ def kinds(h: Any) -> str:
     return " and ".join(parts) if parts else "finite"
 
 
-def count_true(mask: torch.Tensor) -> torch.Tensor:
-    """The number of true elements of a boolean tensor, as a 0-dim int64 tensor on its device (no
-    host read). ``torch.count_nonzero``: on CPU (torch 2.13, 2 threads) 3-14x faster than summing
-    the mask's bytes into int32 and 10-30x faster than a boolean ``sum``, which widens every element
-    to int64 (1.3-1.6 ms against 4.6-20 ms for 8M elements)."""
-    import torch
-
-    return torch.count_nonzero(mask)
-
-
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     """(NaN count, +Inf count, -Inf count) of one tensor; syncs. Zero for non-float dtypes."""
     import torch
@@ -136,7 +126,8 @@ def count_nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     if not is_float(t) or t.numel() == 0:
         return 0, 0, 0
     t = as_real(t)
-    counts = torch.stack([count_true(torch.isnan(t)), count_true(torch.isposinf(t)), count_true(torch.isneginf(t))]).tolist()
+    counts = torch.stack([torch.count_nonzero(torch.isnan(t)), torch.count_nonzero(torch.isposinf(t)),
+                          torch.count_nonzero(torch.isneginf(t))]).tolist()
     return counts[0], counts[1], counts[2]
 
 
