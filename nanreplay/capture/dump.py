@@ -83,6 +83,12 @@ class Dump:
                                    and not (dist is not None and dist.sharded))
 
     @property
+    def sharded(self) -> bool:
+        """Whether the recorded model is sharded (FSDP2 / DTensor): its bundle keeps whole gradient
+        shards, ranks wait for each other after a dump, and nothing is replayed in process."""
+        return self.dist is not None and self.dist.sharded
+
+    @property
     def spike_allowed(self) -> bool:
         """Whether another spike bundle may be tried (``max_dumps`` of them, counted apart)."""
         return self.spike_attempts < self.config.max_dumps
@@ -102,8 +108,7 @@ class Dump:
         grad_tensors = {n: g.detach() for n, g in grads}
         if self.dist is not None:
             grad_tensors = self.dist.local_grads(grads, grad_tensors)
-        sharded = self.dist is not None and self.dist.sharded  # merge_run puts whole shards together
-        grad_tensors = maybe_digest(grad_tensors, "full" if sharded else self.config.store_grads)
+        grad_tensors = maybe_digest(grad_tensors, "full" if self.sharded else self.config.store_grads)  # merge_run puts whole shards together
         steps = self.ring.upto(rec.step)
         for r in steps:
             r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step
@@ -138,7 +143,7 @@ class Dump:
         try:
             return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause, spike=spike)
         finally:
-            if self.dist is not None and self.dist.sharded and not spike:  # a spike is judged per rank: no barrier
+            if self.sharded and not spike:  # a spike is judged per rank: no barrier
                 self.dist.wait_for_ranks(self.config.dump_barrier_timeout)
 
     def write(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
@@ -168,10 +173,9 @@ class Dump:
             logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
             return None
         path: Any = self.config.out_dir
-        sharded = self.dist is not None and self.dist.sharded
         try:
             path = self._path(rec.step, "nanreplay-spike-step" if spike else "nanreplay-step")
-            if sharded:
+            if self.sharded:
                 # a new dict: the entry without the layouts is shared with reason["distributed"]
                 content.extra_meta["distributed"] = {**(content.extra_meta.get("distributed") or {}), **self.dist.sharded_meta(self.model, path)}
             written = write_bundle(path, content)
@@ -182,7 +186,7 @@ class Dump:
         (self.spike_bundles if spike else self.bundles).append(written)
         logger.warning("nanreplay: wrote %s for %s step %d in %.2f s", written, "spike" if spike else "non-finite", rec.step,
                        time.perf_counter() - t0)
-        if sharded:
+        if self.sharded:
             # the live model is sharded: an export or a replay on it would run collectives on this
             # rank alone and hang the others; the run's bundles replay together, offline
             logger.warning("nanreplay: sharded model: no in-process diagnosis; when every rank has written, run `nanreplay replay %s`",
