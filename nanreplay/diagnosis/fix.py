@@ -322,20 +322,19 @@ def _verify(fix: Fix, row: Any, cause: str, b: dict, model: torch.nn.Module, inp
     line = (src["file"], src["line"]) if src.get("file") and src.get("line") is not None else None
     rewrite: Rewrite = lambda func, args, kwargs: row.rewrite(func, args, kwargs, eps)  # noqa: E731
     try:
+        call, how = None, None
         if backward:  # the forward call whose node gives birth in its backward: located by one plain replay first
             call = locate(model, inp, OpTarget(b.get("op"), backward, b.get("node")), device=device)
             if restore:
                 restore()
-            if call is None:
-                fix["detail"] = "not verified: a plain replay of the step did not make the call that gave birth"
-                return fix
-            row = _row(cause, call.name) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
-            res, how = replay_rewritten(model, inp, call, rewrite, device=device, line=line)
+            if call is not None:
+                row = _row(cause, call.name) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
+                res, how = replay_rewritten(model, inp, call, rewrite, device=device, line=line)
         else:  # a forward or loss birth: its call is found in the rewriting replay itself (one replay)
             res, how = replay_rewritten(model, inp, None, rewrite, device=device, line=line, find=OpTarget(b.get("op")))
-            if how["call"] is None:
-                fix["detail"] = "not verified: a plain replay of the step did not make the call that gave birth"
-                return fix
+        if how is None or how["call"] is None:
+            fix["detail"] = "not verified: a plain replay of the step did not make the call that gave birth"
+            return fix
         fix["op"] = how["call"].overload
     except Exception as e:  # noqa: BLE001 - a verification that cannot run leaves the fix unverified, the error said
         fix["detail"] = f"not verified: the replay with the fix raised {replay_error(e)}"

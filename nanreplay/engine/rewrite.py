@@ -104,10 +104,6 @@ def _birth(args: tuple, kwargs: dict, out: Any) -> bool:
     return born(any(n for n, _, _ in ins), any(n or i for n, i, _ in ins), any(n for n, _, _ in outs), any(i for _, i, _ in outs))
 
 
-def _mutable(func: Any) -> bool:
-    return bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
-
-
 def _clone_args(args: tuple, kwargs: dict) -> tuple:
     """The call's arguments, tensors detached and cloned (what the rewrite's gradient reads in the
     backward pass, after later in-place ops may have changed them)."""
@@ -243,8 +239,7 @@ class _Rewrite(_AtOp):
             return func(*args, **kwargs)
         else:
             self.state.others += 1
-        if _mutable(func):
-            self.state.error = f"{name} writes into its input (an in-place op): not rewritten"
+        if self._refused_in_place(func, name):
             return func(*args, **kwargs)
         saved = _clone_args(args, kwargs)
         return self._rewritten(func, name, args, kwargs, saved, func(*args, **kwargs))
@@ -253,7 +248,6 @@ class _Rewrite(_AtOp):
         """One pass of a forward birth: the op runs first; its first call that gives birth (the
         call :func:`locate` finds: nothing was rewritten before it but calls from the same line,
         which are rewritten in either pass) and its calls from ``line`` are then rewritten."""
-        mutable = _mutable(func)
         want = func(*args, **kwargs)  # a call that is not mutable leaves its arguments as they were
         birth = not self.state.birth_seen and torch._C._current_autograd_node() is None and _birth(args, kwargs, want)
         if not birth and (self.line is None or not self._same_line()):
@@ -261,12 +255,18 @@ class _Rewrite(_AtOp):
         if birth or self.state.found is None:  # the birth's call; until it comes, the first call rewritten from its line
             self.state.found = OpCall(name, n, func)
         self.state.birth_seen = self.state.birth_seen or birth
-        if mutable:
-            self.state.error = f"{name} writes into its input (an in-place op): not rewritten"
+        if self._refused_in_place(func, name):
             return want
         self.state.others += 1  # every rewritten call; one of them is the birth's (report: others = count - 1)
         self.state.applied = True
         return self._rewritten(func, name, args, kwargs, _clone_args(args, kwargs), want)
+
+    def _refused_in_place(self, func: Any, name: str) -> bool:
+        """An op that writes into its input is not rewritten: the pass says so in its error."""
+        if getattr(getattr(func, "_schema", None), "is_mutable", False):
+            self.state.error = f"{name} writes into its input (an in-place op): not rewritten"
+            return True
+        return False
 
     def _rewritten(self, func: Any, name: str, args: tuple, kwargs: dict, saved: tuple, want: Any) -> Any:
         try:
