@@ -363,7 +363,9 @@ class _Status:
     def __enter__(self) -> "_Status":
         self._t0 = time.monotonic()
         if self.enabled:
-            self._thread = threading.Thread(target=self._run, name="nanreplay-status", daemon=True)
+            from .core.rng import STATUS_THREAD_NAME  # a replay beside this thread keeps the process-wide generators
+
+            self._thread = threading.Thread(target=self._run, name=STATUS_THREAD_NAME, daemon=True)
             self._thread.start()
         return self
 

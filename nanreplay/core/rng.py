@@ -155,8 +155,10 @@ class RNGState:
 
 # -- replaying recorded states without touching another thread's generators -----------------------
 
-#: names of threads known to draw no random numbers (nanreplay's status line on a terminal, ``nanreplay.cli``)
-INERT_THREAD_NAMES = frozenset({"nanreplay-status"})
+#: the name of the thread that draws ``nanreplay.cli``'s status line on a terminal
+STATUS_THREAD_NAME = "nanreplay-status"
+#: names of threads known to draw no random numbers
+INERT_THREAD_NAMES = frozenset({STATUS_THREAD_NAME})
 
 
 def _draws_nothing(thread: threading.Thread) -> bool:

@@ -196,11 +196,11 @@ def test_threads_that_draw_nothing_leave_the_replay_on_the_process_wide_generato
     """tqdm's monitor (started by the first progress bar, even a disabled one: torch.fx's Interpreter
     makes one at every run) and nanreplay's status line draw no random numbers: a replay beside them
     still sets and restores the process-wide generators, exactly; any other thread makes it private."""
-    from nanreplay.core.rng import ReplayRNG, sole_thread
+    from nanreplay.core.rng import STATUS_THREAD_NAME, ReplayRNG, sole_thread
 
     tqdm = pytest.importorskip("tqdm")
     bar = tqdm.tqdm(total=1, disable=True)
-    status, stop_status = _alive_thread("nanreplay-status")
+    status, stop_status = _alive_thread(STATUS_THREAD_NAME)
     try:
         assert any(type(t).__name__ == "TMonitor" for t in threading.enumerate()) or tqdm.tqdm.monitor_interval == 0
         assert sole_thread()
