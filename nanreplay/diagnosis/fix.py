@@ -3,9 +3,9 @@
 For the cause the classifier gave, the standard fix at the origin op is proposed from two tables:
 :data:`FIXES` (a group of op families -> the rewrite of that op and how it reads: an eps inside
 ``sqrt``/``log``/a division, a clamp into an op's domain, a guard for a fully masked softmax row or
-a loss over zero targets, the op computed in float32) and :data:`CAUSE_GROUPS` (which groups a
-cause draws from, in order). Where a row holds, the fix is verified by a counterfactual replay that
-changes only that op: the call that gave birth (for a birth in a backward kernel, the forward call
+a loss over zero targets, a float16/bfloat16 op computed in float32) and :data:`CAUSE_GROUPS` (which
+groups a cause draws from, in order). Where a row holds, the fix is verified by a counterfactual
+replay that changes only that op: the call that gave birth (for a birth in a backward kernel, the forward call
 whose derivative it is) is rewritten in a plain replay of the step
 (:func:`nanreplay.engine.rewrite.replay_rewritten`: its value, and its gradient), and the fix is
 verified when the step then produces only finite losses, outputs and gradients. Causes no op
@@ -39,11 +39,13 @@ __all__ = ["FixRow", "FIXES", "CAUSE_GROUPS", "ADVICE", "PHASE_ADVICE", "family"
 class FixRow:
     """One fix: ``text(eps)`` says it in the code's terms (``sqrt(max(x, 1e-12))``; ``signed``
     instead where the operand at fault holds negative values); ``rewrite(func, args, kwargs, eps)``
-    computes the op that way (same output shapes and dtypes)."""
+    computes the op that way (same output shapes and dtypes); ``applies(dtype)`` whether it can
+    change an op computed in ``dtype`` (the dtype of its first floating operand)."""
 
     text: Callable[[float], str]
     rewrite: Callable[[Any, tuple, dict, float], Any]
     signed: Optional[Callable[[float], str]] = None
+    applies: Callable[[torch.dtype], bool] = lambda dtype: True
 
     def say(self, eps: float, operand: Optional[dict] = None) -> str:
         return (self.signed if self.signed is not None and (operand or {}).get("negatives") else self.text)(eps)
@@ -148,13 +150,16 @@ def _var_count(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
     return torch.sqrt(var + eps) if func.overloadpacket.__name__ == "std" else var
 
 
+#: the dtypes whose overflow an op computed in float32 fixes (autocast's usual remedy)
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
 def _upcast(func: Any, args: tuple, kwargs: dict, eps: float) -> Any:
     """The op computed in float32 (its float16/bfloat16 inputs upcast), the result cast back."""
-    low = {torch.float16, torch.bfloat16}
-    dtype = next((t.dtype for t in args if isinstance(t, torch.Tensor) and t.dtype in low), None)
+    dtype = next((t.dtype for t in args if isinstance(t, torch.Tensor) and t.dtype in _HALF), None)
     if dtype is None:
         raise ValueError("no float16/bfloat16 input")
-    up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in low else (torch.float32 if x in low else x)  # noqa: E731
+    up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else (torch.float32 if x in _HALF else x)  # noqa: E731
     out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
     return out.to(dtype) if isinstance(out, torch.Tensor) else tuple(o.to(dtype) if isinstance(o, torch.Tensor) else o for o in out)
 
@@ -177,7 +182,8 @@ _R = FixRow
 _LOG_TEXT = lambda name: (lambda eps: f"{name}(max(x, {eps:g}))")  # noqa: E731
 
 #: the fixes, in groups: ``domain`` (an op's singular point or domain boundary: eps, clamp, guard)
-#: and ``range`` (a dtype's range: a clamp before exp, the op in float32); op family -> row
+#: and ``range`` (a dtype's range: a clamp before exp, a float16/bfloat16 op computed in float32);
+#: op family -> row
 FIXES: dict[str, dict[str, FixRow]] = {
     "domain": {
         "sqrt": _R(lambda eps: f"sqrt(max(x, {eps:g}))", _clamp_arg(0, lo=lambda eps: eps)),
@@ -211,7 +217,8 @@ FIXES: dict[str, dict[str, FixRow]] = {
     },
     "range": {
         "exp": _R(lambda eps: "exp(min(x, log(the dtype's max)))", _exp_clamp),
-        "*": _R(lambda eps: "the op computed in float32 (upcast its inputs, cast the result back)", _upcast),
+        "*": _R(lambda eps: "the op computed in float32 (upcast its inputs, cast the result back)", _upcast,
+                applies=lambda dtype: dtype in _HALF),
     },
 }
 
@@ -227,6 +234,8 @@ CAUSE_GROUPS: dict[str, tuple[str, ...]] = {
 ADVICE: dict[str, str] = {
     "explosion": ("lower the learning rate or clip the gradient norm (torch.nn.utils.clip_grad_norm_); values grew over earlier "
                   "steps, so one step's replay cannot verify it: nanreplay bisect --over steps finds where they left the range"),
+    "overflow": ("the values pass the range of the op's own dtype (float32's largest is 3.4e38): make them smaller where they grow (normalise or clip the op's inputs, or what feeds them); nanreplay bisect "
+                 "--over steps finds the step where they left the range"),
     "optimizer update": ("check the optimizer's hyperparameters and state (an eps > 0 in Adam-style optimizers, a finite learning "
                          "rate); nanreplay replay shows the update's replay"),
     "compiler": "replay with --compile-backend aot_eager or eager to tell graph capture from code generation; report it upstream",
@@ -252,12 +261,14 @@ def family(op: Optional[str]) -> str:
     return _ALIASES.get(bare, bare)
 
 
-def _row(cause: str, op: Optional[str]) -> Optional[FixRow]:
+def _row(cause: str, op: Optional[str], dtype: torch.dtype) -> Optional[FixRow]:
+    """The row of the cause's groups for ``op``'s family, else the group's ``"*"``, that applies
+    to an op computed in ``dtype`` (a float32 op that overflows gets no "computed in float32")."""
     for group in CAUSE_GROUPS.get(cause, ()):
         rows = FIXES[group]
-        row = rows.get(family(op)) or rows.get("*")
-        if row is not None:
-            return row
+        for row in (rows.get(family(op)), rows.get("*")):
+            if row is not None and row.applies(dtype):
+                return row
     return None
 
 
@@ -294,13 +305,14 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         standard fix.
     """
     b = f.birth or {}
-    row = _row(cause, b.get("forward_op") or b.get("op")) if b else None
+    dtype = _dtype(b)
+    row = _row(cause, b.get("forward_op") or b.get("op"), dtype) if b else None
     if row is None:
         advice = ADVICE.get(cause) or PHASE_ADVICE.get(f.phase)
         if advice is None:
             return None
         return {"description": advice, "verified": None, "loss": None, "op": None, "detail": "no op rewrite verifies this cause"}
-    eps = eps_for(_dtype(b))
+    eps = eps_for(dtype)
     text = row.say(eps, offending_operand(b))
     fix: Fix = {"description": text + _where(b), "verified": None, "loss": None, "op": None, "detail": None}
     if not verify:
@@ -328,7 +340,7 @@ def _verify(fix: Fix, row: Any, cause: str, b: dict, model: torch.nn.Module, inp
             if restore:
                 restore()
             if call is not None:
-                row = _row(cause, call.name) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
+                row = _row(cause, call.name, _dtype(b)) or row  # the located call's own family (``_log_softmax`` for LogSoftmaxBackward0)
                 res, how = replay_rewritten(model, inp, call, rewrite, device=device, line=line)
         else:  # a forward or loss birth: its call is found in the rewriting replay itself (one replay)
             res, how = replay_rewritten(model, inp, None, rewrite, device=device, line=line, find=OpTarget(b.get("op")))

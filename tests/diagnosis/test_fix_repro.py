@@ -48,6 +48,21 @@ class TwoFaults(nn.Module):
         return self.fc(torch.log(x) + torch.sqrt(x - 1.0))
 
 
+class Overflow(nn.Module):
+    """A float32 Linear whose first output is 3e38 * x0 + 3e38 * x1: for x = (2, -2) each product
+    passes float32's largest value (NaN or Inf, whatever the summation order), while the sum is 0
+    in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        with torch.no_grad():
+            self.fc.weight[0] = torch.tensor([3e38, 3e38])
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 def _make(cls):
     def factory():
         torch.manual_seed(0)
@@ -56,7 +71,7 @@ def _make(cls):
     return factory
 
 
-make_norm, make_two_faults = _make(Norm), _make(TwoFaults)
+make_norm, make_two_faults, make_overflow = _make(Norm), _make(TwoFaults), _make(Overflow)
 
 
 def loss_fn(model, batch):
@@ -182,6 +197,27 @@ def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
     assert fix["description"].startswith("log(max(x, 1e-12))")
     assert fix["verified"] is False and fix["loss"] is None
     assert "fix not verified: with log(max(x, 1e-12))" in render_report(diag)
+
+
+def test_a_float32_overflow_gets_advice_not_the_op_computed_in_float32_again(tmp_path):
+    diag = replay(_record(make_overflow, torch.tensor([[2.0, -2.0]] * 4), tmp_path))
+    assert diag["classification"]["cause"] == "overflow" and diag["origin"]["op"] == "addmm"
+    assert diag["classification"]["fix"] == {"description": ADVICE["overflow"], "verified": None, "loss": None, "op": None,
+                                             "detail": "no op rewrite verifies this cause"}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_only_a_half_precision_overflow_is_fixed_by_computing_the_op_in_float32(dtype):
+    birth = {"op": "mm", "phase": "forward", "operands": {"tensors": [{"dtype": dtype}]}}
+    fix = propose_fix(Features(phase="forward", origin={}, birth=birth), "overflow", nn.Linear(2, 2), None, verify=False)  # type: ignore[arg-type]
+    assert fix is not None
+    if dtype in ("float16", "bfloat16"):
+        assert fix["description"].startswith("the op computed in float32 (upcast its inputs, cast the result back)")
+        a = torch.tensor([[6e4, 6e4, -6e4, -6e4]], dtype=getattr(torch, dtype))  # the partial sums pass float16's largest value
+        out = FIXES["range"]["*"].rewrite(torch.ops.aten.mm.default, (a, torch.ones(4, 1, dtype=a.dtype)), {}, 0.0)
+        assert out.dtype == a.dtype and out.tolist() == [[0.0]]
+    else:
+        assert fix["description"] == ADVICE["overflow"] and fix["verified"] is None
 
 
 def test_causes_no_rewrite_verifies_get_the_standard_advice_unverified():
