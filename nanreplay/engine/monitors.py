@@ -91,16 +91,17 @@ def _extremes(x: torch.Tensor) -> tuple[float, float]:
 class Fact:
     """What the op monitor knows about one tensor of the replay."""
 
-    __slots__ = ("nan", "inf", "absmax", "prov", "producer", "taint", "allowed", "masked_by")
+    __slots__ = ("nan", "inf", "absmax", "prov", "producer", "taint", "allowed", "masked_by", "row_groups")
 
     def __init__(self, nan: bool, inf: bool, absmax: float, prov: frozenset, producer: str, taint: frozenset = frozenset(),
-                 allowed: bool = False, masked_by: frozenset = frozenset()) -> None:
+                 allowed: bool = False, masked_by: frozenset = frozenset(), row_groups: Optional[tuple[int, int]] = None) -> None:
         self.nan, self.inf, self.absmax = nan, inf, absmax
         self.prov = prov            # sources: "batch:<path>", "weights", "buffer:<fqn>", "const", "rng"
         self.producer = producer    # the op (or source) that made it
         self.taint = taint          # birth indices its non-finite values come from
         self.allowed = allowed      # its non-finite values were written on purpose (allowlisted)
         self.masked_by = masked_by  # provenance of what decided where allowlisted masks wrote -Inf
+        self.row_groups = row_groups  # (n, k): a reshape merged leading dims, row r of dim 0 is row r // k of an n-row tensor
 
     @property
     def nonfinite(self) -> bool:
@@ -143,6 +144,38 @@ def _provenance(func: Any, name: str, in_facts: list[Fact]) -> frozenset:
     if name in _RANDOM or any("Generator" in str(a.type) for a in getattr(getattr(func, "_schema", None), "arguments", ())):
         prov = prov | {"rng"}
     return prov
+
+
+#: aten ops that only reshape: their output holds the input's elements in the same (row-major) order
+_RESHAPES = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_reshape_alias", "flatten"})
+
+
+def row_groups(name: str, ins: list[torch.Tensor], in_facts: list[Fact], out: torch.Tensor) -> Optional[tuple[int, int]]:
+    """``(n, k)`` when ``out`` is a reshape whose dimension 0 merges its input's leading
+    dimensions (``[B, T, d] -> [B * T, d]``, as ``F.linear`` of a 3-d input and multi-head
+    attention's ``[B, H, T, D] -> [B * H, T, D]`` do): row ``r`` of ``out`` holds only elements of
+    row ``r // k`` of an ``n``-row tensor, the input's own dimension 0 (or what that was merged
+    from, through chained reshapes). Row-major order makes it exact for any reshape whose
+    dimension 0 is a multiple of its input's. ``None`` for other ops."""
+    if name not in _RESHAPES or not ins or ins[0].dim() == 0 or out.dim() == 0:
+        return None
+    n_in, n_out = ins[0].shape[0], out.shape[0]
+    if n_in == 0 or n_out <= n_in or n_out % n_in:
+        return in_facts[0].row_groups if n_out == n_in else None
+    n, k = in_facts[0].row_groups or (n_in, 1)
+    return n, k * (n_out // n_in)
+
+
+def _merged_rows(ins: list[torch.Tensor], in_facts: list[Fact], outs: list[torch.Tensor], batch: Optional[int]) -> Optional[int]:
+    """Rows per sample along dimension 0 of an op's first floating output, when an operand of the
+    same dimension 0 merges the batch's rows (:func:`row_groups` ``(batch, k)``: ``addmm`` of
+    ``x.view(B * T, d)``); else ``None``. It outranks a later dimension that only has the
+    batch's length (``d_out == B``)."""
+    t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
+    if batch is None or t is None:
+        return None
+    return next((f.row_groups[1] for x, f in zip(ins, in_facts)
+                 if f.row_groups is not None and f.row_groups[0] == batch and x.dim() and x.shape[0] == t.shape[0]), None)
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -449,9 +482,10 @@ class OpMonitor(TorchDispatchMode):
         if before is None:
             before = [(f.nan, f.inf) for f in in_facts]
         taint, allowed, masked_by = self._descent(func, name, args, kwargs, ins, in_facts, before, outs, mutating, out_nan, out_inf)
+        groups = row_groups(name, ins, in_facts, outs[0]) if name in _RESHAPES else None
         for t, (n, i, m) in zip(outs, out_flags):
             bad = n or i
-            self.facts.set(t, Fact(n, i, m, prov, name, taint if bad else frozenset(), allowed and bad, masked_by if bad else frozenset()))
+            self.facts.set(t, Fact(n, i, m, prov, name, taint if bad else frozenset(), allowed and bad, masked_by if bad else frozenset(), groups))
 
     def _descent(self, func: Any, name: str, args: tuple, kwargs: dict, ins: list[torch.Tensor], in_facts: list[Fact],
                  before: list[tuple[bool, bool]], outs: list[torch.Tensor], mutating: bool, out_nan: bool, out_inf: bool) -> tuple[frozenset, bool, frozenset]:
@@ -503,7 +537,7 @@ class OpMonitor(TorchDispatchMode):
             b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
         b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by) for f in in_facts])
-        b["rows"] = probes.nonfinite_rows(outs, self.batch_size)
+        b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size))
         self.births.append(b)
         return k
 

@@ -205,14 +205,21 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
     return {"dtype": str(ts[0].dtype).replace("torch.", ""), "finite": finite, "absmax": absmax}
 
 
-def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], limit: int = 64) -> Optional[dict]:
+def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sample: Optional[int] = None, limit: int = 64) -> Optional[dict]:
     """The batch rows of the first floating output that hold a non-finite value: along its first
     dimension of length ``batch`` (the replayed micro-batch's size), else along dimension 0.
+    ``per_sample``: dimension 0 merges the batch with the dimensions after it, ``per_sample``
+    rows per sample (``[B * T, d]``): its non-finite rows are given as the samples they belong to
+    (whatever length the other dimensions have).
     Returns ``{"size", "dim", "count", "indices"}`` (``count`` non-finite rows, the first
-    ``limit`` of them in ``indices``)."""
+    ``limit`` of them in ``indices``), plus ``rows_per_sample`` with ``per_sample``."""
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
     if t is None:
         return None
+    if per_sample and batch and t.shape[0] == batch * per_sample:
+        bad = ~torch.isfinite(t.detach().reshape(batch, -1)).all(dim=1)  # row r of dim 0 is in sample r // per_sample
+        return {"size": batch, "dim": 0, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()],
+                "rows_per_sample": per_sample}
     dim = next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0
     bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(t.shape[dim], -1)).all(dim=1)
     return {"size": int(t.shape[dim]), "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
