@@ -68,10 +68,12 @@ class RecorderConfig:
             (default): their digests (:class:`~nanreplay.core.digest.GradDigest`: NaN/+Inf/-Inf
             counts, the positions of each as packed bits, the finite values' sum, 2-norm, largest
             magnitude and SHA-256; a few hundred bytes plus ``numel / 8`` bytes per kind for a
-            gradient that is only partly non-finite) when any gradient is non-finite, since the
-            replay recomputes them and the digests say whether it reproduced them (exactly, when
-            the hashes agree); the whole gradients when all are finite (an exploding step, a
-            failing optimizer update, a spike), whose replay of the update reads them. With
+            gradient that is only partly non-finite) when any gradient is non-finite or the loss
+            given to :meth:`Recorder.log_loss` is (a mean over no targets is NaN with zero
+            gradients), since the replay recomputes them and the digests say whether it
+            reproduced them (exactly, when the hashes agree); the whole gradients when the loss
+            and all gradients are finite (an exploding step, a failing optimizer update, a
+            spike), whose replay of the update reads them. With
             digests the bundle is about the parameters plus the optimizer state (1.0x fp32
             AdamW's training state); whole gradients add the parameter bytes again (1.33x).
             ``"full"``: always the whole gradients (the replay's differences are then exact

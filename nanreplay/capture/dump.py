@@ -108,7 +108,8 @@ class Dump:
         grad_tensors = {n: g.detach() for n, g in grads}
         if self.dist is not None:
             grad_tensors = self.dist.local_grads(grads, grad_tensors)
-        grad_tensors = maybe_digest(grad_tensors, "full" if self.sharded else self.config.store_grads)  # merge_run puts whole shards together
+        grad_tensors = maybe_digest(grad_tensors, "full" if self.sharded else self.config.store_grads,  # merge_run puts whole shards together
+                                    loss_nonfinite=bool(reason.get("nonfinite_loss")))
         steps = self.ring.upto(rec.step)
         for r in steps:
             r.lrs = [float(x) for x in r.lrs]  # tensor learning rates are read on the host here, not per step

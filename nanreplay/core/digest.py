@@ -202,12 +202,14 @@ def digests_of(grads: Mapping[str, Any]) -> dict[str, GradDigest]:
     return {n: g if is_digest(g) else digest_of(g) for n, g in grads.items() if is_digest(g) or is_float(g)}
 
 
-def maybe_digest(grads: Mapping[str, Optional[Any]], how: str) -> dict[str, Any]:
+def maybe_digest(grads: Mapping[str, Optional[Any]], how: str, loss_nonfinite: bool = False) -> dict[str, Any]:
     """What a bundle stores of ``grads`` (FQN -> tensor): ``how="full"`` the tensors,
     ``"digest"`` each floating one's digest, ``"auto"`` digests when any gradient is non-finite
-    (the failure is then in the gradients, and the replay recomputes them) and the tensors when
-    all are finite (a failing optimizer update replays from the recorded gradients)."""
-    if how == "full" or (how == "auto" and not grads_nonfinite(grads)):
+    or the step's loss is (``loss_nonfinite``: the failure is then in the forward pass, the loss
+    or the gradients, all of which the replay recomputes; a loss that is NaN over no targets has
+    finite, zero gradients) and the tensors when the loss and every gradient are finite (a
+    failing optimizer update replays from the recorded gradients)."""
+    if how == "full" or (how == "auto" and not loss_nonfinite and not grads_nonfinite(grads)):
         return dict(grads)
     from .numerics import is_float
 

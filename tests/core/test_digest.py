@@ -93,6 +93,9 @@ def test_maybe_digest_keeps_whole_finite_gradients_in_auto():
     bad = {"a": _grad(1), "b": torch.full((3,), NAN)}
     assert all(isinstance(v, GradDigest) for v in maybe_digest(bad, "auto").values())
     assert all(isinstance(v, torch.Tensor) for v in maybe_digest(bad, "full").values())
+    # a non-finite loss with finite gradients (NaN over no targets, zero gradients): the replay recomputes them
+    assert all(isinstance(v, GradDigest) for v in maybe_digest(finite, "auto", loss_nonfinite=True).values())
+    assert all(isinstance(v, torch.Tensor) for v in maybe_digest(finite, "full", loss_nonfinite=True).values())
     assert grad_absmax(maybe_digest(finite, "digest")["a"]) == pytest.approx(float(finite["a"].abs().max()))
 
 

@@ -139,3 +139,30 @@ def test_finite_values_that_differ_are_reported_by_their_norms(out_dir):
     assert r["verdict"] == "reproduced" and r["max_abs_diff"] is None
     assert 0.0 < r["norm_diff"] <= 0.5  # | |g + 0.5 e_i| - |g| | <= 0.5
     assert "finite gradient 2-norms differ by up to" in render_report(d)
+
+
+def test_a_nan_loss_with_finite_gradients_keeps_digests_and_reproduces_exactly(out_dir):
+    """Cross-entropy over a batch whose every target is padding: the mean over no targets is NaN,
+    its gradients are finite zeros. "auto" keeps digests, since the replay recomputes them."""
+    from nanreplay import NonFiniteGradientError, Recorder
+
+    def ce(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    opt = torch.optim.Adam(model.parameters())
+    batch = (torch.randn(4, 8), torch.full((4,), -100))
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, loss_fn=ce, out_dir=out_dir, diagnose=False) as rec:
+            rec.record(batch)
+            loss = ce(model, batch)
+            rec.log_loss(loss)
+            loss.backward()
+            assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+            opt.step()
+    with open_bundle(ei.value.bundle_path) as b:
+        assert b.meta["reason"]["nonfinite_loss"] and not b.meta["reason"]["nonfinite_grad"]
+        assert _grad_keys(b) == [] and sorted(b.grads_digested) == ["bias", "weight"]
+    d = replay(ei.value.bundle_path)
+    assert d["phase"] == "loss" and d["reproduction"]["verdict"] == "reproduced exactly"
