@@ -154,9 +154,14 @@ def _whole_batch(c: _Case) -> Optional[dict]:
     if size == 1:
         return _batch_level(size, "the batch holds one sample: the failure belongs to the batch, not to a sample of it")
     out_shape = list(getattr(b.get("output"), "shape", None) or [])
-    operand_rows = [o for o in ((b.get("operands") or {}).get("tensors") or []) if size in (o.get("shape") or [])]
-    if operand_rows and size not in out_shape and c.found.phase != "backward":
-        return _batch_level(size, f"{b['op']} reduces the batch dimension of its input (shape {operand_rows[0]['shape']} -> {out_shape}): "
+    operands = (b.get("operands") or {}).get("tensors") or []
+    operand_rows = [o for o in operands if size in (o.get("shape") or [])]
+    merged = [o for o in operands if (o.get("merged_rows") or [None])[0] == size]  # [B * T, ...]: the batch merged into dimension 0
+    keeps_merged = any(out_shape[:1] == (o.get("shape") or [])[:1] for o in merged)
+    if (operand_rows or merged) and size not in out_shape and not keeps_merged and c.found.phase != "backward":
+        o = (operand_rows or merged)[0]
+        rows = "" if operand_rows else f", {size} samples x {o['merged_rows'][1]} rows"
+        return _batch_level(size, f"{b['op']} reduces the batch dimension of its input (shape {o['shape']}{rows} -> {out_shape}): "
                                   f"a statistic of the {size} samples together")
     return None
 

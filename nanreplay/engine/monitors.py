@@ -537,6 +537,9 @@ class OpMonitor(TorchDispatchMode):
             b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
         b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by) for f in in_facts])
+        for o, f in zip(b["operands"]["tensors"], in_facts):
+            if f.row_groups is not None:
+                o["merged_rows"] = list(f.row_groups)  # its dimension 0 is n groups of k rows (row_groups)
         b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size))
         self.births.append(b)
         return k
