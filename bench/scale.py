@@ -7,9 +7,11 @@ For each size, in one process:
   one step of each, in an order that alternates per round; the figure is the median over rounds
   of recorded step / plain step (in the same round), with the interquartile range;
 * **bytes held** by the Recorder after those steps (:meth:`Recorder.held_bytes`);
-* then the recorded model fails (a finite weight of 3e38 makes the first MLP layer of block 1
-  overflow: a NaN born inside the model, which the diagnosis has to find at the op level), and
-  the failing step is timed from its start to the ``NonFiniteGradientError``: **in process**
+* then the recorded model fails (``--failure``: by default ``overflow``, a finite weight of 3e38
+  makes the first MLP layer of block 1 overflow, a NaN born inside the model, which the diagnosis
+  has to find at the op level; or ``padding``, a batch whose every target is padding, so the loss
+  is the mean over no targets, 0/0: a NaN born in the loss, whose fix the diagnosis verifies by a
+  replay that rewrites the loss op), and the failing step is timed from its start to the ``NonFiniteGradientError``: **in process**
   (detect + write the bundle + embed the program + diagnose + write again), with the parts read
   from nanreplay's own log lines (bundle write, program export, diagnosis);
 * **bundle size** against the **training state**: parameters + optimizer state + the batch (the
@@ -105,6 +107,19 @@ def poison(model: torch.nn.Module) -> None:
         model.blocks[1].mlp[0].weight[0, :] = 3e38
 
 
+def all_padding(batch: tuple) -> tuple:
+    """The batch with every target set to padding (-100, ``F.cross_entropy``'s ``ignore_index``)."""
+    x, y = batch
+    return x, torch.full_like(y, -100)
+
+
+#: ``--failure``: how the failing step fails (the model, the batch) -> the batch it runs
+FAILURES = {
+    "overflow": lambda model, batch: (poison(model), batch)[1],
+    "padding": lambda model, batch: all_padding(batch),
+}
+
+
 def nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -166,7 +181,8 @@ def _profiled(top: int, what: str, fn: Any) -> Any:
         print(f"--- cProfile: {what} ---\n{out.getvalue()}", file=sys.stderr)
 
 
-def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: int = 0, replays: int = 3) -> dict:
+def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: int = 0, replays: int = 3,
+               failure: str = "overflow") -> dict:
     torch.manual_seed(0)
     plain = size.make()
     recorded = size.make()
@@ -204,12 +220,12 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: i
             batch = make_batch(size, g)
             state_bytes = training_state_bytes(recorded, opt_r, batch)
             early = log.seconds(r"exported the %s program at step %d in", 2)  # export_early, at the first step
-            poison(recorded)
+            batch = FAILURES[failure](recorded, batch)
             log.records.clear()
             t0 = time.perf_counter()
             try:
                 _profiled(profile, f"{size.name}: the failing step in process", lambda: _step(recorded, opt_r, batch, rec))
-                raise RuntimeError("the poisoned step did not fail")
+                raise RuntimeError(f"the failing step ({failure}) did not fail")
             except NonFiniteGradientError as e:
                 in_process = time.perf_counter() - t0
                 bundle = Path(e.bundle_path)
@@ -269,13 +285,13 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: i
     return res
 
 
-def run(sizes: list[str], rounds: Optional[int], verbose: bool, profile: int = 0, replays: int = 3) -> dict:
+def run(sizes: list[str], rounds: Optional[int], verbose: bool, profile: int = 0, replays: int = 3, failure: str = "overflow") -> dict:
     out: dict[str, Any] = {"machine": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_name(),
-                                       "threads": torch.get_num_threads()}, "sizes": {}}
+                                       "threads": torch.get_num_threads()}, "failure": failure, "sizes": {}}
     for name in sizes:
         size = SIZES[name]
         with tempfile.TemporaryDirectory(prefix="nanreplay-scale-") as tmp:
-            r = bench_size(size, rounds or size.rounds, Path(tmp), verbose, profile, replays)
+            r = bench_size(size, rounds or size.rounds, Path(tmp), verbose, profile, replays, failure)
         out["sizes"][name] = r
         print(f"{name}: {r['params'] / 1e6:.1f} M params, plain step {r['plain_step_s'] * 1e3:.0f} ms, recorded {r['overhead_x']:.3f}x, "
               f"held {r['held_bytes'] / 2**20:.1f} MiB, bundle {r['bundle_bytes'] / 2**20:.0f} MiB = {r['bundle_x_state']:.2f}x state "
@@ -346,10 +362,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2; 1 on a machine shared with other jobs)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile the failing step and an in-process replay; print the top N entries to stderr")
+    p.add_argument("--failure", choices=list(FAILURES), default="overflow",
+                   help="how the failing step fails: overflow (a 3e38 weight, a NaN born in the forward pass; default) or padding "
+                        "(every target is padding, a NaN born in the loss, with a fix verified by replay)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = run(args.sizes, args.rounds, args.verbose, args.profile, args.replays)
+    res = run(args.sizes, args.rounds, args.verbose, args.profile, args.replays, args.failure)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     if args.readme:
