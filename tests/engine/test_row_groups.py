@@ -71,3 +71,41 @@ def test_a_birth_in_merged_rows_names_the_sample_without_per_sample_replays(out_
     assert diag["samples"]["method"] == "non-finite rows of the producer op's output" and diag["samples"]["indices"] == [2]
     assert "runs" not in diag["samples"]  # no sample was replayed alone
     assert diag["origin"]["samples"] == [2]
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def _lm_loss(model, batch):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def test_a_loss_over_merged_rows_with_no_target_is_a_batch_statistic_without_per_sample_replays(out_dir):
+    from nanreplay import NonFiniteGradientError, Recorder
+
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randint(0, 11, (3, 5)), torch.full((3, 5), -100))  # every target is padding: the mean over 0 targets is NaN
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, loss_fn=_lm_loss, model_factory=TinyLM, out_dir=out_dir, diagnose=False) as rec:
+            rec.record(batch)
+            loss = _lm_loss(model, batch)
+            rec.log_loss(loss)
+            loss.backward()
+            opt.step()
+    diag = replay(ei.value.bundle_path)
+    assert (diag["phase"], diag["origin"]["op"]) == ("loss", "nll_loss_forward")
+    smp = diag["samples"]
+    assert smp["method"] == "batch-level" and smp["batch_level"] is True and "runs" not in smp
+    assert "3 samples x 5 rows" in smp["reason"] and "a statistic of the 3 samples together" in smp["reason"]
+    assert diag["classification"]["fix"]["verified"] is True
