@@ -126,8 +126,9 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     the NaN/+Inf/-Inf counts (a read per kind) and, for a kind only partly present, its
     positions, packed from the boolean tensor that counted it. A tensor
     with no finite value (the common case once a NaN has spread) stops there: its sums are 0 and
-    its hash is that of zeros, computed without a copy. Otherwise a few reductions (one read) and
-    one copy of the finite values to the host for the hash; one extra copy of the tensor is held
+    its hash is that of zeros, computed without a copy, as is a tensor whose values are all 0.
+    Otherwise a few reductions (one read) and one copy of the finite values to the host for the
+    hash; one extra copy of the tensor is held
     at a time. On this machine's 2 CPU cores: about 0.5-0.65 s for 42M float32 elements, 0.05 s
     when all NaN.
 
@@ -164,9 +165,13 @@ def digest_of(t: torch.Tensor) -> GradDigest:
     lo, hi = torch.aminmax(vals)
     stats = torch.stack([torch.sum(vals, dtype=torch.float64), torch.linalg.vector_norm(vals, 2, dtype=torch.float64),
                          torch.count_nonzero(vals).double(), lo.double(), hi.double()]).tolist()
-    host = vals.to("cpu").contiguous()
-    return GradDigest(**meta, nonzero=int(stats[2]), sum=float(stats[0]), sumsq=float(stats[1]) ** 2,
-                      absmax=max(abs(stats[3]), abs(stats[4])), sha256=hashlib.sha256(host.view(torch.uint8).numpy()).hexdigest())
+    nonzero = int(stats[2])
+    if nonzero:
+        sha = hashlib.sha256(vals.to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()
+    else:  # every value 0 (an unused parameter, a loss over no targets): the hash of zeros, without the copy
+        sha = _zeros_sha256(n * x.element_size())
+    return GradDigest(**meta, nonzero=nonzero, sum=float(stats[0]), sumsq=float(stats[1]) ** 2,
+                      absmax=max(abs(stats[3]), abs(stats[4])), sha256=sha)
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -58,6 +59,17 @@ def test_the_hash_reads_values_not_nan_payloads_or_signed_zeros():
     shifted = g.clone()
     shifted[1, 1], shifted[1, 2] = g[1, 2], NAN  # the NaN one place over
     assert not digest_of(g).same_pattern(digest_of(shifted))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.complex64])
+def test_an_all_zero_gradient_hashes_as_its_zero_bytes(dtype):
+    z = torch.zeros(7, 3, dtype=dtype)
+    z[0, 0] = -0.0
+    d = digest_of(z)
+    assert d.nonzero == 0 and d.sha256 == hashlib.sha256(bytes(z.numel() * z.element_size())).hexdigest()
+    with_nan = z.clone()
+    with_nan[1, 1] = NAN  # a NaN hashes as 0 too
+    assert digest_of(with_nan).sha256 == d.sha256 and not digest_of(with_nan).same_pattern(d)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.complex64])
