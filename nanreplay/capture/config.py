@@ -73,9 +73,9 @@ class RecorderConfig:
             gradients), since the replay recomputes them and the digests say whether it
             reproduced them (exactly, when the hashes agree); the whole gradients when the loss
             and all gradients are finite (an exploding step, a failing optimizer update, a
-            spike), whose replay of the update reads them. With
-            digests the bundle is about the parameters plus the optimizer state (1.0x fp32
-            AdamW's training state); whole gradients add the parameter bytes again (1.33x).
+            spike), whose replay of the update reads them. With digests the bundle is about the
+            parameters plus the optimizer state (1.0x fp32 AdamW's training state); whole
+            gradients add the parameter bytes again (1.33x).
             ``"full"``: always the whole gradients (the replay's differences are then exact
             values, not a lower bound from the norms). ``"digest"``: always digests. Sharded
             (FSDP2 / DTensor) runs keep whole gradient shards, which ``nanreplay`` puts together.

@@ -3,10 +3,10 @@
 For the cause the classifier gave, the standard fix at the origin op is proposed from two tables:
 :data:`FIXES` (a group of op families -> the rewrite of that op and how it reads: an eps inside
 ``sqrt``/``log``/a division, a clamp into an op's domain, a guard for a fully masked softmax row or
-a loss over zero targets, a float16/bfloat16 op computed in float32) and :data:`CAUSE_GROUPS` (which
-groups a cause draws from, in order). Where a row holds, the fix is verified by a counterfactual
-replay that changes only that op: the call that gave birth (for a birth in a backward kernel, the forward call
-whose derivative it is) is rewritten in a plain replay of the step
+a loss over zero targets, a float16/bfloat16 op computed in float32) and :data:`CAUSE_GROUPS`
+(which groups a cause draws from, in order). Where a row holds, the fix is verified by a
+counterfactual replay that changes only that op: the call that gave birth (for a birth in a
+backward kernel, the forward call whose derivative it is) is rewritten in a plain replay of the step
 (:func:`nanreplay.engine.rewrite.replay_rewritten`: its value, and its gradient), and the fix is
 verified when the step then produces only finite losses, outputs and gradients. Causes no op
 rewrite can fix (an explosion, an optimizer update, non-finite data or weights) get the standard
@@ -234,8 +234,9 @@ CAUSE_GROUPS: dict[str, tuple[str, ...]] = {
 ADVICE: dict[str, str] = {
     "explosion": ("lower the learning rate or clip the gradient norm (torch.nn.utils.clip_grad_norm_); values grew over earlier "
                   "steps, so one step's replay cannot verify it: nanreplay bisect --over steps finds where they left the range"),
-    "overflow": ("the values pass the range of the op's own dtype (float32's largest is 3.4e38): make them smaller where they grow (normalise or clip the op's inputs, or what feeds them); nanreplay bisect "
-                 "--over steps finds the step where they left the range"),
+    "overflow": ("the values pass the range of the op's own dtype (float32's largest is 3.4e38): make them smaller where they "
+                 "grow (normalise or clip the op's inputs, or what feeds them); nanreplay bisect --over steps finds the step where "
+                 "they left the range"),
     "optimizer update": ("check the optimizer's hyperparameters and state (an eps > 0 in Adam-style optimizers, a finite learning "
                          "rate); nanreplay replay shows the update's replay"),
     "compiler": "replay with --compile-backend aot_eager or eager to tell graph capture from code generation; report it upstream",
