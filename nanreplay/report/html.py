@@ -232,7 +232,9 @@ def _birth_extra(b: dict) -> list[str]:
         extra.append("exact zeros in its inputs: " + ", ".join(f"{z} in input {i}" for i, z in enumerate(zeros) if z))
     rows = b.get("rows") or {}
     if rows.get("indices"):
-        extra.append(f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
+        per = rows.get("rows_per_sample")  # dimension 0 merges the batch: the indices are samples
+        extra.append(f"non-finite samples {rows['indices'][:16]} of {rows.get('size')} ({per} rows each)" if per else
+                     f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
     return extra
 
 

@@ -344,3 +344,11 @@ def test_digits_report_in_headless_chromium(digits_bundle, tmp_path):
     for section in ("Loss, grad norm and learning rate", "The forward pass, module by module", "Causal chain", "Samples", "Environment of the recording"):
         assert section in page.text
     assert "return (per_class / counts).mean()" in page.text and "torch" in page.text
+
+
+def test_a_births_rows_read_as_samples_where_dimension_0_merges_the_batch():
+    from nanreplay.report.html import _birth_extra
+
+    merged = {"rows": {"size": 4, "dim": 0, "count": 1, "indices": [2], "rows_per_sample": 128}}
+    assert _birth_extra(merged) == ["non-finite samples [2] of 4 (128 rows each)"]
+    assert _birth_extra({"rows": {"size": 4, "dim": 0, "count": 2, "indices": [0, 3]}}) == ["non-finite rows [0, 3] of 4"]
