@@ -482,7 +482,7 @@ class OpMonitor(TorchDispatchMode):
         if before is None:
             before = [(f.nan, f.inf) for f in in_facts]
         taint, allowed, masked_by = self._descent(func, name, args, kwargs, ins, in_facts, before, outs, mutating, out_nan, out_inf)
-        groups = row_groups(name, ins, in_facts, outs[0]) if name in _RESHAPES else None
+        groups = row_groups(name, ins, in_facts, outs[0])
         for t, (n, i, m) in zip(outs, out_flags):
             bad = n or i
             self.facts.set(t, Fact(n, i, m, prov, name, taint if bad else frozenset(), allowed and bad, masked_by if bad else frozenset(), groups))
@@ -536,10 +536,7 @@ class OpMonitor(TorchDispatchMode):
         if module is None and phase in ("loss", "forward"):
             b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
-        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by) for f in in_facts])
-        for o, f in zip(b["operands"]["tensors"], in_facts):
-            if f.row_groups is not None:
-                o["merged_rows"] = list(f.row_groups)  # its dimension 0 is n groups of k rows (row_groups)
+        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by, f.row_groups) for f in in_facts])
         b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size))
         self.births.append(b)
         return k

@@ -216,13 +216,12 @@ def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sampl
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
     if t is None:
         return None
-    if per_sample and batch and t.shape[0] == batch * per_sample:
-        bad = ~torch.isfinite(t.detach().reshape(batch, -1)).all(dim=1)  # row r of dim 0 is in sample r // per_sample
-        return {"size": batch, "dim": 0, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()],
-                "rows_per_sample": per_sample}
-    dim = next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0
-    bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(t.shape[dim], -1)).all(dim=1)
-    return {"size": int(t.shape[dim]), "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+    merged = bool(per_sample and batch and t.shape[0] == batch * per_sample)  # row r of dim 0 is in sample r // per_sample
+    dim = 0 if merged else (next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0)
+    size = batch if merged else int(t.shape[dim])
+    bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(size, -1)).all(dim=1)
+    out = {"size": size, "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+    return dict(out, rows_per_sample=per_sample) if merged else out
 
 
 def calling_module(module_ids: dict[int, str], depth: int = 40) -> Optional[str]:
@@ -257,12 +256,15 @@ def _schema_names(func: Any, args: tuple, kwargs: dict) -> tuple[list[Optional[s
     return pos, scalars
 
 
-def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: str, masked_by: frozenset) -> dict:
+def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: str, masked_by: frozenset,
+             row_groups: Optional[tuple[int, int]] = None) -> dict:
     d = t.detach()
     out: dict[str, Any] = {"name": name, "shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", ""), "numel": d.numel(),
                            "prov": sorted(prov), "producer": producer}
     if masked_by:
         out["masked_by"] = sorted(masked_by)
+    if row_groups is not None:
+        out["merged_rows"] = list(row_groups)
     if d.numel() == 0:
         return out
     if d.is_complex():
@@ -317,14 +319,17 @@ def _masked_rows(t: torch.Tensor, dim: int) -> Optional[dict]:
     return {"count": n, "of": full.numel(), "rows": rows[:64], "rows_of": int(full.shape[0]) if full.dim() else 1}
 
 
-def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor], facts: Sequence[tuple[frozenset, str, frozenset]]) -> dict:
+def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor],
+             facts: Sequence[tuple[frozenset, str, frozenset, Optional[tuple[int, int]]]]) -> dict:
     """What an op's inputs held when it gave birth to a non-finite value: for each tensor input,
     its shape, dtype, counts of zeros / negatives / non-finite values, finite range, provenance
     (``prov``: ``batch:<path>``, ``weights``, ``buffer:<fqn>``, ``const``, ``rng``), the op that
     produced it (``producer``), where allowlisted masks wrote -Inf into it the provenance of what
-    placed them (``masked_by``: the mask), and, for small integer tensors, its distinct values; the op's
-    non-tensor arguments by schema name (``scalars``: ``dim``, ``correction``, ``ignore_index``...);
-    and for softmax-like ops the rows whose every position is -Inf (``masked_rows``)."""
+    placed them (``masked_by``: the mask), where a reshape merged leading dimensions into its
+    dimension 0 its ``merged_rows`` ``[n, k]`` (the op monitor's ``row_groups``), and, for small
+    integer tensors, its distinct values; the op's non-tensor arguments by schema name
+    (``scalars``: ``dim``, ``correction``, ``ignore_index``...); and for softmax-like ops the rows
+    whose every position is -Inf (``masked_rows``)."""
     pos, scalars = _schema_names(func, args, kwargs)
     names: list[Optional[str]] = []
     for n, a in zip(pos, args):  # which schema name each tensor input came from (lists of tensors share one)
@@ -334,7 +339,7 @@ def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tenso
             names.extend(n for x in a if isinstance(x, torch.Tensor))
     names.extend(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     names += [None] * (len(tensors) - len(names))
-    ops = [_operand(t, n, p, prod, mb) for t, n, (p, prod, mb) in zip(tensors, names, facts)]
+    ops = [_operand(t, n, p, prod, mb, rg) for t, n, (p, prod, mb, rg) in zip(tensors, names, facts)]
     out: dict[str, Any] = {"tensors": ops, "scalars": scalars}
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     if name.lstrip("_").rstrip("_") in ("softmax", "log_softmax", "safe_softmax") and tensors and isinstance(scalars.get("dim"), int):
