@@ -31,7 +31,7 @@ else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequi
 __all__ = [
     "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Fix", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
-    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
+    "CompileCheck", "CompiledReplay", "CompiledCulprit", "CompiledOperand", "CompiledRows", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
 ]
 
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
@@ -208,8 +208,60 @@ class ReplayFailure(TypedDict):
     error: str
 
 
+class CompiledReplay(TypedDict):
+    """One compiled replay of the comparison (``compile.backends``)."""
+
+    backend: str
+    mode: Optional[str]
+    role: str
+    compiled: Optional[bool]
+    nonfinite: Optional[list[str]]
+    kinds: Optional[str]
+    reproduction: Optional[str]
+    max_abs_diff: Optional[JFloat]
+    error: Optional[str]
+
+
+class CompiledOperand(TypedDict):
+    """An operand of the compiled culprit, at its first non-finite element (``compile.culprit.operands``)."""
+
+    node: str
+    op: str
+    compiled: Optional[JFloat]
+    eager: NotRequired[Optional[JFloat]]
+
+
+class CompiledRows(TypedDict):
+    """The non-finite rows of the culprit's output (``engine.probes.nonfinite_rows``)."""
+
+    size: int
+    dim: int
+    count: int
+    indices: list[int]
+    rows_per_sample: NotRequired[int]
+
+
+class CompiledCulprit(TypedDict):
+    """Where inside the compiled region the non-finite value is born (``engine.compiled_nodes``)."""
+
+    node: str
+    op: str
+    aten: str
+    original_op: Optional[str]
+    module: Optional[str]
+    source: Optional[Source]
+    samples: Optional[CompiledRows]
+    kinds: Optional[str]
+    graph: str
+    stage: Optional[str]
+    compilations: int
+    operands: list[CompiledOperand]
+    eager_value: NotRequired[Optional[JFloat]]
+    compiled_value: NotRequired[Optional[JFloat]]
+
+
 class CompileCheck(TypedDict):
-    """The eager against the compiled replay (``engine.compiled.compile_check``)."""
+    """The eager against the compiled replays (``engine.compiled.compile_check``)."""
 
     backend: str
     target: str
@@ -225,6 +277,17 @@ class CompileCheck(TypedDict):
     error: Optional[str]
     mode: Optional[str]
     automatic: bool
+    options: NotRequired[Optional[dict[str, Any]]]
+    dynamic: NotRequired[Optional[bool]]
+    fullgraph: NotRequired[bool]
+    backends: NotRequired[list[CompiledReplay]]
+    stage: NotRequired[Optional[str]]
+    stage_detail: NotRequired[Optional[str]]
+    stage_backend: NotRequired[Optional[str]]
+    culprit: NotRequired[Optional[CompiledCulprit]]
+    localize_error: NotRequired[Optional[str]]
+    replayed_as_recorded: NotRequired[Optional[bool]]
+    differs: NotRequired[list[str]]
 
 
 class TimelineStep(TypedDict):

@@ -239,7 +239,10 @@ ADVICE: dict[str, str] = {
                  "they left the range"),
     "optimizer update": ("check the optimizer's hyperparameters and state (an eps > 0 in Adam-style optimizers, a finite learning "
                          "rate); nanreplay replay shows the update's replay"),
-    "compiler": "replay with --compile-backend aot_eager or eager to tell graph capture from code generation; report it upstream",
+    "compiler": ("the compiled code rounds differently from eager code where the op named reads its operands: write the formula "
+                 "so that rounding cannot reach the op's singular point (clamp the operand into the op's domain, an eps larger than "
+                 "the rounding, a two-pass statistic instead of a one-pass one), or keep that code out of the compiled region "
+                 "(torch.compiler.disable); report it upstream with the graph (TORCHDYNAMO_REPRO_AFTER=aot writes a minified reproducer)"),
     "nondeterminism": "torch.use_deterministic_algorithms(True) makes the step reproducible; then replay it again",
     "transient": "run the step again on another device and check this one (ECC counters, memory test)",
 }

@@ -378,6 +378,19 @@ def _compile_state(c: "_Checker", v: Any) -> None:
     c.string(st["backend"], f"{where}.backend", null=True, max_len=512)
     c.string(st["mode"], f"{where}.mode", null=True, max_len=64)
     c.names(st["modules"], f"{where}.modules", 256)
+    # optional (older bundles lack them): torch.compile's dynamic and fullgraph, the inductor options
+    c.boolean(st.get("dynamic"), f"{where}.dynamic")
+    c.boolean(st.get("fullgraph"), f"{where}.fullgraph")
+    if st.get("options") is not None:
+        opts = c.obj(st["options"], f"{where}.options")
+        if len(opts) > 512:
+            raise MetaError(f"{where}.options", "at most 512 options", f"{len(opts)}")
+        for k, val in opts.items():
+            c.string(k, f"{where}.options", max_len=128)
+            if isinstance(val, str):
+                c.string(val, f"{where}.options[{k!r}]", max_len=512)
+            elif not (isinstance(val, (bool, int)) or (isinstance(val, float) and math.isfinite(val))):
+                raise MetaError(f"{where}.options[{k!r}]", "a boolean, a number or a string", _show(val))
 
 
 def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:

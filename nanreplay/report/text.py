@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
 from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
-from .summary import difference_phrase, fix_sentence
+from .summary import culprit_phrase, difference_phrase, fix_sentence
 
 __all__ = ["render_report", "fmt_health", "styler"]
 
@@ -91,6 +91,30 @@ def _compile_line(c: CompileCheck, st: Callable[..., str]) -> str:
     return out
 
 
+def _compiled_lines(c: CompileCheck, diag: DiagnosisDict, st: Callable[..., str]) -> list[str]:
+    """The comparison's columns, the compiler stage, and the op found inside the compiled region
+    with its source line and samples."""
+    out = []
+    rows = c.get("backends") or []
+    if len(rows) > 1 or c.get("stage"):
+        cols = "; ".join(f"{r['backend']} " + ("failed" if r.get("compiled") is None else
+                                                 f"{r.get('kinds') or 'non-finite'}" if r.get("compiled") else "finite") for r in rows)
+        stage = f": {st(str(c['stage']), bold=True)} ({c.get('stage_detail')})" if c.get("stage") else ""
+        out.append(f"  compiler:      {cols}{stage}")
+    cul = c.get("culprit")
+    if cul:
+        smp = diag.get("samples") or {}
+        rows_said = "every sample" if smp.get("batch_level") else (f"samples {smp['indices']}" if smp.get("indices") else "")
+        out.append(f"  compiled op:   {st(culprit_phrase(c), fg='red')}" + (f"; {rows_said}" if rows_said else ""))
+        src = cul.get("source")
+        if src:
+            out.append(f"                 {st(str(src['file']) + ':' + str(src['line']), fg='cyan')} in {src.get('function')}"
+                       + (f": {st(src['code'], bold=True)}" if src.get("code") else ""))
+    elif c.get("localize_error"):
+        out.append(f"  compiled op:   not found ({c['localize_error']})")
+    return out
+
+
 def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) -> str:
     """The human-readable replay report: one actionable sentence first, then the origin, the
     reproduction verdict, and the health table of the modules around the origin.
@@ -143,6 +167,7 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))
     if diag.get("compile"):
         lines.append(f"  torch.compile: {_compile_line(diag['compile'], st)}")
+        lines.extend(_compiled_lines(diag["compile"], diag, st))
     for w in diag.get("warnings", []):
         lines.append(f"  {st('warning:', fg='yellow')}       {w}")
     lines.extend(_births_lines(diag.get("births") or [], rows, st))

@@ -33,6 +33,8 @@ BULLETS = {
     "`chain[i]`": R.ChainLink, "`health[i]`": R.HealthRow, "`nonfinite_inputs[i]`, `nonfinite_weights[i]`": R.NonfiniteLeaf,
     "`errors[i]`": R.ReplayFailure, "`counterfactuals`": R.Counterfactuals, "a health object": R.Health, "`source`": R.Source,
     "`timeline[i]`": R.TimelineStep, "`forward_modules[i]`": R.ForwardModule, "`batch_leaves[i]`": R.BatchLeaf,
+    "`backends[i]`": R.CompiledReplay, "`culprit`": R.CompiledCulprit, "`culprit.operands[i]`": R.CompiledOperand,
+    "`culprit.samples`": R.CompiledRows,
 }
 
 #: keys declared for work merged in parallel; documented when the code that writes them lands

@@ -146,6 +146,14 @@ def test_recorder_adds_no_graph_break_and_records_plain_names(order, out_dir):
         assert b.failing_step == 3
 
 
+def _source_line(fn, code: str) -> int:
+    """The line number of the line of ``fn``'s source that holds ``code``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, text in enumerate(lines) if code in text)
+
+
 def _printed_command(err: NonFiniteGradientError) -> list[str]:
     m = re.search(r"replay it with: (nanreplay replay .+?)(?:;|$)", str(err))
     assert m, str(err)
@@ -241,7 +249,7 @@ def test_replay_compile_when_both_replays_are_nonfinite(out_dir):
     diag = replay(err.bundle_path, samples=False, compile="aot_eager")
     c = diag["compile"]
     assert (c["backend"], c["eager"], c["compiled"], c["only_under_compile"]) == ("aot_eager", True, True, False)
-    assert c["target"] == "loss function"  # the embedded program runs its forward inside the loss: that is compiled
+    assert c["target"] == "model"  # the embedded program's model part is compiled, its loss stays eager, as in training
     assert c["eager_nonfinite"] == c["compiled_nonfinite"] == ["loss", "gradients"]
     assert c["compiled_kinds"] == "NaN" and c["compiled_reproduction"].startswith("reproduced") and c["error"] is None
     # the eager diagnosis is unchanged; the sentence adds what compile did
@@ -266,8 +274,18 @@ def test_replay_compile_names_a_nan_only_under_compile(out_dir):
     assert (c["eager"], c["compiled"], c["only_under_compile"]) == (False, True, True)
     assert c["compiled_reproduction"] == "reproduced exactly"
     assert diag["phase"] == "none" and diag["classification"]["cause"] == "compiler"
+    # the first stage non-finite is Dynamo's own (backend eager: no AOTAutograd), and inside its
+    # graph the birth is the sqrt of the branch taken only while tracing, every row of it
+    assert (c["stage"], c["stage_backend"]) == ("graph capture", "eager")
+    assert [(r["backend"], r["compiled"]) for r in c["backends"]] == [("eager", True), ("aot_eager", True)]
+    line = _source_line(models.CompiledOnlyNaN.forward, "torch.sqrt(h - 100.0)")
+    cul = c["culprit"]
+    assert (cul["op"], cul["module"], cul["graph"], cul["source"]["line"], cul["source"]["code"]) == (
+        "sqrt", "", "forward", line, "h = torch.sqrt(h - 100.0)")
+    assert diag["samples"]["batch_level"] and diag["samples"]["method"] == "non-finite rows of the compiled op's output"
     assert diag["summary"].startswith(
-        "step 0: NaN only under torch.compile (backend eager): the step replayed eagerly is finite, replayed compiled its "
+        f"step 0: NaN only under torch.compile (backend eager), born in op sqrt at models.py:{line} in module (root module) (Dynamo's "
+        "graph capture, forward graph), every sample: the step replayed eagerly is finite, replayed compiled its "
         "loss and gradients are not (the compiled replay against the recording: reproduced exactly); cause: compiler ("
     ), diag["summary"]
     assert diag["summary"].endswith("; not reproduced eagerly.")
@@ -297,7 +315,8 @@ def test_the_bundle_records_the_compile_state(order, out_dir):
         with pytest.raises(NonFiniteGradientError) as info:
             _train(run, opt, [_bad_batch()])
     with open_bundle(info.value.bundle_path) as b:
-        assert b.meta["compile"] == {"compiled": True, "backend": "aot_eager", "mode": None, "modules": [""]}
+        assert b.meta["compile"] == {"compiled": True, "backend": "aot_eager", "mode": None, "modules": [""], "options": None, "dynamic": None,
+                                     "fullgraph": False}
 
 
 def test_the_bundle_records_an_eager_model_and_a_compiled_submodule(out_dir):
@@ -305,12 +324,14 @@ def test_the_bundle_records_an_eager_model_and_a_compiled_submodule(out_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with Recorder(model, opt, out_dir=out_dir, diagnose=False, embed_program=False) as rec:
         _train(model, opt, _clean_batches(1))
-        assert rec._dump.compile_state() == {"compiled": False, "backend": None, "mode": None, "modules": []}
+        assert rec._dump.compile_state() == {"compiled": False, "backend": None, "mode": None, "modules": [], "options": None, "dynamic": None,
+                                             "fullgraph": None}
         model.fc2.compile(backend="eager")
         with pytest.raises(NonFiniteGradientError) as info:
             _train(model, opt, [_bad_batch()])
     with open_bundle(info.value.bundle_path) as b:
-        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["fc2"]}
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["fc2"], "options": None, "dynamic": None,
+                                     "fullgraph": False}
 
 
 def test_a_bundle_with_a_malformed_compile_state_is_refused(sqrt_bundle, tmp_path):
@@ -392,7 +413,8 @@ def test_a_compiled_submodule_is_replayed_compiled_alone(out_dir):
     model.inner.compile(backend="eager")
     err = _bundle(model, model, out_dir, _clean_batches(1), embed_program=False)
     with open_bundle(err.bundle_path) as b:
-        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["inner"]}
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["inner"], "options": None,
+                                     "dynamic": None, "fullgraph": False}
     c = err.diagnosis["compile"]
     assert (c["automatic"], c["target"], c["eager"], c["only_under_compile"]) == (True, "modules inner", False, True)
     assert err.diagnosis["classification"]["cause"] == "compiler"
