@@ -159,12 +159,13 @@ def compile_agrees(state: Optional[dict], compiled: Optional[dict]) -> bool:
     return not (isinstance(state, dict) and state.get("compiled"))
 
 
-def _differs(state: Optional[dict], opts: Optional[dict], entry: dict) -> tuple[bool, list[str]]:
-    """Whether ``entry``'s main replay compiled what the recording compiled, the way it did, and
-    what differs (in words)."""
-    if not (isinstance(state, dict) and state.get("compiled")):
-        return False, (["the recording ran eagerly: the compiled replays are a comparison, not the recorded code"]
-                       if isinstance(state, dict) else [])
+def _differs(state: Optional[dict], opts: Optional[dict], entry: dict) -> tuple[Optional[bool], list[str]]:
+    """Whether ``entry``'s main replay compiled what the recording compiled, the way it did
+    (``None``: the bundle does not say how it ran), and what differs (in words)."""
+    if not isinstance(state, dict):
+        return None, ["the bundle does not say whether or how the recording compiled the model (written before nanreplay recorded it)"]
+    if not state.get("compiled"):
+        return False, ["the recording ran eagerly: the compiled replays are a comparison, not the recorded code"]
     if opts is None or entry.get("backend") != opts["backend"]:
         return False, [f"the main compiled replay used backend {entry.get('backend')}, the recording {state.get('backend')}"]
     out = []
@@ -199,7 +200,7 @@ def compile_requested(model: torch.nn.Module, inp: StepInputs, compile: Union[bo
     recorded, _ = recorded_compile(inp.compile_state)
     opts = recorded or {"backend": named[0] if named else DEFAULT_BACKEND, "modules": []}
     also = [b for b in named if b != opts["backend"]]
-    say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {', '.join([opts['backend'], 'aot_eager', *also])})")
+    say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {', '.join(dict.fromkeys([opts['backend'], 'aot_eager', *also]))})")
     res = _run(model, inp, opts, also, device)
     res["replayed_as_recorded"], res["differs"] = _differs(inp.compile_state, recorded, res)
     return res

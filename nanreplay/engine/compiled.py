@@ -37,7 +37,7 @@ from ..core.numerics import any_nonfinite
 from ..core.rng import without_private_generators
 from ..core.state import load_buffers
 from .compare import compare_grads
-from .compiled_nodes import GraphCapture, bisect_kernels, first_birth, inductor_graph_compiler
+from .compiled_nodes import GraphCapture, OutOfTime, bisect_kernels, first_birth, inductor_graph_compiler
 from .deadline import replay_error
 from .program import ProgramModel, model_fqn
 from .run import ReplayResult, StepInputs, run_step
@@ -439,6 +439,9 @@ def _localize(out: dict, model: torch.nn.Module, inp: StepInputs, main: CompileS
             culprit, compiles = bisect_kernels(cap.graphs, inductor_graph_compiler(main.inductor_config()), batch)
         else:
             culprit, compiles = first_birth(cap.graphs, batch), 0
+    except OutOfTime as e:
+        out["localize_error"] = (f"the diagnosis' time limit came {e.where}; nanreplay replay BUNDLE (no time limit) finishes the search")
+        return
     except Exception as e:  # noqa: BLE001 - the localization adds to the finding, it never replaces it
         replay_error(e)
         logger.info("nanreplay: the compiled region could not be searched", exc_info=True)

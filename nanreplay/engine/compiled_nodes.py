@@ -39,18 +39,19 @@ import dataclasses
 import functools
 import logging
 import re
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..core.jsonable import fnum
 from ..core.numerics import is_float
-from .deadline import check_deadline
+from .deadline import check_deadline, seconds_left
 from .probes import nonfinite_rows, user_frame_of_traceback
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GraphCapture", "CapturedGraph", "first_birth", "bisect_kernels", "inductor_graph_compiler", "node_facts"]
+__all__ = ["GraphCapture", "CapturedGraph", "OutOfTime", "first_birth", "bisect_kernels", "inductor_graph_compiler", "node_facts"]
 
 #: values of a culprit's operands reported at its first non-finite position, at most
 MAX_OPERANDS = 4
@@ -227,8 +228,9 @@ def _prefix(gm: torch.fx.GraphModule, last: torch.fx.Node) -> tuple[torch.fx.Gra
 
 @dataclasses.dataclass
 class _Cut:
-    """A prefix compiled and run eagerly: its outputs' values both ways."""
+    """A prefix compiled and run eagerly, ending at node ``last``: its outputs' values both ways."""
 
+    last: torch.fx.Node
     outs: list[torch.fx.Node]
     compiled: list[Any]
     eager: list[Any]
@@ -243,42 +245,68 @@ class _Cut:
         return hits
 
 
-def _run_cut(gm: torch.fx.GraphModule, args: list, last: torch.fx.Node, compile_graph: Callable) -> _Cut:
-    check_deadline()
-    sub, outs = _prefix(gm, last)
-    with torch.no_grad():
-        eager = list(sub(*_fresh(args)))
-        compiled = list(compile_graph(sub, args)(*_fresh(args)))
-    return _Cut(outs, compiled, eager)
+class OutOfTime(Exception):
+    """The diagnosis' deadline would pass during the next compilation: the bisection stops with
+    what it has (``lo``, ``hi``: the candidate nodes it narrowed the culprit to)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+class _Clock:
+    """Stops a bisection before a compilation that would run past the deadline
+    (:func:`~nanreplay.engine.deadline.seconds_left`), judging by the longest one so far."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+
+    def run(self, gm: torch.fx.GraphModule, args: list, last: torch.fx.Node, compile_graph: Callable, where: str) -> "_Cut":
+        left = seconds_left()
+        if left is not None and left < 2 * self.longest:
+            raise OutOfTime(where)
+        check_deadline()
+        t0 = time.monotonic()
+        sub, outs = _prefix(gm, last)
+        with torch.no_grad():
+            eager = list(sub(*_fresh(args)))
+            compiled = list(compile_graph(sub, args)(*_fresh(args)))
+        self.longest = max(self.longest, time.monotonic() - t0)
+        return _Cut(last, outs, compiled, eager)
 
 
 def bisect_kernels(graphs: Sequence[CapturedGraph], compile_graph: Callable[[torch.fx.GraphModule, list], Callable],
                    batch: Optional[int]) -> tuple[Optional[dict], int]:
     """The first node whose compiled value is non-finite where its eager value is finite, over
     ``graphs`` in execution order (see the module docstring): ``(facts, compilations)`` with
-    :func:`node_facts`, ``graph``, ``compiled_kinds`` and ``operands`` (each operand's compiled
-    and eager value at the culprit's first non-finite position); ``(None, n)`` when no graph
-    compiled alone gives a non-finite value its eager run does not."""
-    compiles = 0
+    :func:`node_facts`, ``graph``, ``operands`` (each operand's compiled and eager value at the
+    culprit's first non-finite position), ``eager_value`` and ``compiled_value``; ``(None, n)``
+    when no graph compiled alone gives a non-finite value its eager run does not.
+
+    Raises:
+        OutOfTime: the diagnosis' deadline would pass during the next compilation (judged by
+            the longest so far); ``DiagnosisTimeout`` once it has passed."""
+    compiles, clock = 0, _Clock()
     for g in graphs:
         cands = _candidates(g.gm)
         if g.args is None or not cands:
             continue
-        cut = _run_cut(g.gm, g.args, cands[-1], compile_graph)
+        cut = clock.run(g.gm, g.args, cands[-1], compile_graph, f"before compiling the {g.kind} graph alone")
         compiles += 1
         if not cut.new_nonfinite():
             continue
         lo, hi, at_hi = 0, len(cands) - 1, cut
         while lo < hi:
             mid = (lo + hi) // 2
-            c = _run_cut(g.gm, g.args, cands[mid], compile_graph)
+            where = f"with the culprit among nodes {cands[lo].name} to {cands[hi].name} of the {g.kind} graph"
+            c = clock.run(g.gm, g.args, cands[mid], compile_graph, where)
             compiles += 1
             if c.new_nonfinite():
                 hi, at_hi = mid, c
             else:
                 lo = mid + 1
-        if at_hi.outs[0] is not cands[hi]:  # the last bisection step was a finite cut: compile the culprit's own
-            at_hi = _run_cut(g.gm, g.args, cands[hi], compile_graph)
+        if at_hi.last is not cands[hi]:  # the last bisection step was a finite cut: compile the culprit's own
+            at_hi = clock.run(g.gm, g.args, cands[hi], compile_graph, f"with the culprit found, node {cands[hi].name}")
             compiles += 1
         return _culprit(cands[hi], at_hi, batch, g.kind), compiles
     return None, compiles

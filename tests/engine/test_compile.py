@@ -530,6 +530,19 @@ def test_the_bisection_names_the_first_node_a_compiler_gets_wrong():
     assert n == len(compiled) and n <= 2 + len([m for m in cap.graphs[0].gm.graph.nodes if m.op == "call_function"]).bit_length()
     assert bisect_kernels(cap.graphs, lambda gm, args: gm, batch=8) == (None, 2)  # a correct compiler: no node to blame
 
+    # under a diagnosis' time limit, a compilation that would run past it is not started
+    import time
+
+    from nanreplay.engine.compiled_nodes import OutOfTime
+    from nanreplay.engine.deadline import deadline
+
+    def slow(gm, args):
+        time.sleep(0.5)
+        return wrong(gm, args)
+
+    with deadline(1.0), pytest.raises(OutOfTime, match="with the culprit among nodes"):
+        bisect_kernels(cap.graphs, slow, batch=8)
+
 
 def test_a_finite_compiled_replay_of_a_compiled_recording_is_not_called_hardware(out_dir):
     """The recording ran compiled and its gradients hold a NaN the step does not produce (written
