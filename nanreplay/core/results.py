@@ -253,6 +253,8 @@ class CompiledCulprit(TypedDict):
     samples: Optional[CompiledRows]
     kinds: Optional[str]
     graph: str
+    call: int
+    calls: int
     stage: Optional[str]
     compilations: int
     operands: list[CompiledOperand]

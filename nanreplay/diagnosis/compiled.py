@@ -128,6 +128,8 @@ def compiled_samples(compiled: Optional[dict], batch: Optional[int]) -> Optional
         return None
     out = {"indices": list(rows.get("indices") or []), "count": int(rows.get("count") or 0), "batch_size": batch, "method": SAMPLES_METHOD,
            "batch_level": False, "warnings": []}
+    if (c.get("calls") or 1) > 1:  # the graph ran once per micro-batch: the call the rows come from
+        out["micro_batch"] = c.get("call")
     if batch > 1 and out["count"] == batch:
         out.update(indices=[], batch_level=True, reason="every sample's row of the compiled op's output is non-finite")
     return out

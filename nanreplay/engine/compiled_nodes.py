@@ -56,16 +56,20 @@ __all__ = ["GraphCapture", "CapturedGraph", "OutOfTime", "first_birth", "bisect_
 #: values of a culprit's operands reported at its first non-finite position, at most
 MAX_OPERANDS = 4
 
+#: calls of one captured graph whose arguments are kept (a step of several micro-batches calls
+#: each graph once per micro-batch; their arguments stay alive until the search ends)
+MAX_CALLS = 8
+
 
 @dataclasses.dataclass
 class CapturedGraph:
     """One AOT graph a compiled replay ran: ``kind`` (``"forward"``, ``"backward"``,
-    ``"inference"``), the graph, and the arguments of its first call (tensors detached, those the
-    graph writes into cloned first; ``None`` when it never ran)."""
+    ``"inference"``), the graph, and the arguments of its first :data:`MAX_CALLS` calls (one per
+    micro-batch; tensors detached, those the graph writes into cloned first)."""
 
     kind: str
     gm: torch.fx.GraphModule
-    args: Optional[list] = None
+    calls: list[list] = dataclasses.field(default_factory=list)
 
 
 class GraphCapture:
@@ -86,9 +90,9 @@ class GraphCapture:
             written = _written_inputs(gm)
 
             def run(args: list) -> Any:
-                if entry.args is None:
-                    entry.args = [(a.detach().clone() if i in written else a.detach()) if isinstance(a, torch.Tensor) else a
-                                  for i, a in enumerate(args)]
+                if len(entry.calls) < MAX_CALLS:
+                    entry.calls.append([(a.detach().clone() if i in written else a.detach()) if isinstance(a, torch.Tensor) else a
+                                        for i, a in enumerate(args)])
                 return torch.fx.Interpreter(gm).boxed_run(args)
 
             run._boxed_call = True  # type: ignore[attr-defined]
@@ -164,22 +168,29 @@ class _Births(torch.fx.Interpreter):
 
 
 def first_birth(graphs: Sequence[CapturedGraph], batch: Optional[int]) -> Optional[dict]:
-    """The first node, over ``graphs`` in execution order, whose eager output is non-finite from
-    finite operands: :func:`node_facts` plus ``graph`` (its kind); ``None`` when every captured
-    graph runs finite."""
+    """The first node, over ``graphs`` in execution order (each over its calls: one per
+    micro-batch), whose eager output is non-finite from finite operands: :func:`node_facts` plus
+    ``graph`` (its kind), ``call`` (which call) and ``operands`` (their values at its first
+    non-finite element); ``None`` when every captured graph runs finite."""
     for g in graphs:
-        if g.args is None:
-            continue
-        check_deadline()
-        run = _Births(g.gm)
-        with torch.no_grad():
-            run.run(*_fresh(g.args))
-        if run.found is not None:
-            node, outs, operands = run.found
-            facts = node_facts(node, next((o for o in outs if _bad(o) is not None and bool(_bad(o).any())), outs[0]), batch, g.kind)
-            facts["operands"] = _operand_values(operands, outs[0], None)
-            return dict(facts, graph=g.kind)
+        for i, args in enumerate(g.calls):
+            check_deadline()
+            run = _Births(g.gm)
+            with torch.no_grad():
+                run.run(*_fresh(args))
+            if run.found is not None:
+                node, outs, operands = run.found
+                value = next((o for o in outs if _bad(o) is not None and bool(_bad(o).any())), outs[0])
+                facts = node_facts(node, value, batch, g.kind)
+                facts["operands"] = _operand_values(operands, value, _first_bad(value))
+                return dict(facts, graph=g.kind, call=i, calls=len(g.calls))
     return None
+
+
+def _first_bad(t: Any) -> Optional[tuple]:
+    """The index of the first non-finite element of ``t`` (``None`` when there is none)."""
+    bad = _bad(t)
+    return tuple(int(x) for x in bad.nonzero()[0]) if bad is not None and bool(bad.any()) else None
 
 
 # -- bisecting inductor's kernels ------------------------------------------------------------------
@@ -255,33 +266,42 @@ class OutOfTime(Exception):
 
 
 class _Clock:
-    """Stops a bisection before a compilation that would run past the deadline
-    (:func:`~nanreplay.engine.deadline.seconds_left`), judging by the longest one so far."""
+    """Compiles a prefix and runs it, but stops a bisection before a compilation that would run
+    past the deadline (:func:`~nanreplay.engine.deadline.seconds_left`), judging by the longest
+    one so far."""
 
     def __init__(self) -> None:
         self.longest = 0.0
 
-    def run(self, gm: torch.fx.GraphModule, args: list, last: torch.fx.Node, compile_graph: Callable, where: str) -> "_Cut":
+    def compile(self, gm: torch.fx.GraphModule, args: list, last: torch.fx.Node, compile_graph: Callable,
+                where: str) -> Callable[[list], "_Cut"]:
+        """The prefix of ``gm`` ending at ``last``, compiled (``args`` its example inputs):
+        ``run(call_args) -> _Cut``."""
         left = seconds_left()
         if left is not None and left < 2 * self.longest:
             raise OutOfTime(where)
         check_deadline()
         t0 = time.monotonic()
         sub, outs = _prefix(gm, last)
-        with torch.no_grad():
-            eager = list(sub(*_fresh(args)))
-            compiled = list(compile_graph(sub, args)(*_fresh(args)))
+        fn = compile_graph(sub, args)
         self.longest = max(self.longest, time.monotonic() - t0)
-        return _Cut(last, outs, compiled, eager)
+
+        def run(call: list) -> _Cut:
+            with torch.no_grad():
+                return _Cut(last, outs, list(fn(*_fresh(call))), list(sub(*_fresh(call))))
+
+        return run
 
 
 def bisect_kernels(graphs: Sequence[CapturedGraph], compile_graph: Callable[[torch.fx.GraphModule, list], Callable],
                    batch: Optional[int]) -> tuple[Optional[dict], int]:
     """The first node whose compiled value is non-finite where its eager value is finite, over
-    ``graphs`` in execution order (see the module docstring): ``(facts, compilations)`` with
-    :func:`node_facts`, ``graph``, ``operands`` (each operand's compiled and eager value at the
-    culprit's first non-finite position), ``eager_value`` and ``compiled_value``; ``(None, n)``
-    when no graph compiled alone gives a non-finite value its eager run does not.
+    ``graphs`` in execution order (see the module docstring; each graph compiled once, run on
+    each of its calls, one per micro-batch, and bisected on the first call that shows it):
+    ``(facts, compilations)`` with :func:`node_facts`, ``graph``, ``call``, ``operands`` (each
+    operand's compiled and eager value at the culprit's first non-finite position),
+    ``eager_value`` and ``compiled_value``; ``(None, n)`` when no graph compiled alone gives a
+    non-finite value its eager run does not.
 
     Raises:
         OutOfTime: the diagnosis' deadline would pass during the next compilation (judged by
@@ -289,27 +309,41 @@ def bisect_kernels(graphs: Sequence[CapturedGraph], compile_graph: Callable[[tor
     compiles, clock = 0, _Clock()
     for g in graphs:
         cands = _candidates(g.gm)
-        if g.args is None or not cands:
+        if not g.calls or not cands:
             continue
-        cut = clock.run(g.gm, g.args, cands[-1], compile_graph, f"before compiling the {g.kind} graph alone")
-        compiles += 1
-        if not cut.new_nonfinite():
+        found = None
+        for i, shapes in _by_shape(g.calls):  # compiled once per set of shapes, run on each call of that shape
+            whole = clock.compile(g.gm, g.calls[i[0]], cands[-1], compile_graph, f"before compiling the {g.kind} graph alone")
+            compiles += 1
+            found = next(((j, c) for j, c in ((j, whole(g.calls[j])) for j in i) if c.new_nonfinite()), None)
+            if found is not None:
+                break
+        if found is None:
             continue
-        lo, hi, at_hi = 0, len(cands) - 1, cut
+        call, at_hi = found
+        args = g.calls[call]
+        lo, hi = 0, len(cands) - 1
         while lo < hi:
             mid = (lo + hi) // 2
             where = f"with the culprit among nodes {cands[lo].name} to {cands[hi].name} of the {g.kind} graph"
-            c = clock.run(g.gm, g.args, cands[mid], compile_graph, where)
+            c = clock.compile(g.gm, args, cands[mid], compile_graph, where)(args)
             compiles += 1
             if c.new_nonfinite():
                 hi, at_hi = mid, c
             else:
                 lo = mid + 1
-        if at_hi.last is not cands[hi]:  # the last bisection step was a finite cut: compile the culprit's own
-            at_hi = clock.run(g.gm, g.args, cands[hi], compile_graph, f"with the culprit found, node {cands[hi].name}")
-            compiles += 1
-        return _culprit(cands[hi], at_hi, batch, g.kind), compiles
+        return dict(_culprit(cands[hi], at_hi, batch, g.kind), call=call, calls=len(g.calls)), compiles
     return None, compiles
+
+
+def _by_shape(calls: list[list]) -> list[tuple[list[int], tuple]]:
+    """The calls grouped by their arguments' shapes (a graph compiled for one set of shapes runs
+    only those): ``[(call indices, shapes), ...]`` in first-call order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, args in enumerate(calls):
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        groups.setdefault(key, []).append(i)
+    return [(ix, key) for key, ix in groups.items()]
 
 
 def _culprit(node: torch.fx.Node, cut: _Cut, batch: Optional[int], kind: str) -> dict:

@@ -496,24 +496,31 @@ def test_an_inductor_only_nan_is_named_by_plain_replay(out_dir):
 
 def test_the_bisection_names_the_first_node_a_compiler_gets_wrong():
     """The node bisection on its own, with a stand-in compiler that computes one node of the
-    graph wrongly (rsqrt of row 3 made NaN, as a miscompiled kernel would): it names that node,
-    its source line and module, the row, and its operand's compiled and eager values; a
-    correct stand-in gives no culprit."""
-    from nanreplay.engine.compiled_nodes import GraphCapture, bisect_kernels
+    graph wrongly (rsqrt made NaN where its operand is large, as a miscompiled kernel would), on
+    a step of two micro-batches of which only the second has such a row (row 3): it names that
+    node, its source line and module, the call and the row, and its operand's compiled and eager
+    values; a correct stand-in gives no culprit; under a time limit it stops before a
+    compilation that would run past it."""
+    import time
+
+    from nanreplay.engine.compiled_nodes import GraphCapture, OutOfTime, bisect_kernels
+    from nanreplay.engine.deadline import deadline
 
     model = models.make_one_pass_norm()
     cap = GraphCapture()
     model.forward = torch.compile(model.forward, backend=cap.backend(decompose=True))
-    x = 1 + torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
-    model(x).sum().backward()
-    assert [g.kind for g in cap.graphs] == ["forward", "backward"] and all(g.args is not None for g in cap.graphs)
+    g = torch.Generator().manual_seed(0)
+    x0, x1 = 1 + torch.randn(8, 64, generator=g), 1 + torch.randn(8, 64, generator=g)
+    x1[3] *= 100  # its variance is ~1e4, the others' ~1
+    for x in (x0, x1):  # two micro-batches: each graph is called twice
+        model(x).sum().backward()
+    assert [(g.kind, len(g.calls)) for g in cap.graphs] == [("forward", 2), ("backward", 2)]
 
     class Miscompiled(torch.fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
             if n.op == "call_function" and str(n.target) == "aten.rsqrt.default":
-                out = out.clone()
-                out[3] = float("nan")
+                out = torch.where(self.env[n.args[0]] > 100, float("nan"), out)
             return out
 
     compiled = []
@@ -524,17 +531,12 @@ def test_the_bisection_names_the_first_node_a_compiler_gets_wrong():
 
     cul, n = bisect_kernels(cap.graphs, wrong, batch=8)
     line = _source_line(models.OnePassNorm.forward, "torch.rsqrt(")
-    assert (cul["op"], cul["graph"], cul["module"], cul["source"]["line"], cul["samples"]["indices"]) == ("rsqrt", "forward", "", line, [3])
+    assert (cul["op"], cul["graph"], cul["call"], cul["calls"], cul["module"], cul["source"]["line"], cul["samples"]["indices"]) == (
+        "rsqrt", "forward", 1, 2, "", line, [3])
     assert cul["compiled_value"] == "nan" and isinstance(cul["eager_value"], float)
-    assert [o["op"] for o in cul["operands"]] == ["add"] and cul["operands"][0]["compiled"] == cul["operands"][0]["eager"]
-    assert n == len(compiled) and n <= 2 + len([m for m in cap.graphs[0].gm.graph.nodes if m.op == "call_function"]).bit_length()
+    assert [o["op"] for o in cul["operands"]] == ["add"] and cul["operands"][0]["compiled"] == cul["operands"][0]["eager"] > 100
+    assert n == len(compiled) and n <= 1 + len([m for m in cap.graphs[0].gm.graph.nodes if m.op == "call_function"]).bit_length()
     assert bisect_kernels(cap.graphs, lambda gm, args: gm, batch=8) == (None, 2)  # a correct compiler: no node to blame
-
-    # under a diagnosis' time limit, a compilation that would run past it is not started
-    import time
-
-    from nanreplay.engine.compiled_nodes import OutOfTime
-    from nanreplay.engine.deadline import deadline
 
     def slow(gm, args):
         time.sleep(0.5)
