@@ -422,7 +422,7 @@ def _localize(out: dict, model: torch.nn.Module, inp: StepInputs, main: CompileS
     if codegen and main.name != "inductor":
         out["localize_error"] = f"the nodes are bisected for inductor's kernels only, not backend {main.name}'s"
         return
-    cap = GraphCapture()
+    cap = GraphCapture(relabel=model_fqn if isinstance(model, ProgramModel) else None)
     decompose = out["stage_backend"] not in ("eager", "aot_eager")
     settings = CompileSettings(cap.backend(decompose=decompose), dynamic=main.dynamic, fullgraph=main.fullgraph)
     try:
@@ -451,8 +451,6 @@ def _localize(out: dict, model: torch.nn.Module, inp: StepInputs, main: CompileS
         out["localize_error"] = ("no node of the captured graphs gives the non-finite value when "
                                  + ("compiled alone on the step's values" if codegen else "run eagerly on the step's values"))
         return
-    if isinstance(model, ProgramModel) and culprit.get("module") is not None:  # the program's paths run from its export root
-        culprit["module"] = model_fqn(culprit["module"])
     if prefix and culprit.get("module") is not None:
         culprit["module"] = ".".join(x for x in (prefix, culprit["module"]) if x)
     culprit.update(stage=out["stage"], compilations=compiles)

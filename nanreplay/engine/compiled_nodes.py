@@ -70,6 +70,7 @@ class CapturedGraph:
     kind: str
     gm: torch.fx.GraphModule
     calls: list[list] = dataclasses.field(default_factory=list)
+    relabel: Optional[Callable[[str], str]] = None
 
 
 class GraphCapture:
@@ -78,14 +79,17 @@ class GraphCapture:
     partitioner, inference input mutations kept); ``decompose=True`` is
     ``aot_eager_decomp_partition``'s (inductor's decomposition table and partitioner): the graphs
     inductor would receive, run with eager kernels. ``graphs`` lists them in the order they were
-    compiled (the forward before its backward)."""
+    compiled (the forward before its backward). ``relabel`` reads a module path that
+    ``torch.export`` recorded (an embedded program's nodes keep it: paths from the export root)
+    as the replayed model's FQN."""
 
-    def __init__(self) -> None:
+    def __init__(self, relabel: Optional[Callable[[str], str]] = None) -> None:
         self.graphs: list[CapturedGraph] = []
+        self.relabel = relabel
 
     def _compiler(self, kind: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-            entry = CapturedGraph(kind, gm)
+            entry = CapturedGraph(kind, gm, relabel=self.relabel)
             self.graphs.append(entry)
             written = _written_inputs(gm)
 
@@ -181,7 +185,7 @@ def first_birth(graphs: Sequence[CapturedGraph], batch: Optional[int]) -> Option
             if run.found is not None:
                 node, outs, operands = run.found
                 value = next((o for o in outs if _bad(o) is not None and bool(_bad(o).any())), outs[0])
-                facts = node_facts(node, value, batch, g.kind)
+                facts = node_facts(node, value, batch, g.kind, relabel=g.relabel)
                 facts["operands"] = _operand_values(operands, value, _first_bad(value))
                 return dict(facts, graph=g.kind, call=i, calls=len(g.calls))
     return None
@@ -332,7 +336,7 @@ def bisect_kernels(graphs: Sequence[CapturedGraph], compile_graph: Callable[[tor
                 hi, at_hi = mid, c
             else:
                 lo = mid + 1
-        return dict(_culprit(cands[hi], at_hi, batch, g.kind), call=call, calls=len(g.calls)), compiles
+        return dict(_culprit(cands[hi], at_hi, batch, g), call=call, calls=len(g.calls)), compiles
     return None, compiles
 
 
@@ -346,16 +350,16 @@ def _by_shape(calls: list[list]) -> list[tuple[list[int], tuple]]:
     return [(ix, key) for key, ix in groups.items()]
 
 
-def _culprit(node: torch.fx.Node, cut: _Cut, batch: Optional[int], kind: str) -> dict:
+def _culprit(node: torch.fx.Node, cut: _Cut, batch: Optional[int], g: CapturedGraph) -> dict:
     i = cut.outs.index(node)
     value, eager = cut.compiled[i], cut.eager[i]
-    facts = node_facts(node, value, batch, kind)
+    facts = node_facts(node, value, batch, g.kind, relabel=g.relabel)
     new = _bad(value) & ~_bad(eager)
     pos = tuple(int(x) for x in new.nonzero()[0]) if bool(new.any()) else None
     vals = {n: (c, e) for n, c, e in zip(cut.outs, cut.compiled, cut.eager)}
     facts["operands"] = _operand_values([(a, vals[a][0]) for a in node.all_input_nodes if a in vals], value, pos,
                                         eager={a: vals[a][1] for a in node.all_input_nodes if a in vals})
-    facts.update(graph=kind, eager_value=_scalar(eager, pos), compiled_value=_scalar(value, pos))
+    facts.update(graph=g.kind, eager_value=_scalar(eager, pos), compiled_value=_scalar(value, pos))
     return facts
 
 
@@ -410,29 +414,35 @@ def _op_name(node: torch.fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _module_fqn(node: torch.fx.Node, prefix: str, forward: bool) -> Optional[str]:
-    """The FQN of the innermost module the node ran in, from Dynamo's ``nn_module_stack`` (a
-    backward node: its forward node's, ``fwd_nn_module_stack``), whose paths read
-    ``L['self'].blocks.0.attn``, ``L['fn'].__self__.fc`` or ``L['self']._modules['fc']``, relative to the compiled module
-    at ``prefix``. A forward node without one ran in the compiled module's own code
-    (``prefix``); a backward node without one: ``None``."""
+def _module_fqn(node: torch.fx.Node, prefix: str, forward: bool, relabel: Optional[Callable[[str], str]]) -> Optional[str]:
+    """The FQN of the innermost module the node ran in, from its ``nn_module_stack`` (a backward
+    node: its forward node's, ``fwd_nn_module_stack``). Dynamo's paths read
+    ``L['self'].blocks.0.attn``, ``L['fn'].__self__.fc`` or ``L['self']._modules['fc']``, relative
+    to the compiled module at ``prefix``; a path ``torch.export`` recorded (its types are names,
+    not classes: a node of an embedded program) runs from the export root and is read by
+    ``relabel``. A forward node without one ran in the compiled module's own code (``prefix``);
+    a backward node without one: ``None``."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
         return prefix if forward else None
-    path = str(list(stack.values())[-1][0])
-    path = re.sub(r"^L\[[^\]]*\]", "", path)
+    path, kind = list(stack.values())[-1][:2]
+    path = re.sub(r"^L\[[^\]]*\]", "", str(path))
     path = re.sub(r"\._modules\[['\"]([^'\"]*)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^'\"\]]*)['\"]?\]", r".\1", path)
-    parts = [x for x in path.split(".") if x and x not in ("_orig_mod", "_inner", "__self__")]
-    return ".".join(x for x in (prefix, ".".join(parts)) if x)
+    fqn = ".".join(x for x in path.split(".") if x and x not in ("_orig_mod", "_inner", "__self__"))
+    if isinstance(kind, str) and relabel is not None:
+        fqn = relabel(fqn)
+    return ".".join(x for x in (prefix, fqn) if x)
 
 
-def node_facts(node: torch.fx.Node, value: Any, batch: Optional[int], kind: str, prefix: str = "") -> dict:
+def node_facts(node: torch.fx.Node, value: Any, batch: Optional[int], kind: str, prefix: str = "",
+               relabel: Optional[Callable[[str], str]] = None) -> dict:
     """What a graph node says of itself: ``{"node", "op", "aten", "original_op", "module",
     "source", "samples", "kinds"}``. ``op``: the op's name (``rsqrt``), ``aten`` its overload
     (``aten.rsqrt.default``), ``original_op`` the op before a decomposition made this node
     (``var_mean``, else ``None``); ``module``: the FQN of the module it ran in (under ``prefix``,
-    the compiled submodule's FQN; ``kind`` the graph's, ``"backward"`` or not); ``source``: the user's frame (``{"file", "line", "function",
+    the compiled submodule's FQN; ``kind`` the graph's, ``"backward"`` or not; ``relabel`` for
+    paths ``torch.export`` recorded); ``source``: the user's frame (``{"file", "line", "function",
     "code"}``) from the node's ``stack_trace``; ``samples``: the non-finite rows of ``value``
     along its batch dimension (:func:`~nanreplay.engine.probes.nonfinite_rows`), ``None`` for a
     value with no dimension; ``kinds``: ``NaN``, ``+Inf``, ``-Inf`` in ``value``."""
@@ -444,7 +454,7 @@ def node_facts(node: torch.fx.Node, value: Any, batch: Optional[int], kind: str,
         "op": _op_name(node),
         "aten": str(node.target),
         "original_op": orig_name if orig_name and orig_name != _op_name(node) else None,
-        "module": _module_fqn(node, prefix, kind != "backward"),
+        "module": _module_fqn(node, prefix, kind != "backward", relabel),
         "source": user_frame_of_traceback([node.meta["stack_trace"]]) if node.meta.get("stack_trace") else None,
         "samples": nonfinite_rows([t], batch) if t is not None and t.dim() >= 1 else None,
         "kinds": _kinds(t),

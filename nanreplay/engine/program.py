@@ -562,8 +562,9 @@ class _Runner(torch.fx.Interpreter):
 
 
 def model_fqn(path: str) -> str:
-    """A module path recorded inside the program (``nn_module_stack``: ``model.blocks.0``, under
-    the export root) as the model's own FQN (``blocks.0``; ``""`` for the model itself)."""
+    """A module path ``torch.export`` recorded inside the program (a node's ``nn_module_stack``:
+    ``model.blocks.0``, from the export root) as the model's own FQN (``blocks.0``; ``""`` for
+    the model itself)."""
     parts = path.split(".") if path else []
     return ".".join(parts[1:] if parts and parts[0] == _CHILD else parts)
 

@@ -470,7 +470,7 @@ def test_an_inductor_only_nan_is_named_by_plain_replay(out_dir):
         return (diag["classification"]["cause"], c["stage"], c["backend"], c["target"], cul["op"], cul["module"],
                 cul["source"]["line"], cul["graph"], diag["samples"]["indices"])
 
-    want = ("compiler", "code generation", "inductor", "model", "rsqrt", "", line, "forward", [5])
+    want = ("compiler", "code generation", "inductor", "model", "rsqrt", "norm", line, "forward", [5])
     assert facts(err.diagnosis) == want, err.diagnosis["summary"]
     res = CliRunner().invoke(main, ["replay", err.bundle_path, "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output  # reproduced as compiled
@@ -484,14 +484,14 @@ def test_an_inductor_only_nan_is_named_by_plain_replay(out_dir):
         ("aot_eager", "reference", False), ("aot_eager_decomp_partition", "capture", False), ("inductor", "main", True)]
     op = c["culprit"]["operands"][0]  # rsqrt's operand, var + eps: negative compiled, not eagerly
     assert float(op["compiled"]) < 0 <= float(op["eager"])
-    assert f"born in op rsqrt at models.py:{line} in module (root module) (inductor's kernels (code generation), forward graph), samples [5]" \
+    assert f"born in op rsqrt at models.py:{line} in module norm (inductor's kernels (code generation), forward graph), samples [5]" \
         in diag["summary"]
     assert "hardware" not in json.dumps(diag["classification"])
 
     res = CliRunner().invoke(main, ["replay", err.bundle_path, "--compile-backend", "eager"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert "  compiler:      eager finite; aot_eager finite; aot_eager_decomp_partition finite; inductor NaN: code generation" in res.output
-    assert f"  compiled op:   rsqrt at models.py:{line} in module (root module)" in res.output and "; samples [5]" in res.output
+    assert f"  compiled op:   rsqrt at models.py:{line} in module norm" in res.output and "; samples [5]" in res.output
 
 
 def test_the_bisection_names_the_first_node_a_compiler_gets_wrong():
@@ -532,7 +532,7 @@ def test_the_bisection_names_the_first_node_a_compiler_gets_wrong():
     cul, n = bisect_kernels(cap.graphs, wrong, batch=8)
     line = _source_line(models.OnePassNorm.forward, "torch.rsqrt(")
     assert (cul["op"], cul["graph"], cul["call"], cul["calls"], cul["module"], cul["source"]["line"], cul["samples"]["indices"]) == (
-        "rsqrt", "forward", 1, 2, "", line, [3])
+        "rsqrt", "forward", 1, 2, "norm", line, [3])
     assert cul["compiled_value"] == "nan" and isinstance(cul["eager_value"], float)
     assert [o["op"] for o in cul["operands"]] == ["add"] and cul["operands"][0]["compiled"] == cul["operands"][0]["eager"] > 100
     assert n == len(compiled) and n <= 1 + len([m for m in cap.graphs[0].gm.graph.nodes if m.op == "call_function"]).bit_length()
