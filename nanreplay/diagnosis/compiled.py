@@ -59,10 +59,9 @@ def compile_facts(state: Optional[dict]) -> str:
 
 
 def _columns(compiled: dict) -> str:
-    """``eager finite; aot_eager finite; inductor NaN in loss and gradients``: every replay of the
+    """``aot_eager finite, inductor NaN in loss and gradients``: every compiled replay of the
     comparison, in the compiler's pipeline order."""
-    said = ["eager " + (f"{compiled.get('eager_kinds') or 'non-finite'} in {' and '.join(compiled.get('eager_nonfinite') or [])}"
-                        if compiled.get("eager") else "finite")]
+    said = []
     for row in compiled.get("backends") or []:
         if row.get("compiled") is None:
             said.append(f"{row['backend']} failed ({row.get('error')})")
@@ -70,7 +69,7 @@ def _columns(compiled: dict) -> str:
             said.append(f"{row['backend']} {row.get('kinds') or 'non-finite'} in {' and '.join(row.get('nonfinite') or [])}")
         else:
             said.append(f"{row['backend']} finite")
-    return "; ".join(said)
+    return ", ".join(said)
 
 
 def _num(x: Any) -> str:
@@ -90,7 +89,7 @@ def compiler_verdict(f: Any) -> tuple[str, list[str]]:
     :class:`~nanreplay.diagnosis.classify.Features`)."""
     c = f.compiled or {}
     cul = c.get("culprit")
-    ev = [f"the step replayed eagerly is finite; under torch.compile: {_columns(c)}"]
+    ev = [f"the step replayed eagerly is finite; under torch.compile, by backend: {_columns(c)}"]
     if c.get("stage"):
         ev.append(f"the first compiler stage whose replay is non-finite: {c['stage']} ({c.get('stage_detail')}, backend {c.get('stage_backend')})")
     if c.get("compiled_reproduction"):

@@ -97,10 +97,10 @@ def _compiled_lines(c: CompileCheck, diag: DiagnosisDict, st: Callable[..., str]
     out = []
     rows = c.get("backends") or []
     if len(rows) > 1 or c.get("stage"):
-        cols = "; ".join(f"{r['backend']} " + ("failed" if r.get("compiled") is None else
+        cols = ", ".join(f"{r['backend']} " + ("failed" if r.get("compiled") is None else
                                                  f"{r.get('kinds') or 'non-finite'}" if r.get("compiled") else "finite") for r in rows)
         stage = f": {st(str(c['stage']), bold=True)} ({c.get('stage_detail')})" if c.get("stage") else ""
-        out.append(f"  compiler:      {cols}{stage}")
+        out.append(f"  compiler:      by backend: {cols}{stage}")
     cul = c.get("culprit")
     if cul:
         smp = diag.get("samples") or {}

@@ -490,7 +490,8 @@ def test_an_inductor_only_nan_is_named_by_plain_replay(out_dir):
 
     res = CliRunner().invoke(main, ["replay", err.bundle_path, "--compile-backend", "eager"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert "  compiler:      eager finite; aot_eager finite; aot_eager_decomp_partition finite; inductor NaN: code generation" in res.output
+    assert ("  compiler:      by backend: eager finite, aot_eager finite, aot_eager_decomp_partition finite, inductor NaN: code generation"
+            in res.output)
     assert f"  compiled op:   rsqrt at models.py:{line} in module norm" in res.output and "; samples [5]" in res.output
 
 
