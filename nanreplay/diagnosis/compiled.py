@@ -32,7 +32,6 @@ from ..core.state import load_buffers
 from ..engine.compiled import DEFAULT_BACKEND, compile_check, recorded_compile
 from ..engine.deadline import replay_error
 from ..engine.run import StepInputs
-from ..report.summary import culprit_phrase
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +77,12 @@ def _num(x: Any) -> str:
 
 def _operands_phrase(c: dict) -> str:
     """Each operand's compiled and eager value at the culprit's first non-finite position."""
-    rows = [o for o in c.get("operands") or [] if o.get("compiled") is not None]
-    said = [f"its operand {o['node']}" + ("" if o['node'].startswith(o['op']) else f" ({o['op']})") + f" is {_num(o['compiled'])}" + (f" compiled, {_num(o['eager'])} eagerly" if o.get("eager") is not None else "")
-            for o in rows]
+    said = []
+    for o in c.get("operands") or []:
+        if o.get("compiled") is None:
+            continue
+        name = o["node"] + ("" if o["node"].startswith(o["op"]) else f" ({o['op']})")
+        said.append(f"its operand {name} is {_num(o['compiled'])}" + (f" compiled, {_num(o['eager'])} eagerly" if o.get("eager") is not None else ""))
     return ("at its first non-finite element " + "; ".join(said)) if said else ""
 
 
@@ -197,11 +199,12 @@ def compile_requested(model: torch.nn.Module, inp: StepInputs, compile: Union[bo
     recording's compile state (else inductor), a backend name or a list of them to add columns.
     The main backend is the recording's when the bundle names one it may, else the first backend
     named, else inductor."""
-    named = [compile] if isinstance(compile, str) else [b for b in compile if isinstance(b, str)] if not isinstance(compile, bool) else []
+    named = [compile] if isinstance(compile, str) else [] if isinstance(compile, bool) else [b for b in compile if isinstance(b, str)]
     recorded, _ = recorded_compile(inp.compile_state)
     opts = recorded or {"backend": named[0] if named else DEFAULT_BACKEND, "modules": []}
     also = [b for b in named if b != opts["backend"]]
-    say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {', '.join(dict.fromkeys([opts['backend'], 'aot_eager', *also]))})")
+    backends = ", ".join(dict.fromkeys([opts["backend"], "aot_eager", *also]))
+    say(f"replaying step {inp.record.step} eagerly and under torch.compile (backends {backends})")
     res = _run(model, inp, opts, also, device)
     res["replayed_as_recorded"], res["differs"] = _differs(inp.compile_state, recorded, res)
     return res
