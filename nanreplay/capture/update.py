@@ -79,11 +79,13 @@ class UpdateCheck:
 
 
 def check_update(rec: Any, pre: Snapshot, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, actions: Any, dump: Any,
-                 live_copy: Callable[[], Snapshot], grads: Callable[[], list], nonfinite_steps: list) -> bool:
+                 live_copy: Callable[[], Snapshot], grads: Callable[[], list], nonfinite_steps: list,
+                 on_nonfinite: Optional[Callable[[int], None]] = None) -> bool:
     """After ``optimizer.step()`` of the step ``rec``: :meth:`UpdateCheck.finite`; on a
     non-finite update, put back ``pre`` (the copy taken in the pre-hook), dump and diagnose
     (``dump``, a :class:`~nanreplay.capture.dump.Dump`), put the update back again when the
     action keeps the step (``live_copy``: a copy of the live state), then act (``actions``).
+    ``on_nonfinite(step)``: told of the non-finite update before the dump (the episode).
     Returns ``True`` when the update was finite."""
     from .actions import Incident
     from .snapshots import restore_into
@@ -94,6 +96,8 @@ def check_update(rec: Any, pre: Snapshot, *, model: torch.nn.Module, optimizer: 
     restore_into(model, optimizer, pre)
     found = grads()
     nonfinite_steps.append(rec.step)
+    if on_nonfinite is not None:
+        on_nonfinite(rec.step)
     path = dump(rec, found, pre, update=True) if dump.allowed else None
     msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
            f"norm {rec.grad_norm})" + dump.outcome(path))
