@@ -522,7 +522,8 @@ class Recorder:
         self._watch.nonfinite(rec.step, what, update, corrupts=update == "applied" and what != "loss")
         first = self._dump.allowed and self._actions.dumps()
         cause = dict(cause or {})
-        cause.setdefault("rollback", self.rollback_plan(rec.step))
+        if first:  # the plan lists every step of the episode: made for a bundle only, never per step of a long episode
+            cause.setdefault("rollback", self.rollback_plan(rec.step))
         if self.dist is not None:
             info = self.dist.reason()
             self.extra_meta.update(self.dist.meta(info["distributed"]))

@@ -8,6 +8,7 @@ import torch
 
 import models
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle, replay
+from nanreplay.report.text import render_report
 
 
 def _amp_step(model, opt, scaler, rec, batch, *, dtype=torch.float16, bypass=False):
@@ -83,7 +84,9 @@ def test_a_forward_overflow_is_a_failure_at_once_and_replays_with_the_scaler(out
     diag = replay(err.bundle_path)
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
     assert diag["phase"] == "forward" and diag["origin"]["module"] == "fc1"  # the fp16 overflow
-    assert diag["loss_scale"]["failure"] == "nonfinite loss" and diag["loss_scale"]["scale"] == 256.0
+    assert diag["loss_scale"] == {"skipped": True, "scale": 256.0, "scale_after": 128.0, "history": [[0, 256.0]], "consecutive_skips": 1,
+                                  "failure": "nonfinite loss"}
+    assert "  loss scale:    256 (128 after the step); failure: nonfinite loss; history 256 (step 0)" in render_report(diag)
     assert "float32's largest" not in (diag["classification"].get("fix") or {}).get("description", "")
 
 
