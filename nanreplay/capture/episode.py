@@ -11,11 +11,11 @@ Recorder learns about that, step by step, on the host (O(1) per step, no device 
   pre-step state back), the consecutive count, and the first step whose update was applied with
   non-finite values (the weights' corruption). An episode stays open across at most
   :data:`EPISODE_GAP` finite steps; the next non-finite step after that opens a new one. A
-  GradScaler's routine skips (an overflow at a large, falling scale) are kept as a *routine*
-  episode, discarded at the next finite step; when the scaler's failure is declared (the scale
-  reached its floor, or the loss is non-finite), the routine skips just before it are the
-  episode's first steps: the episode starts where the non-finite values started, not where the
-  Recorder gave up.
+  GradScaler's routine skips (an overflow at a large, falling scale) are no episode: they are
+  kept as a run of steps (two ints), discarded at the next finite step; when the scaler's failure
+  is declared right after them (the scale reached its floor, or the loss is non-finite), they
+  are the episode's first steps: the episode starts where the non-finite values started, not
+  where the Recorder gave up.
 * **the corruption windows**: an update applied with non-finite values at step ``c`` makes the
   step-start state of every step after ``c`` non-finite, until :meth:`EpisodeLog.rolled_back`
   (the Recorder put a healthy snapshot back) or a checkpoint registered with finite weights
@@ -23,8 +23,9 @@ Recorder learns about that, step by step, on the host (O(1) per step, no device 
   attached (``meta["attach_scan"]``) open a window from the start.
 * **the checkpoints registered** (:meth:`EpisodeLog.note_checkpoint`): the step whose step-start
   state the checkpoint holds, its path, and whether the weights and optimizer state were finite
-  when it was saved (one fused norm and one host read at that call: the Recorder checks it, it
-  does not assume it). About 100 bytes of host memory each; all are kept.
+  when it was registered (``Recorder.note_checkpoint``: one fused norm and one host read at that
+  call; the Recorder checks it, it does not assume it). About 100 bytes of host memory each; all
+  are kept.
 
 :meth:`EpisodeLog.why_unhealthy` is the one rule of a restore point: the state of step ``s``
 (a held snapshot or a checkpoint) is healthy when ``s`` is no later than the first abnormal step

@@ -35,7 +35,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
-from ..core.numerics import fused_norm
+from ..core.numerics import fused_norm, is_float
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .actions import Actions, Incident
@@ -308,8 +308,8 @@ class Recorder:
         step whose step-start weights it holds (default :attr:`step`: the weights as they are
         now, between steps; the trainer's global step after that many updates), ``path`` where
         it is. The Recorder checks whether the weights and the optimizer state are finite now
-        (one fused ``_foreach_norm`` over them and one host read: about one read of the
-        parameters and optimizer state, once per checkpoint) and never names a checkpoint that
+        (one fused ``_foreach_norm`` (the largest magnitude) over them, the buffers too, and one
+        host read: about one read of the parameters and optimizer state, once per checkpoint) and never names a checkpoint that
         was not, or that was saved after the first update with non-finite or abnormal values
         (:mod:`nanreplay.capture.episode`). Also sets ``extra_meta["last_checkpoint_step"]``.
         The Lightning and Hugging Face callbacks call it when the trainer saves.
@@ -318,8 +318,11 @@ class Recorder:
             ``{"step", "path", "finite"}``.
         """
         step = self.step if step is None else int(step)
-        finite = UpdateCheck.finite(self.optimizer) and all(bool(torch.isfinite(local(b)).all()) for b in self.model.buffers()
-                                                            if b.is_floating_point() and b.numel())
+        opt_state = [local(v) for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v)]
+        tensors = [local(p).detach() for g in self.optimizer.param_groups for p in g["params"]] + opt_state + \
+            [local(b) for b in self.model.buffers() if is_float(b)]
+        largest = fused_norm([t for t in tensors if t.numel()], ord=math.inf)  # the largest |value|: non-finite iff a value is
+        finite = largest is None or math.isfinite(largest.item())
         entry = self._watch.log.note_checkpoint(step, None if path is None else str(path), finite, now=self.step)
         self.extra_meta["last_checkpoint_step"] = step
         if not finite:
