@@ -35,7 +35,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, import_callable
-from ..core.numerics import fused_norm, is_float
+from ..core.numerics import fused_norm
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .actions import Actions, Incident
@@ -291,8 +291,8 @@ class Recorder:
         float), for the early warning and the scalar history. Under clipping the gradients the
         optimizer sees have a norm of at most the clip value, so the check's own norm carries no
         signal of a divergence; this one does. No sync: a tensor is read in the check's one host
-        read. The non-finite check still reads the gradients themselves. Call it between the
-        backward pass and ``optimizer.step()``::
+        read (with ``check_every > 1`` only a float is used). The non-finite check still reads
+        the gradients themselves. Call it between the backward pass and ``optimizer.step()``::
 
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             rec.log_grad_norm(norm)
@@ -318,11 +318,7 @@ class Recorder:
             ``{"step", "path", "finite"}``.
         """
         step = self.step if step is None else int(step)
-        opt_state = [local(v) for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v)]
-        tensors = [local(p).detach() for g in self.optimizer.param_groups for p in g["params"]] + opt_state + \
-            [local(b) for b in self.model.buffers() if is_float(b)]
-        largest = fused_norm([t for t in tensors if t.numel()], ord=math.inf)  # the largest |value|: non-finite iff a value is
-        finite = largest is None or math.isfinite(largest.item())
+        finite = UpdateCheck.finite(self.optimizer, self.model.buffers())
         entry = self._watch.log.note_checkpoint(step, None if path is None else str(path), finite, now=self.step)
         self.extra_meta["last_checkpoint_step"] = step
         if not finite:
@@ -576,25 +572,19 @@ class Recorder:
         """The rollback plan for ``step`` (default: the last step found non-finite or out of band).
 
         The restore point is the latest state, a weight snapshot held (``snapshot_every``) or a
-        checkpoint registered (:meth:`note_checkpoint`, the integrations' trainer checkpoints),
-        that is known healthy: no later than the first abnormal step, saved before any update
-        with non-finite values that has not been undone, and, for a checkpoint, finite when it
-        was registered (:mod:`nanreplay.capture.episode`). A plan never names a checkpoint saved
-        after the first non-finite update; when nothing healthy is held, ``restore_step`` is
-        ``None`` and ``note`` says why.
+        checkpoint registered (:meth:`note_checkpoint`), known healthy: no later than the first
+        abnormal step, saved before any update with non-finite values not undone since, and, for
+        a checkpoint, finite when registered (:mod:`nanreplay.capture.episode`). A plan never
+        names a checkpoint saved after the first non-finite update; when nothing held is
+        healthy, ``restore_step`` is ``None`` and ``note`` says why.
 
         Returns:
-            JSON-able: ``{"step": the alarming step, "first_abnormal_step": the first step of its
-            non-finite episode, of the spike episode before it, or of a learning-rate jump still in
-            force (else ``step``), "restore_step" (int or ``None``), "source": ``"snapshot"``
-            (:meth:`snapshot_at`), ``"checkpoint"`` or ``None``, "path": the checkpoint's path
-            when registered with one, "skip_steps": every step from the first abnormal one
-            through ``step`` (their batches to skip), "data_position": ``extra_meta["data_position"]``
-            where an integration knows it, "episode": :attr:`episode` (or ``None``), "lr_jump":
-            ``{"step", "lr", "previous"}`` when the first abnormal step is a learning-rate jump,
-            "weights_corrupted": :attr:`weights_corrupted`, "rejected": the states newer than the
-            restore point that are not healthy, each ``{"step", "source", "path", "why"}``,
-            "note": why nothing is restored, else ``None``}`` (``docs/report.md``, ``rollback``).
+            JSON-able, ``docs/report.md`` (``rollback``): ``{"step", "first_abnormal_step" (the
+            first step of the non-finite episode, of the spike episode before it, or of a
+            learning-rate jump still in force), "restore_step", "source" (``"snapshot"``:
+            :meth:`snapshot_at`; ``"checkpoint"``; ``None``), "path", "skip_steps" (every step from
+            the first abnormal one through ``step``), "data_position", "episode" (:attr:`episode`),
+            "lr_jump", "weights_corrupted", "rejected" (the newer states refused, with why), "note"}``.
         """
         return self._watch.plan(step)
 

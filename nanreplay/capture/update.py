@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -69,12 +69,14 @@ class UpdateCheck:
         self.ring.pool.release(copy)
 
     @staticmethod
-    def finite(optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the parameters and floating optimizer state are finite after the update: one
-        fused norm, one host read."""
+    def finite(optimizer: torch.optim.Optimizer, buffers: Iterable[torch.Tensor] = ()) -> bool:
+        """Whether the parameters, the floating optimizer state (and ``buffers``) are finite: one
+        fused norm of their largest magnitude (which, unlike a 2-norm, cannot overflow for finite
+        values), one host read. Used after the update, and by ``Recorder.note_checkpoint``."""
         state = [local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
         params = [local(p).detach() for g in optimizer.param_groups for p in g["params"]]  # DTensor: this rank's shard
-        norm = fused_norm(params + state)
+        more = [local(b).detach() for b in buffers if is_float(b)]
+        norm = fused_norm([t for t in params + state + more if t.numel()], ord=math.inf)
         return norm is None or math.isfinite(norm.item())
 
 
