@@ -297,3 +297,24 @@ def test_scaler_must_be_a_gradscaler(out_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(TypeError, match=r"scaler must be a torch.amp.GradScaler \(expected a method update\(\)\), got object"):
         Recorder(model, opt, scaler=object(), out_dir=out_dir)
+
+
+def test_following_the_scale_adds_no_host_read_to_an_ordinary_step(out_dir):
+    """The scale each step ran with is read in the check's one host read (with the grad norm and
+    the loss the scaler was given): an ordinary fp16 step under the scaler reads the device once."""
+    from test_overhead_modes import count_host_reads
+
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g = torch.Generator().manual_seed(8)
+    with Recorder(model, opt, scaler=scaler, loss_fn=models.mse_loss, out_dir=out_dir) as rec:
+        _amp_step(model, opt, scaler, rec, _batch(g))  # the first step exports the program: not counted
+        with count_host_reads() as reads:
+            for _ in range(5):
+                _amp_step(model, opt, scaler, rec, _batch(g))
+        assert rec.scaler_skips == 0
+        assert [r[5] for r in rec._history.rows][-5:] == [256.0] * 5  # the scale of each step
+        assert all(r[1] is not None for r in rec._history.rows)  # the loss the loop gave scaler.scale(), read in the same host read
+    assert reads["n"] <= 5
+
