@@ -356,3 +356,27 @@ def test_the_trainer_callbacks_register_the_trainers_checkpoints(tmp_path, frame
     assert rec._watch.log.checkpoints[0] == {"step": 5, "path": path, "finite": True}
     assert rec._watch.log.checkpoints[1] == {"step": 6, "path": path and path.replace("-5", "-6"), "finite": False}
     assert rec.extra_meta["last_checkpoint_step"] == 6 and rec.extra_meta["last_checkpoint_global_step"] == 6
+
+
+@pytest.mark.parametrize("action,update", [("warn", "applied"), ("skip", "undone")])
+def test_a_nonfinite_update_joins_the_episode(tmp_path, action, update):
+    """check_update=True, a NaN learning rate at step 5 (finite gradients, NaN update): under warn
+    the update is kept and the weights are corrupted from it on; under skip it is undone."""
+    torch.manual_seed(0)
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(7)
+    with Recorder(m, opt, out_dir=tmp_path, action=action, check_update=True, diagnose=False, embed_program=False, max_dumps=0) as rec:
+        for step in range(6):
+            for group in opt.param_groups:
+                group["lr"] = float("nan") if step == 5 else 0.01
+            x = torch.randn(16, 8, generator=g)
+            loss = m(x).pow(2).mean()
+            rec.log_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        plan = rec.rollback_plan()
+    assert plan["episode"]["runs"] == [{"first": 5, "last": 5, "nonfinite": "update", "update": update}]
+    assert rec.weights_corrupted is (action == "warn")
+    assert plan["episode"]["weights_corrupted_at"] == (5 if action == "warn" else None)
