@@ -429,12 +429,12 @@ class SpikeWatch:
         bundle's step and has grown since that bundle was written (more steps of its episode,
         another restore point), the bundle's ``reason.rollback`` (and its diagnosis's
         ``rollback``) are brought up to date: one rewrite of that bundle
-        (:meth:`~nanreplay.capture.dump.Dump.amend`). Called when ``action="skip"`` gives up and
-        on ``Recorder.close()``."""
+        (:meth:`~nanreplay.capture.dump.Dump.amend`; not for a sharded model's bundles, which the
+        ranks write together). Called when ``action="skip"`` gives up and on ``Recorder.close()``."""
         if self.alert is None:
             return None
         plan = self.plan()
-        if self.written is not None:
+        if self.written is not None and not self.dump.sharded:
             path, old = self.written
             same = plan["first_abnormal_step"] is not None and plan["first_abnormal_step"] <= old["step"] <= plan["step"]
             if same and plan != old and self.dump.amend(path, {"rollback": plan}):
