@@ -118,7 +118,8 @@ class Recorder:
         bundles: paths of the bundles written so far.
         nonfinite_steps: the steps found non-finite so far (a GradScaler's routine skips are not).
         episode: the current non-finite episode (:mod:`nanreplay.capture.episode`), else ``None``.
-        should_rollback, weights_corrupted: see below. last_diagnosis: the diagnosis dict of the last in-process diagnosis, else ``None``.
+        should_rollback, weights_corrupted: see below.
+        last_diagnosis: the diagnosis dict of the last in-process diagnosis, else ``None``.
         extra_meta: JSON merged into every bundle's metadata (integrations put theirs here).
 
     Raises:
@@ -307,10 +308,10 @@ class Recorder:
         """Register a checkpoint the loop saved, so the rollback plan can name it: ``step`` is the
         step whose step-start weights it holds (default :attr:`step`: the weights as they are
         now, between steps; the trainer's global step after that many updates), ``path`` where
-        it is. The Recorder checks whether the weights and the optimizer state are finite now
-        (one fused ``_foreach_norm`` (the largest magnitude) over them, the buffers too, and one
-        host read: about one read of the parameters and optimizer state, once per checkpoint) and never names a checkpoint that
-        was not, or that was saved after the first update with non-finite or abnormal values
+        it is. The Recorder checks whether the weights, the optimizer state and the buffers are
+        finite now (one fused ``_foreach_norm`` of their largest magnitude and one host read:
+        about one read of them, once per checkpoint) and never names a checkpoint that was not,
+        or that was saved after the first update with non-finite or abnormal values
         (:mod:`nanreplay.capture.episode`). Also sets ``extra_meta["last_checkpoint_step"]``.
         The Lightning and Hugging Face callbacks call it when the trainer saves.
 
