@@ -77,3 +77,19 @@ def test_the_html_report_shows_the_plan_and_the_episode(skip_bundle):
     assert '<section id="rollback">' in page
     assert "restore step 10 (snapshot)" in page and "the batches of steps 10..13 (4 steps)" in page
     assert '<td class="num">10..13</td><td>gradients and loss</td><td>skipped</td>' in page
+
+
+def test_a_zero_grad_norm_is_never_exploding_and_the_norm_before_clipping_is_read():
+    from types import SimpleNamespace
+
+    from nanreplay.diagnosis.evidence import grad_norm_history
+
+    def rows(norms, pre=None):
+        return [SimpleNamespace(step=k, grad_norm=g, grad_norm_pre_clip=(pre or {}).get(k), loss=1.0, lrs=[0.1]) for k, g in enumerate(norms)]
+
+    zeros = grad_norm_history(rows([0.0, 0.0, 0.0, 0.0, 5.0]), 5)
+    assert zeros["exploding"] is False and zeros["growth"] is None  # nothing to grow from
+    dead = grad_norm_history(rows([1.0, 1.0, 1.0, 0.0, 0.0]), 5)
+    assert dead["exploding"] is False and dead["growth"] == 0.0
+    clipped = grad_norm_history(rows([1.0] * 5, pre={0: 2.0, 1: 2.0, 2: 2.1, 3: 2.0, 4: 400.0}), 5)  # clip_grad_norm_(1.0)
+    assert clipped["exploding"] is True and clipped["grad_norms"][-1] == [4, 400.0]
