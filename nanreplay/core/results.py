@@ -32,12 +32,13 @@ __all__ = [
     "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Fix", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
     "CompileCheck", "CompiledReplay", "CompiledCulprit", "CompiledOperand", "CompiledRows", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
+    "RollbackPlan", "Episode", "EpisodeRun", "RejectedState", "LrJump", "LossScale",
 ]
 
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
 #: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
 #: version when one is renamed, removed or changes type
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 
 #: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
 JFloat = Union[float, Literal["nan", "inf", "-inf"]]
@@ -323,6 +324,72 @@ class BatchLeaf(TypedDict):
     neginf: int
 
 
+class EpisodeRun(TypedDict):
+    """Steps of a non-finite episode alike (``capture.episode``)."""
+
+    first: int
+    last: int
+    nonfinite: str
+    update: str
+
+
+class Episode(TypedDict):
+    """The non-finite episode of a rollback plan (``capture.episode.Episode``)."""
+
+    first_step: int
+    last_step: int
+    steps: int
+    consecutive: int
+    runs: list[EpisodeRun]
+    weights_corrupted_at: Optional[int]
+
+
+class RejectedState(TypedDict):
+    """A snapshot or checkpoint the rollback plan refused, and why."""
+
+    step: int
+    source: str
+    path: Optional[str]
+    why: str
+
+
+class LrJump(TypedDict):
+    """A learning-rate jump the early warning found (``capture.early``)."""
+
+    step: int
+    lr: float
+    previous: float
+
+
+class RollbackPlan(TypedDict):
+    """The Recorder's rollback plan (``Recorder.rollback_plan``, the bundle's ``reason.rollback``);
+    the keys after ``data_position`` are absent in a bundle written before they existed."""
+
+    step: Optional[int]
+    first_abnormal_step: Optional[int]
+    restore_step: Optional[int]
+    source: Optional[str]
+    skip_steps: list[int]
+    data_position: Any
+    path: NotRequired[Optional[str]]
+    episode: NotRequired[Optional[Episode]]
+    lr_jump: NotRequired[Optional[LrJump]]
+    weights_corrupted: NotRequired[bool]
+    rejected: NotRequired[list[RejectedState]]
+    note: NotRequired[Optional[str]]
+
+
+class LossScale(TypedDict):
+    """The GradScaler's part in the failing step (the bundle's ``reason.scaler``)."""
+
+    skipped: Optional[bool]
+    scale: Optional[JFloat]
+    scale_after: Optional[JFloat]
+    history: list[list[Any]]
+    consecutive_skips: Optional[int]
+    failure: Optional[str]
+
+
 class DiagnosisDict(TypedDict):
     """The diagnosis of one failing step (``docs/report.md``, "Top level")."""
 
@@ -357,7 +424,8 @@ class DiagnosisDict(TypedDict):
     bundle: NotRequired[str]
     device: NotRequired[str]
     model_source: NotRequired[Optional[str]]
-    rollback: NotRequired[Any]
+    rollback: NotRequired[Optional[RollbackPlan]]
+    loss_scale: NotRequired[LossScale]
     schema_version: NotRequired[str]
 
 

@@ -255,6 +255,7 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "optimizer": f.optimizer,
         "history": _with_weights_history(f),
         "rollback": inp.reason.get("rollback"),
+        **({"loss_scale": _loss_scale(inp.reason)} if isinstance(inp.reason.get("scaler"), dict) else {}),
         "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
@@ -266,6 +267,16 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "errors": list(f.errors),
         "compile": f.compiled,
     }
+
+
+def _loss_scale(reason: dict) -> dict:
+    """The GradScaler's part in the step (the bundle's ``reason.scaler``, ``docs/report.md``): the
+    scale the step ran with and after it, its history, the consecutive skips, the failure."""
+    s = reason["scaler"]
+    history = [list(p) for p in s.get("scale_history") or []]
+    scale = s.get("scale_before") if s.get("scale_before") is not None else (history[-1][1] if history else None)
+    return {"skipped": s.get("skipped"), "scale": scale, "scale_after": s.get("scale_after"), "history": history,
+            "consecutive_skips": s.get("consecutive_skips"), "failure": reason.get("scaler_failure")}
 
 
 def _note_rank(diag: dict, d: dict) -> None:

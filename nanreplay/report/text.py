@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
+from ..core.rollback import episode_phrase, restore_phrase, span
 from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
 from .summary import culprit_phrase, difference_phrase, fix_sentence
 
-__all__ = ["render_report", "fmt_health", "styler"]
+__all__ = ["render_report", "fmt_health", "fmt_indices", "styler"]
 
 #: the colour of each reproduction verdict
 _VERDICT_COLOR = {"reproduced exactly": "green", "reproduced": "yellow", "not reproduced": "red"}
@@ -53,6 +54,26 @@ def fmt_health(h: Optional[Health]) -> str:
         return "-"
     bad = [f"{h[k]} {lbl}" for k, lbl in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")) if h.get(k)]
     return (", ".join(bad) + f" of {h['numel']}") if bad else "finite"
+
+
+def fmt_indices(indices: Any, size: Optional[int] = None, count: Optional[int] = None, unit: str = "rows") -> str:
+    """Row (or sample) indices as the reports show them, never silently cut: ``all 32 rows`` when
+    every one of ``size`` is listed or counted, else ``rows [0..15, 20] of 32`` (runs of three or
+    more as ``a..b``), with ``and N more`` when ``count`` says the list holds only the first ones."""
+    idx = sorted({int(i) for i in indices or [] if isinstance(i, (int, float)) and not isinstance(i, bool)})
+    total = max(int(count), len(idx)) if isinstance(count, int) else len(idx)
+    if size and total >= size:
+        return f"all {size} {unit}"
+    runs: list[str] = []
+    i = 0
+    while i < len(idx):
+        j = i
+        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
+            j += 1
+        runs += [f"{idx[i]}..{idx[j]}"] if j - i >= 2 else [str(v) for v in idx[i:j + 1]]
+        i = j + 1
+    more = f" and {total - len(idx)} more" if total > len(idx) else ""
+    return f"{unit} [{', '.join(runs)}{more}]" + (f" of {size}" if size else "")
 
 
 def _origin_details(o: Origin, st: Callable[..., str]) -> list[str]:
@@ -168,11 +189,35 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
     if diag.get("compile"):
         lines.append(f"  torch.compile: {_compile_line(diag['compile'], st)}")
         lines.extend(_compiled_lines(diag["compile"], diag, st))
+    lines.extend(_plan_lines(diag))
     for w in diag.get("warnings", []):
         lines.append(f"  {st('warning:', fg='yellow')}       {w}")
     lines.extend(_births_lines(diag.get("births") or [], rows, st))
     lines.extend(_health_lines(diag.get("health") or [], rows, st))
     return "\n".join(lines)
+
+
+def _plan_lines(diag: DiagnosisDict) -> list[str]:
+    """The rollback plan (restore point, batches to skip, the episode, states refused) and the loss
+    scale, one line each (``docs/report.md``, ``rollback`` and ``loss_scale``)."""
+    out = []
+    plan = diag.get("rollback") or {}
+    if plan.get("step") is not None:
+        first, last = plan["first_abnormal_step"], plan["step"]
+        out.append(f"  rollback:      {restore_phrase(plan)}, skip the batches of steps {span(first, last)}")
+        if plan.get("episode"):
+            out.append(f"  episode:       {episode_phrase(plan['episode'])}")
+        jump = plan.get("lr_jump")
+        if jump:
+            out.append(f"  lr jump:       {jump['previous']:.4g} -> {jump['lr']:.4g} at step {jump['step']}: restart below it")
+        for r in plan.get("rejected") or []:
+            out.append(f"  not restored:  {r['source']} of step {r['step']}" + (f" ({r['path']})" if r.get("path") else "") + f": {r['why']}")
+    ls = diag.get("loss_scale")
+    if ls:
+        hist = " -> ".join(f"{_num(sc)} (step {stp})" for stp, sc in ls.get("history") or [])
+        out.append(f"  loss scale:    {_num(ls.get('scale'))}" + (f" ({_num(ls['scale_after'])} after the step)" if ls.get("scale_after") is not None else "")
+                   + (f"; failure: {ls['failure']}" if ls.get("failure") else "") + (f"; history {hist}" if hist else ""))
+    return out
 
 
 def _chain_lines(chain: list) -> list[str]:
