@@ -456,7 +456,10 @@ class _Walker:
         idx = self.array(t["tensors"], f"{where}.tensors")
         for i, x in enumerate(idx):
             self.integer(x, f"{where}.tensors[{i}]", 0, max(n - 1, 0))
-        for i, tm in enumerate(self.array(t.get("tensor_meta", []), f"{where}.tensor_meta")):
+        metas = self.array(t.get("tensor_meta", []), f"{where}.tensor_meta")
+        if "tensor_meta" in t and len(metas) != len(idx):
+            raise MetaError(f"{where}.tensor_meta", f"one entry per tensor leaf ({len(idx)})", f"{len(metas)} entries")
+        for i, tm in enumerate(metas):
             tm = self.obj(tm, f"{where}.tensor_meta[{i}]", ("dtype", "shape"))
             self.string(tm["dtype"], f"{where}.tensor_meta[{i}].dtype", 32)
             for j, d in enumerate(self.array(tm["shape"], f"{where}.tensor_meta[{i}].shape", 64)):
