@@ -14,7 +14,10 @@ tensor's bytes, and the kernel never runs.
 
 The table is keyed by the ops the dispatch mode sees: composite ops (``cross_entropy_loss``,
 ``embedding_bag``, ``one_hot``, ``take_along_dim``, ``ctc_loss``) reach it as the kernels they
-call (``nll_loss_forward``, ``_embedding_bag``, ``scatter_``, ``gather``, ``_ctc_loss``). The ranges
+call (``nll_loss_forward``, ``_embedding_bag``, ``scatter_``, ``gather``, ``_ctc_loss``). An op whose
+output size depends on values (``bincount``, ``repeat_interleave`` with a tensor of repeats) has
+no size the verifier can bound, so an untrusted program using one is refused before it runs; its
+row here checks the values that index (non-negative counts) as a second wall. The ranges
 are the kernels' own: where a kernel accepts a negative index (``take``, ``index``, ``index_put``,
 ``index_fill``), so does the guard. Backward kernels reuse the forward's checked index tensors
 (autograd refuses a saved tensor modified in place), so only the forward runs under the guard.
@@ -25,6 +28,7 @@ model, has no guard (and no cost).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -182,25 +186,26 @@ _IGNORE = lambda a: a.get("ignore_index")  # noqa: E731
 #: aten op (overload packet name, as a dispatch mode sees it) -> the checks of its index and length
 #: arguments, each ``(args by schema name) -> None or what is wrong``. Every op of the allowlist
 #: (:mod:`nanreplay.engine.opset`) that takes an index or length tensor reaches one of these rows,
-#: itself or through the kernel it calls (``tests/engine/test_guards.py`` checks both).
+#: itself or through the kernel it calls: ``cross_entropy_loss``, ``nll_loss``, ``nll_loss_nd`` and
+#: ``nll_loss2d`` reach ``nll_loss_forward`` / ``nll_loss2d_forward``; ``embedding_bag``
+#: ``_embedding_bag`` (``_embedding_bag_forward_only`` without grad); ``take_along_dim`` and
+#: ``one_hot`` reach ``gather`` and ``scatter_``; ``ctc_loss`` ``_ctc_loss``;
+#: ``multilabel_margin_loss`` its ``_forward``; ``repeat_interleave.self_Tensor`` ``repeat_interleave``
+#: (``tests/engine/test_guards.py`` checks each way, and that no row is dead).
 INDEX_CHECKS: dict[str, tuple[Callable[[dict], Optional[str]], ...]] = {
     "embedding": (Within("indices", _size("weight", fixed=0)),),
     **dict.fromkeys(("_embedding_bag", "_embedding_bag_forward_only"), (Within("indices", _size("weight", fixed=0)), _bag_offsets)),
     "index_select": (Within("index", _DIM_SELF),),
     "gather": (Within("index", _DIM_SELF),),
-    **dict.fromkeys(("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"),
-                    (Within("index", _DIM_SELF),)),
-    **dict.fromkeys(("index_add", "index_add_", "index_copy", "index_copy_", "index_reduce", "index_reduce_"), (Within("index", _DIM_SELF),)),
+    **dict.fromkeys(("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce"), (Within("index", _DIM_SELF),)),
+    **dict.fromkeys(("index_add", "index_add_", "index_copy", "index_copy_"), (Within("index", _DIM_SELF),)),
     **dict.fromkeys(("index_fill", "index_fill_"), (Within("index", _DIM_SELF, negative=True),)),
     "take": (Within("index", _size("self"), negative=True),),
-    **dict.fromkeys(("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"), (_index_list,)),
-    **dict.fromkeys(("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d", "nll_loss_nd"),
-                    (Within("target", _classes, ignore=_IGNORE),)),
+    **dict.fromkeys(("index", "index_put", "index_put_"), (_index_list,)),
+    **dict.fromkeys(("nll_loss_forward", "nll_loss2d_forward"), (Within("target", _classes, ignore=_IGNORE),)),
     "multi_margin_loss": (Within("target", _size("self", last=True)),),
     "multilabel_margin_loss_forward": (Within("target", _size("self", last=True), low=-1),),
-    "multilabel_margin_loss": (Within("target", _size("self", last=True), low=-1),),
     "_ctc_loss": (Within("targets", _size("log_probs", last=True)), _ctc_lengths),
-    "one_hot": (Within("self", lambda a: a["num_classes"] if a.get("num_classes", -1) >= 0 else 1 << 62),),
     "bincount": (_not_negative("self"),),
     "repeat_interleave": (_not_negative("repeats"),),
     "searchsorted": (Within("sorter", _size("sorted_sequence", last=True)),),
@@ -214,6 +219,23 @@ def _node_name() -> str:
     return getattr(src[-1], "name", "?") if src else "?"
 
 
+@functools.lru_cache(maxsize=None)
+def _mode_class() -> type:
+    """The dispatch mode, defined once (torch is imported lazily by this module's users)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _IndexMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            check_deadline()
+            checks = INDEX_CHECKS.get(func.overloadpacket.__name__)
+            if checks:
+                _check(func, checks, args, kwargs)
+            return func(*args, **kwargs)
+
+    return _IndexMode
+
+
 class IndexGuard:
     """A context manager: while it is active (in the thread that entered it), every aten op in
     :data:`INDEX_CHECKS` has its index values checked before its kernel runs, and the replay's
@@ -224,18 +246,7 @@ class IndexGuard:
     """
 
     def __enter__(self) -> "IndexGuard":
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                kwargs = kwargs or {}
-                check_deadline()
-                checks = INDEX_CHECKS.get(func.overloadpacket.__name__)
-                if checks:
-                    _check(func, checks, args, kwargs)
-                return func(*args, **kwargs)
-
-        self._mode = _Mode()
+        self._mode = _mode_class()()
         self._mode.__enter__()
         return self
 
