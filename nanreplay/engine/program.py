@@ -16,9 +16,10 @@ Storage, without pickle. ``torch.export.save`` writes a zip whose graph is JSON 
 serialize_example_inputs=False)``), as a JSON object in the bundle metadata; every weight, buffer
 and tensor constant goes into the bundle's tensor dict (or is shared with a tensor the bundle
 already holds, such as ``state/params/<fqn>``), and is handed back to the deserializer as a
-tensor. Before anything runs, every operator the JSON names is checked to be a torch operator
-(``torch.ops.aten``/``prims`` or a control-flow higher-order op): an embedded program can call
-nothing else.
+tensor. Before torch's deserializer reads it, every operator the JSON names is checked against
+a reviewed allowlist (:mod:`nanreplay.engine.program_check`); an untrusted program is then proven
+in bounds on fake tensors before each new shape of call (:mod:`nanreplay.engine.bounds`) and runs
+under an index guard (:mod:`nanreplay.engine.guards`).
 
 How the program is cut: the export root is a small adapter module whose only child is the model,
 under the name ``model``. Its inputs are the tensor leaves of the recorded call, flattened the
@@ -417,8 +418,9 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
 #
 # The record was schema-checked when the bundle was opened (nanreplay.format.program: structure,
 # tree specs, symbolic expressions); engine.program_check checks every node's operator and
-# arguments against the allowlist (engine.opset) and bounds its sizes, before torch's
-# deserializer reads a single name. _check_graph checks the deserialized graph once more.
+# arguments against the allowlist (engine.opset) before torch's deserializer reads a single name.
+# _check_graph checks the deserialized graph once more; engine.bounds proves what it does before
+# an untrusted program runs (_prove), engine.guards checks its index values while it runs.
 
 def _builtin_targets() -> dict[str, Any]:
     from torch._export.serde import serialize as ser

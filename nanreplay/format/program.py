@@ -8,10 +8,10 @@ fails at open with the path of the first bad field (``meta.program.program.graph
 nodes[3].inputs[1].arg``), a :class:`~nanreplay.format.meta.MetaError` (CLI exit 4), never later
 in a replay as "a bug".
 
-What is checked here is structure, not meaning: which operators a program may call, and the
-sizes it may allocate, are checked by :mod:`nanreplay.engine.program_check` when a replay loads
-the program (a program that is well formed but refused is exit 5, and ``--model-factory`` still
-replays the bundle). Two things are checked here because torch's deserializer would act on them:
+What is checked here is structure, not meaning: which operators a program may call is checked by
+:mod:`nanreplay.engine.program_check` when a replay loads the program, and what it may allocate
+by :mod:`nanreplay.engine.bounds` before it runs (a program that is well formed but refused is
+exit 5, and ``--model-factory`` still replays the bundle). Two things are checked here because torch's deserializer would act on them:
 
 * every tree spec (``inputs.spec``, ``outputs.spec``, the module call graph's ``in_spec`` and
   ``out_spec``) is decoded by nanreplay (:func:`nanreplay.core.tree.decode_spec`) and may hold
