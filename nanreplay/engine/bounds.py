@@ -23,8 +23,9 @@ checked as it runs (a ``TorchDispatchMode`` above the fake mode, the technique o
   autograd keeps the same saved tensors), plus the op's workspace (:data:`WORKSPACE`), stay within
   :attr:`Budget.bytes`;
 * **work**: the element-operations of all ops (``torch.utils.flop_counter``'s formulas for
-  matrix products, convolutions and attention; elements read and written for the rest; views
-  free) stay within :attr:`Budget.work`;
+  matrix products, convolutions and attention; dense factorisations, sorting and ``cdist`` by
+  their own growth, :data:`_EXTRA_WORK`; elements read and written for the rest; views free) stay
+  within :attr:`Budget.work`;
 * **in-place writes** land only in storages the program created or in the model's buffers:
   followed through every alias (``detach``, views, a ``to`` that copies nothing, ``alias``), since
   aliases share their storage, never into the batch, a parameter or a constant;
@@ -190,8 +191,44 @@ def _sdpa_cpu_work(a: dict) -> int:
     return sdpa_flop_count(q.shape, k.shape, v.shape) if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) else 0
 
 
-#: work formulas torch's flop counter lacks (CPU kernels), by overload packet name
-_EXTRA_WORK: dict[str, Callable[[dict], int]] = {"_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu_work}
+def _matrix_work(k: int) -> Callable[[dict], int]:
+    """A dense factorisation of ``[..., m, n]`` matrices: ``k * batch * m * n * min(m, n)``."""
+    def work(a: dict) -> int:
+        x = a.get("A", a.get("self"))
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return 0
+        m, n = x.shape[-2], x.shape[-1]
+        return k * math.prod(x.shape[:-2]) * m * n * min(m, n)
+    return work
+
+
+def _sort_work(a: dict) -> int:
+    """Sorting along a dimension: ``numel * log2(its size)``."""
+    x = a.get("self")
+    if not isinstance(x, torch.Tensor) or x.numel() == 0:
+        return 0
+    return x.numel() * max(1, int(math.log2(max(x.shape, default=1) or 1)) + 1)
+
+
+def _cdist_work(a: dict) -> int:
+    x1, x2 = a.get("x1"), a.get("x2")
+    if not isinstance(x1, torch.Tensor) or not isinstance(x2, torch.Tensor) or x1.dim() < 2:
+        return 0
+    return x1.numel() * x2.shape[-2]  # batch x P x M x R
+
+
+#: work formulas torch's flop counter lacks (CPU kernels whose cost grows faster than the elements
+#: they read and write), by overload packet name
+_EXTRA_WORK: dict[str, Callable[[dict], int]] = {
+    "_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu_work,
+    **dict.fromkeys(("_linalg_svd", "_linalg_eigh", "linalg_qr", "_linalg_det", "linalg_inv_ex", "_linalg_solve_ex", "linalg_cholesky_ex",
+                     "_linalg_slogdet", "linalg_lu_factor_ex", "linalg_eig"), _matrix_work(4)),
+    "linalg_matrix_exp": _matrix_work(40),  # scaling and squaring: up to about 20 matrix products
+    **dict.fromkeys(("sort", "topk", "kthvalue", "median", "nanmedian", "mode", "_unique2", "unique_dim", "unique_consecutive", "msort",
+                     "argsort"), _sort_work),
+    "_cdist_forward": _cdist_work,
+    "_pdist_forward": lambda a: a["self"].shape[0] * a["self"].numel() if isinstance(a.get("self"), torch.Tensor) and a["self"].dim() == 2 else 0,
+}
 
 
 # -- the check ------------------------------------------------------------------------------------

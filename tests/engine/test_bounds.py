@@ -208,3 +208,8 @@ def test_a_declared_size_that_differs_from_the_computed_one_is_damage():
     real.meta["val"] = FakeTensorMode().from_tensor(torch.empty(1 << 20, 4))  # a weight declared larger than the real one
     with pytest.raises(BundleFormatError, match=r"declared as \[1048576, 4\]"):
         verify_bounds(ep.graph_module, inputs, **kw)
+
+
+def test_a_factorisation_counts_its_cubic_work():
+    with pytest.raises(ProgramRefused, match=r"running aten\._linalg_svd\.default\) would bring the program's work"):
+        prove(Fn(lambda m, x: x + torch.linalg.svdvals(torch.ones(2048, 2048)).sum()), torch.ones(1))
