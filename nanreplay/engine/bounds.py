@@ -32,7 +32,9 @@ checked as it runs (a ``TorchDispatchMode`` above the fake mode, the technique o
 * **declared shapes**: a size the program's metadata declares as a plain integer equals the size
   the op computes (metadata that lies is a damaged bundle).
 
-The budgets come only from the real tensors (:meth:`Budget.of`). A size that depends on tensor
+The forward pass is proven; the backward pass runs torch's own derivative formulas on the tensors
+the forward saved (counted), with gradients the sizes of tensors already counted. The budgets
+come only from the real tensors (:meth:`Budget.of`). A size that depends on tensor
 values (``nonzero``) counts at its upper bound (torch's value ranges); one with no bound is
 refused. What fake tensors cannot see, the values of index tensors, is checked while the program
 runs (:mod:`nanreplay.engine.guards`, layer 2). A refusal is a
