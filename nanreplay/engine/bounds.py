@@ -57,7 +57,7 @@ from ..errors import BundleFormatError
 from .deadline import check_deadline
 from .program_check import ProgramRefused
 
-__all__ = ["Budget", "Proof", "verify_bounds", "WORKSPACE", "BYTES_FACTOR", "BYTES_ALLOWANCE", "WORK_FACTOR", "WORK_ALLOWANCE"]
+__all__ = ["Budget", "Proof", "verify_bounds", "op_arguments", "WORKSPACE", "BYTES_FACTOR", "BYTES_ALLOWANCE", "WORK_FACTOR", "WORK_ALLOWANCE"]
 
 #: bytes the program may keep alive (its storages and workspaces, beyond the real tensors): this
 #: many times the bytes of the real tensors it is given ...
@@ -140,7 +140,7 @@ class Proof:
 
 # -- workspaces: kernels that allocate more than their outputs ---------------------------------
 
-def _conv_workspace(a: dict) -> int:
+def _conv_workspace(a: dict, out: Any) -> int:
     """``aten.convolution`` / ``_convolution`` on the CPU without a vendor library lowers to an
     unfolded input (``im2col``: ``slow_conv2d``'s ``finput``, ``slow_conv3d``'s, conv1d through
     conv2d): batch x input channels x kernel volume x output positions elements; a transposed
@@ -151,7 +151,6 @@ def _conv_workspace(a: dict) -> int:
         return 0
     kernel = math.prod(w.shape[2:])
     spatial_in = math.prod(x.shape[2:])
-    out = a.get("__out__")
     spatial_out = math.prod(out.shape[2:]) if isinstance(out, torch.Tensor) and out.dim() >= 3 else spatial_in
     n = x.shape[0]
     if a.get("transposed"):
@@ -164,17 +163,17 @@ def _conv_workspace(a: dict) -> int:
 def _inputs_times(k: int) -> Callable[[dict], int]:
     """A workspace of ``k`` times the bytes of the op's tensor arguments (sorting copies its input,
     LAPACK and FFT plans work on copies)."""
-    def ws(a: dict) -> int:
-        return k * sum(t.numel() * t.element_size() for name, t in a.items() if name != "__out__" and isinstance(t, torch.Tensor))
+    def ws(a: dict, out: Any) -> int:
+        return k * sum(t.numel() * t.element_size() for t in a.values() if isinstance(t, torch.Tensor))
     return ws
 
 
 #: aten op (overload packet name, as the dispatch mode sees it) -> bytes of workspace its kernel
-#: allocates beyond its outputs, from its arguments (``"__out__"``: the output). From torch's CPU
+#: allocates beyond its outputs, from its arguments by name and its output. From torch's CPU
 #: kernels: ``aten/src/ATen/native/ConvolutionMM2d.cpp`` (``finput``), ``NaiveConvolutionTranspose2d.cpp``
 #: (``columns``), ``Sorting.cpp``, ``BatchLinearAlgebra.cpp``, ``mkl/SpectralOps.cpp``. An op absent
 #: allocates only its outputs.
-WORKSPACE: dict[str, Callable[[dict], int]] = {
+WORKSPACE: dict[str, Callable[[dict, Any], int]] = {
     **dict.fromkeys(("convolution", "_convolution", "_slow_conv2d_forward", "slow_conv3d_forward",
                      "slow_conv_transpose2d", "slow_conv_transpose3d", "slow_conv_dilated2d", "slow_conv_dilated3d"), _conv_workspace),
     **dict.fromkeys(("sort", "topk", "kthvalue", "median", "nanmedian", "mode", "_unique2", "unique_dim", "unique_consecutive",
@@ -229,7 +228,7 @@ _EXTRA_WORK: dict[str, Callable[[dict], int]] = {
     **dict.fromkeys(("sort", "topk", "kthvalue", "median", "nanmedian", "mode", "_unique2", "unique_dim", "unique_consecutive", "msort",
                      "argsort"), _sort_work),
     "_cdist_forward": _cdist_work,
-    "_pdist_forward": lambda a: a["self"].shape[0] * a["self"].numel() if isinstance(a.get("self"), torch.Tensor) and a["self"].dim() == 2 else 0,
+    "_pdist_forward": lambda a: _cdist_work({"x1": a.get("self"), "x2": a.get("self")}),
 }
 
 
@@ -243,8 +242,8 @@ class _Damaged(Exception):
     """The program's metadata contradicts what its ops compute."""
 
 
-def _bind(func: Any, args: tuple, kwargs: dict) -> dict:
-    """The op's arguments by schema name."""
+def op_arguments(func: Any, args: tuple, kwargs: dict) -> dict:
+    """An aten op's arguments (as a dispatch mode receives them) by their schema names."""
     out = dict(kwargs)
     for a, v in zip(func._schema.arguments, args):
         out[a.name] = v
@@ -391,14 +390,14 @@ class _Check:
         for k in dead:
             self.total -= self.live.pop(k)[1]
 
-    def account(self, func: Any, a: dict, out: Any, outs: list) -> None:
-        """Add the op's work; stay within the budget."""
+    def account(self, func: Any, a: dict, call: tuple, out: Any, outs: list) -> None:
+        """Add the op's work (``call``: its positional and keyword arguments); stay within the budget."""
         from torch.utils.flop_counter import flop_registry
 
         packet = func.overloadpacket
         name = packet.__name__
         if packet in flop_registry:
-            work = self.upper(flop_registry[packet](*a.pop("__args__"), **a.pop("__kwargs__"), out_val=out))
+            work = self.upper(flop_registry[packet](*call[0], **call[1], out_val=out))
         elif name in _EXTRA_WORK:
             work = _EXTRA_WORK[name](a)
         elif func.is_view:
@@ -413,7 +412,7 @@ class _Check:
     def op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """One aten op on fake tensors, checked."""
         check_deadline()
-        a = _bind(func, args, kwargs)
+        a = op_arguments(func, args, kwargs)
         self.inplace(func, a)
         out = func(*args, **kwargs)
         outs = _tensors(out)
@@ -422,12 +421,10 @@ class _Check:
                 self.geometry(func, t, "makes a tensor with")
             if func.is_view or torch.Tag.inplace_view in func.tags:
                 self.mirror(func, args, kwargs)
-            a["__out__"] = out
             ws = WORKSPACE.get(func.overloadpacket.__name__)
-            workspace = self.upper(ws(a)) if ws is not None else 0
+            workspace = self.upper(ws(a, out)) if ws is not None else 0
             self.alive(func, outs, workspace)
-            a["__args__"], a["__kwargs__"] = args, kwargs
-            self.account(func, a, out, outs)
+            self.account(func, a, (args, kwargs), out, outs)
         except _Unbounded:
             raise self.refuse(func, "makes a tensor whose size depends on tensor values without a bound nanreplay can prove") from None
         return out

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .bounds import op_arguments
 from .deadline import check_deadline
 from .program_check import ProgramRefused
 
@@ -255,9 +256,7 @@ class IndexGuard:
 
 
 def _check(func: Any, checks: tuple, args: tuple, kwargs: dict) -> None:
-    a = dict(kwargs)
-    for spec, v in zip(func._schema.arguments, args):
-        a[spec.name] = v
+    a = op_arguments(func, args, kwargs)
     for check in checks:
         problem = check(a)
         if problem:
