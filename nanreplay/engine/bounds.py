@@ -26,6 +26,8 @@ checked as it runs (a ``TorchDispatchMode`` above the fake mode, the technique o
   matrix products, convolutions and attention; dense factorisations, sorting and ``cdist`` by
   their own growth, :data:`_EXTRA_WORK`; elements read and written for the rest; views free) stay
   within :attr:`Budget.work`;
+* **argument contracts** its kernels omit (:data:`SHAPE_CONTRACTS`: a fused attention kernel's key
+  and value of one length, batch normalisation's one weight per channel) hold before the op runs;
 * **in-place writes** land only in storages the program created or in the model's buffers:
   followed through every alias (``detach``, views, a ``to`` that copies nothing, ``alias``), since
   aliases share their storage, never into the batch, a parameter or a constant;
@@ -57,7 +59,7 @@ from ..errors import BundleFormatError
 from .deadline import check_deadline
 from .program_check import ProgramRefused
 
-__all__ = ["Budget", "Proof", "verify_bounds", "op_arguments", "WORKSPACE", "BYTES_FACTOR", "BYTES_ALLOWANCE", "WORK_FACTOR", "WORK_ALLOWANCE"]
+__all__ = ["Budget", "Proof", "verify_bounds", "op_arguments", "WORKSPACE", "SHAPE_CONTRACTS", "BYTES_FACTOR", "BYTES_ALLOWANCE", "WORK_FACTOR", "WORK_ALLOWANCE"]
 
 #: bytes the program may keep alive (its storages and workspaces, beyond the real tensors): this
 #: many times the bytes of the real tensors it is given ...
@@ -229,6 +231,51 @@ _EXTRA_WORK: dict[str, Callable[[dict], int]] = {
                      "argsort"), _sort_work),
     "_cdist_forward": _cdist_work,
     "_pdist_forward": lambda a: _cdist_work({"x1": a.get("self"), "x2": a.get("self")}),
+}
+
+
+# -- argument contracts its kernels do not check ----------------------------------------------------
+
+def _attention_shapes(a: dict) -> Optional[str]:
+    """Fused attention kernels index the value by the key's positions and the key by the query's
+    channels, trusting the caller (``scaled_dot_product_attention`` passes a key of 9 positions
+    and a value of 4 to its CPU kernel, which reads past the value)."""
+    q, k, v = a.get("query"), a.get("key"), a.get("value")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return f"takes a query, key and value of {q.dim()}, {k.dim()} and {v.dim()} dimensions, expected 4 each"
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]):
+        return f"takes a query {list(q.shape)}, key {list(k.shape)} and value {list(v.shape)} of different batch or head counts"
+    if k.shape[2] != v.shape[2] or q.shape[3] != k.shape[3]:
+        return (f"takes a key {list(k.shape)} and a value {list(v.shape)} of different lengths, or a query {list(q.shape)} of other "
+                "channels than the key")
+    return None
+
+
+def _per_channel(*names: str) -> Callable[[dict], Optional[str]]:
+    """Batch normalisation's per-channel tensors have one element per channel (dimension 1 of the
+    input): its CPU kernel reads ``weight[c]`` and ``running_mean[c]`` for every channel unchecked."""
+    def check(a: dict) -> Optional[str]:
+        x = a.get("input")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return None
+        bad = [f"{n} of {a[n].numel()}" for n in names if isinstance(a.get(n), torch.Tensor) and a[n].numel() != x.shape[1]]
+        return f"takes {', '.join(bad)} elements for {x.shape[1]} channels" if bad else None
+    return check
+
+
+_BN = _per_channel("weight", "bias", "running_mean", "running_var")
+
+#: aten op (overload packet name, as the dispatch mode sees it) -> a check of its arguments' shapes
+#: that its kernel omits, ``(args by name) -> None or what is wrong``: found by calling allowlisted
+#: ops with mismatched shapes (a kernel that raises is fine; one that returns read outside a tensor).
+#: Checked before the op runs on fake tensors.
+SHAPE_CONTRACTS: dict[str, Callable[[dict], Optional[str]]] = {
+    **dict.fromkeys(("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"), _attention_shapes),
+    **dict.fromkeys(("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                     "_native_batch_norm_legit_functional"), _BN),
 }
 
 
@@ -414,6 +461,10 @@ class _Check:
         check_deadline()
         a = op_arguments(func, args, kwargs)
         self.inplace(func, a)
+        contract = SHAPE_CONTRACTS.get(func.overloadpacket.__name__)
+        problem = contract(a) if contract is not None else None
+        if problem:
+            raise self.refuse(func, f"{problem}: its kernel would read outside its tensors")
         out = func(*args, **kwargs)
         outs = _tensors(out)
         try:

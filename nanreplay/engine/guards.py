@@ -29,6 +29,7 @@ model, has no guard (and no cost).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -240,19 +241,41 @@ def _mode_class() -> type:
 class IndexGuard:
     """A context manager: while it is active (in the thread that entered it), every aten op in
     :data:`INDEX_CHECKS` has its index values checked before its kernel runs, and the replay's
-    time limit (:mod:`nanreplay.engine.deadline`) is checked at every op.
+    time limit (:mod:`nanreplay.engine.deadline`) is checked at every op. It also turns on
+    torch's deterministic algorithms (``warn_only``) with ``fill_uninitialized_memory``, so that no
+    allocation hands the program the heap's old bytes (``empty`` gives NaN), and restores both.
 
     Raises (while active):
         ProgramRefused: an index or length out of the range it addresses (the kernel did not run).
     """
 
     def __enter__(self) -> "IndexGuard":
+        import torch.utils.deterministic as det
+
+        # no uninitialized memory reaches the program: under deterministic algorithms torch fills every
+        # fresh allocation (empty, and the outputs a kernel leaves partly unwritten) with NaN or the
+        # largest integer instead of the heap's old bytes (torch.utils.deterministic.fill_uninitialized_memory)
+        self._saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                       det.fill_uninitialized_memory)
+        if not self._saved[0]:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        det.fill_uninitialized_memory = True
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
         self._mode = _mode_class()()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        import torch.utils.deterministic as det
+
         self._mode.__exit__(*exc)
+        self._warnings.__exit__(*exc)
+        enabled, warn_only, fill = self._saved
+        if not enabled:
+            torch.use_deterministic_algorithms(False)
+        det.fill_uninitialized_memory = fill
 
 
 def _check(func: Any, checks: tuple, args: tuple, kwargs: dict) -> None:

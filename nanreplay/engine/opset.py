@@ -16,7 +16,10 @@ a view of any sizes and strides without checking them against the storage, unlik
 ``as_strided``) and ``_unsafe_view`` (an alias autograd does not track as a view). ``torch.export``
 does not emit either for a training program (``python bench/opset.py``: none of its 42 models
 uses them); it emits ``reshape``/``view``, whose kernels check their sizes. ``_conj`` stays: the
-complex ``stft`` of one corpus model emits it, and it takes no sizes or strides.
+complex ``stft`` of one corpus model emits it, and it takes no sizes or strides. So are batch
+normalisation's kernel entry points (``native_batch_norm``, ``_native_batch_norm_legit*``): their
+CPU kernel reads one weight and running statistic per channel without checking their lengths,
+and export emits ``batch_norm``, which checks them.
 
 How the list was built (``python bench/opset.py`` re-derives the observed part): the Core ATen
 opset (``torch.Tag.core``, minus its ``out`` overload and ``as_strided``), plus the training-IR
@@ -119,9 +122,7 @@ OPS: frozenset[str] = frozenset().union(
         "conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding", "conv2d.padding", "conv3d.padding",
         "conv_transpose1d.default", "conv_transpose2d.input", "conv_transpose3d.input", "convolution.default",
         "_convolution.default", "batch_norm.default", "instance_norm.default", "layer_norm.default", "group_norm.default",
-        "rms_norm.default", "native_layer_norm.default", "native_batch_norm.default", "_native_batch_norm_legit.default",
-        "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit_no_training.default",
-        "_native_batch_norm_legit_functional.default", "native_group_norm.default", "_weight_norm.default",
+        "rms_norm.default", "native_layer_norm.default", "native_group_norm.default", "_weight_norm.default",
         "_weight_norm_interface.default", "dropout.default", "native_dropout.default", "feature_dropout.default",
         "alpha_dropout.default", "feature_alpha_dropout.default", "embedding.default", "embedding_bag.default", "embedding_bag.padding_idx",
         "_embedding_bag.default", "scaled_dot_product_attention.default", "max_pool1d.default", "max_pool2d.default",

@@ -409,6 +409,31 @@ def matmul_storm(prog: dict, out: Path) -> None:
     _use(prog, a)
 
 
+def attention_value_short(prog: dict, out: Path) -> None:
+    """``scaled_dot_product_attention`` with a key of 4,096 positions and a value of 4: its CPU
+    kernel reads 4,092 rows past the value (found probing allowlisted ops; torch does not check)."""
+    q = _full(prog, "evil_q", [1, 1, 4, 8])
+    k = _full(prog, "evil_k", [1, 1, 4096, 8])
+    v = _full(prog, "evil_v", [1, 1, 4, 8])
+    _use(prog, _op(prog, "scaled_dot_product_attention.default", "evil_attn", [1, 1, 4, 8], query=_t(q), key=_t(k), value=_t(v)))
+
+
+def batch_norm_short_stats(prog: dict, out: Path) -> None:
+    """``native_batch_norm`` in eval mode with one running mean and variance for 4 channels: its CPU
+    kernel reads three past each (the composite ``batch_norm`` that export emits checks them)."""
+    x = _first_tensor_input(prog)
+    mean, var = _full(prog, "evil_mean", [1], 0.0), _full(prog, "evil_var", [1])
+    _op(prog, "native_batch_norm.default", "evil_bn", [3, 4], input=_t(x), weight={"as_none": True}, bias={"as_none": True},
+        running_mean=_t(mean), running_var=_t(var), training={"as_bool": False}, momentum={"as_float": 0.1}, eps={"as_float": 1e-5})
+    _graph(prog)["nodes"][-1]["outputs"] = [_t("evil_bn"), _t("evil_bn_mean"), _t("evil_bn_rstd")]
+    _use(prog, "evil_bn")
+
+
+def empty_heap_read(prog: dict, out: Path) -> None:
+    """``empty`` of 4 MiB, summed into the loss: uninitialized memory holds the heap's old bytes."""
+    _use(prog, _op(prog, "empty.memory_format", "evil_empty", [1 << 20], size={"as_ints": [1 << 20]}))
+
+
 def inplace_through_detach(prog: dict, out: Path) -> None:
     """``fill_`` into ``detach`` of the batch: an alias of the recorded input."""
     x = _first_tensor_input(prog)
@@ -492,6 +517,12 @@ ATTACKS: list[ProgramAttack] = [
     ProgramAttack("conv1d_workspace", "conv1d with a 2**16 kernel: a 16 GiB im2col workspace", conv1d_workspace, 5, "and a workspace of 16.00 GiB",
                   bounded=True),
     ProgramAttack("matmul_storm", "forty 2048 x 2048 matrix products", matmul_storm, 5, "element-operations, more than its budget", bounded=True),
+    ProgramAttack("attention_value_short", "scaled_dot_product_attention with a value 1,024 times shorter than its key", attention_value_short, 5,
+                  "and a value [1, 1, 4, 8] of different lengths", bounded=True),
+    ProgramAttack("batch_norm_short_stats", "native_batch_norm with one running statistic for four channels", batch_norm_short_stats, 5,
+                  "is not on the operator allowlist", bounded=True),
+    ProgramAttack("empty_heap_read", "aten.empty of 4 MiB summed into the loss: the heap's old bytes (filled with NaN instead)", empty_heap_read,
+                  0, "reproduced exactly", bounded=True),
     ProgramAttack("inplace_through_detach", "fill_ into detach() of the batch", inplace_through_detach, 5, "writes in place into the call's input 0",
                   bounded=True),
     ProgramAttack("inplace_through_weight_view", "mul_ into a view of a weight", inplace_through_weight_view, 5,

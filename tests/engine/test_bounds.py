@@ -213,3 +213,10 @@ def test_a_declared_size_that_differs_from_the_computed_one_is_damage():
 def test_a_factorisation_counts_its_cubic_work():
     with pytest.raises(ProgramRefused, match=r"running aten\._linalg_svd\.default\) would bring the program's work"):
         prove(Fn(lambda m, x: x + torch.linalg.svdvals(torch.ones(2048, 2048)).sum()), torch.ones(1))
+
+
+def test_an_attention_with_a_value_shorter_than_its_key_is_refused_before_its_kernel_reads_past_it():
+    q, k, v = torch.ones(1, 2, 4, 8), torch.ones(1, 2, 9, 8), torch.ones(1, 2, 4, 8)
+    with pytest.raises(ProgramRefused, match=r"takes a key \[1, 2, 9, 8\] and a value \[1, 2, 4, 8\] of different lengths"):
+        prove_traced(lambda q, k, v: torch.ops.aten.scaled_dot_product_attention.default(q, k, v), q, k, v)
+    assert prove_traced(lambda q, k, v: torch.ops.aten.scaled_dot_product_attention.default(q, k, v), q, k, k).nodes > 0

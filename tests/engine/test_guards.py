@@ -156,3 +156,12 @@ def test_the_guard_is_only_where_it_is_entered():
     assert torch.take(X, torch.tensor([-1])).item() == 11.0
     with pytest.raises(IndexError):  # the kernel's own check, outside the guard: no ProgramRefused
         torch.index_select(X, 0, torch.tensor([3]))
+
+
+def test_no_uninitialized_memory_reaches_a_guarded_program():
+    import torch.utils.deterministic as det
+
+    before = (torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory)
+    with IndexGuard():
+        assert torch.empty(64).isnan().all() and (torch.empty(8, dtype=torch.long) == torch.iinfo(torch.long).max).all()
+    assert (torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory) == before
