@@ -506,8 +506,10 @@ class _Interpreter(torch.fx.Interpreter):
         if want is not None and isinstance(out, torch.Tensor):
             got = list(out.shape)
             if len(got) != len(want) or any(w is not None and isinstance(g, int) and g != w for w, g in zip(want, got)):
-                raise _Damaged(f"node {n.name!r} ({str(n.target).replace('torch.ops.', '')}) is declared as {want} "
-                               f"(None: symbolic) but computes {[g if isinstance(g, int) else '?' for g in got]}")
+                shown = [g if isinstance(g, int) else "?" for g in got]
+                what = (f"input {n.name!r} is declared as {want} (None: symbolic) but the real tensor is {shown}" if n.op == "placeholder" else
+                        f"node {n.name!r} ({str(n.target).replace('torch.ops.', '')}) is declared as {want} (None: symbolic) but computes {shown}")
+                raise _Damaged(what)
         return out
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
