@@ -10,8 +10,12 @@ at dump time: forward and loss function, the batch dimension dynamic) of
 * a model that was wrapped by ``torch.compile`` (the export sees the original module),
 
 and prints every operator overload, symbolic-size function, higher-order op and string argument
-they use, marking those the allowlist (``nanreplay/engine/opset.py``) lacks. Exit 1 when any is
-missing: a genuine program nanreplay would refuse.
+they use, marking those the allowlist (``nanreplay/engine/opset.py``) lacks. Then it loads each
+program as an untrusted one and runs it once on its batch: the verifier
+(``nanreplay/engine/bounds.py``) proves it in bounds first (the table gives each program's peak
+bytes alive and work, and the fraction of its budgets they use) and the index guard
+(``nanreplay/engine/guards.py``) watches it run. Exit 1 when an operator is missing or a genuine
+program is refused.
 
 Run: ``python bench/opset.py`` (about a minute on 2 cores); ``--json FILE`` writes the table.
 """
@@ -32,7 +36,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from nanreplay.engine import opset  # noqa: E402
+from nanreplay.engine.program_check import ProgramRefused  # noqa: E402
+from nanreplay.errors import BundleFormatError  # noqa: E402
 from nanreplay.engine.program import export_program  # noqa: E402
+
+
+def _proof(cap: Any, batch: Any) -> Any:
+    """Load the program untrusted, prove it on ``batch`` with exact peaks, then run it (under the
+    index guard); the :class:`~nanreplay.engine.bounds.Proof`."""
+    from nanreplay.engine.bounds import verify_bounds
+    from nanreplay.engine.program import _bounds_inputs, _match_inputs, load_program, program_loss
+
+    pm = load_program(cap.meta, cap.tensors.__getitem__)
+    bounds = pm._root._nanreplay_bounds
+    inputs, names, writable, user = _bounds_inputs(bounds, pm, _match_inputs(cap.meta["inputs"], batch, "the batch"))
+    with torch.enable_grad():
+        proof = verify_bounds(bounds.gm, inputs, names=names, writable=writable, user=user, exact=True)
+        program_loss(pm, batch).backward()
+    return proof
 
 
 def _walk(graph: dict) -> Iterator[tuple[str, dict]]:
@@ -109,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     used: dict[str, set[str]] = collections.defaultdict(set)
     failed = []
+    proofs: list[tuple[str, Any]] = []
+    refused, unloadable = [], []
     for source in (_bench_models, _corpus, _transformers, _compiled):
         for name, model, loss_fn, batch in source():
             with warnings.catch_warnings():
@@ -117,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             if not cap.ok:
                 failed.append(f"{name}: {cap.error}")
                 continue
+            try:
+                proofs.append((name, _proof(cap, batch)))
+            except (ProgramRefused, BundleFormatError) as e:  # a genuine program the verifier or the guard refuses
+                refused.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            except Exception as e:  # noqa: BLE001 - a program replay cannot load for another reason (not the verifier's)
+                unloadable.append(f"{name}: {type(e).__name__}: {str(e)[:160]}")
             for target, node in _walk(cap.meta["program"]["graph_module"]["graph"]):
                 used[target].add(name)
                 for inp in node["inputs"]:
@@ -144,10 +173,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(opset.SYM_FUNCTIONS)} symbolic-size functions)")
     for f in failed:
         print(f"  export failed: {f[:160]}")
+    print(f"\n{'program':<48} {'nodes':>5} {'real bytes':>11} {'peak alive':>11} {'of budget':>9} {'work':>14} {'of budget':>9} {'proof s':>7}")
+    for name, p in proofs:
+        b = p.budget
+        print(f"{name:<48} {p.nodes:5d} {b.real_bytes:11,d} {p.peak_bytes:11,d} {p.peak_bytes / b.bytes:9.2%} {p.work:14,d} "
+              f"{p.work / b.work:9.2%} {p.seconds:7.3f}")
+    if proofs:
+        worst = max(proofs, key=lambda x: x[1].peak_bytes / max(x[1].budget.real_bytes, 1))[1]
+        print(f"largest peak / real bytes: {worst.peak_bytes / max(worst.budget.real_bytes, 1):.1f}; "
+              f"largest work / (real x input elements): {max(p.work / max(p.budget.real_elements * max(p.budget.input_elements, 1), 1) for _, p in proofs):.2f}")
+    for r in unloadable:
+        print(f"  not loaded (a limit of program replay, not of the verifier): {r}")
+    for r in refused:
+        print(f"! refused: {r}")
     if args.json:
         Path(args.json).write_text(json.dumps({"used": {k: sorted(v) for k, v in used.items()}, "missing": missing, "models": models,
-                                               "failed": failed}, indent=1))
-    return 1 if missing else 0
+                                               "failed": failed, "refused": refused,
+                                               "proofs": {n: {"nodes": p.nodes, "real_bytes": p.budget.real_bytes, "peak_bytes": p.peak_bytes,
+                                                              "work": p.work, "budget_bytes": p.budget.bytes, "budget_work": p.budget.work,
+                                                              "seconds": round(p.seconds, 4)} for n, p in proofs}}, indent=1))
+    return 1 if missing or refused else 0
 
 
 if __name__ == "__main__":

@@ -6,9 +6,20 @@ allocate what their arguments say (``aten.empty`` of any size), resolve Python c
 (higher-order ops taking an operator name) or write into their ``out=`` argument. None of them is
 needed to replay a training step, so the program checker
 (:mod:`nanreplay.engine.program_check`) accepts a node only when its target is one of the exact
-overloads below, and then checks its arguments (:data:`STRING_ARGS` for the few string arguments,
-sizes bounded by the bundle's own tensors, in-place writes only into tensors the program created
-or into buffers).
+overloads below, and then checks its arguments (:data:`STRING_ARGS` for the few string
+arguments). What the ops then do with their arguments (sizes, strides, bytes, in-place writes) is
+proven before the program runs (:mod:`nanreplay.engine.bounds`), and their index values are
+checked while it runs (:mod:`nanreplay.engine.guards`).
+
+Private aliasing ops are left out even where torch has them: ``_reshape_alias`` (its kernel builds
+a view of any sizes and strides without checking them against the storage, unlike the refused
+``as_strided``) and ``_unsafe_view`` (an alias autograd does not track as a view). ``torch.export``
+does not emit either for a training program (``python bench/opset.py``: none of its 42 models
+uses them); it emits ``reshape``/``view``, whose kernels check their sizes. ``_conj`` stays: the
+complex ``stft`` of one corpus model emits it, and it takes no sizes or strides. So are batch
+normalisation's kernel entry points (``native_batch_norm``, ``_native_batch_norm_legit*``): their
+CPU kernel reads one weight and running statistic per channel without checking their lengths,
+and export emits ``batch_norm``, which checks them.
 
 How the list was built (``python bench/opset.py`` re-derives the observed part): the Core ATen
 opset (``torch.Tag.core``, minus its ``out`` overload and ``as_strided``), plus the training-IR
@@ -27,7 +38,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Union
 
-__all__ = ["OPS", "HIGHER_ORDER", "SYM_FUNCTIONS", "STRING_ARGS", "SIZE_ARGS", "allowed"]
+__all__ = ["OPS", "HIGHER_ORDER", "SYM_FUNCTIONS", "STRING_ARGS", "allowed"]
 
 
 def _group(*names: str) -> frozenset[str]:
@@ -111,9 +122,7 @@ OPS: frozenset[str] = frozenset().union(
         "conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding", "conv2d.padding", "conv3d.padding",
         "conv_transpose1d.default", "conv_transpose2d.input", "conv_transpose3d.input", "convolution.default",
         "_convolution.default", "batch_norm.default", "instance_norm.default", "layer_norm.default", "group_norm.default",
-        "rms_norm.default", "native_layer_norm.default", "native_batch_norm.default", "_native_batch_norm_legit.default",
-        "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit_no_training.default",
-        "_native_batch_norm_legit_functional.default", "native_group_norm.default", "_weight_norm.default",
+        "rms_norm.default", "native_layer_norm.default", "native_group_norm.default", "_weight_norm.default",
         "_weight_norm_interface.default", "dropout.default", "native_dropout.default", "feature_dropout.default",
         "alpha_dropout.default", "feature_alpha_dropout.default", "embedding.default", "embedding_bag.default", "embedding_bag.padding_idx",
         "_embedding_bag.default", "scaled_dot_product_attention.default", "max_pool1d.default", "max_pool2d.default",
@@ -143,8 +152,7 @@ OPS: frozenset[str] = frozenset().union(
     ),
     # -- shapes, views, copies, indexing (no allocation beyond the result)
     _group(
-        "view.default", "view.dtype", "reshape.default", "_reshape_alias.default", "_unsafe_view.default",
-        "flatten.using_ints", "unflatten.int", "squeeze.default", "squeeze.dim", "squeeze.dims", "unsqueeze.default",
+        "view.default", "view.dtype", "reshape.default", "flatten.using_ints", "unflatten.int", "squeeze.default", "squeeze.dim", "squeeze.dims", "unsqueeze.default",
         "permute.default", "transpose.int", "swapaxes.default", "swapdims.default", "movedim.int", "movedim.intlist",
         "moveaxis.int", "moveaxis.intlist", "expand.default", "expand_as.default", "broadcast_to.default",
         "broadcast_tensors.default", "contiguous.default", "clone.default", "detach.default", "alias.default",
@@ -175,7 +183,7 @@ OPS: frozenset[str] = frozenset().union(
         "fft_ifftn.default", "fft_rfftn.default", "fft_irfftn.default", "fft_fftshift.default", "fft_ifftshift.default",
         "_fft_r2c.default", "_fft_c2r.default", "_fft_c2c.default", "stft.default", "istft.default",
     ),
-    # -- tensor factories: every size argument is bounded by the bundle's own tensors (SIZE_ARGS)
+    # -- tensor factories: what they allocate is proven within the program's budget (engine.bounds)
     _group(
         "zeros.default", "ones.default", "full.default", "empty.memory_format", "empty_strided.default",
         "scalar_tensor.default", "arange.default", "arange.start", "arange.start_step", "linspace.default",
@@ -186,8 +194,8 @@ OPS: frozenset[str] = frozenset().union(
         "bernoulli.p", "multinomial.default", "normal.Tensor_float", "normal.float_Tensor", "normal.Tensor_Tensor",
         "normal.float_float", "poisson.default",
     ),
-    # -- in-place forms that model code and nn modules use (checked: they may write only into
-    #    tensors the program created, or into the model's buffers)
+    # -- in-place forms that model code and nn modules use (proven to write only into storages
+    #    the program created, or into the model's buffers: engine.bounds)
     _group(
         "add_.Tensor", "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Tensor", "mul_.Scalar", "div_.Tensor",
         "div_.Scalar", "div_.Tensor_mode", "copy_.default", "fill_.Scalar", "fill_.Tensor", "zero_.default",
@@ -261,13 +269,6 @@ STRING_ARGS: dict[tuple[str, str], _Check] = {
     # wrap_with_autocast(device_type, dtype, enabled, cache_enabled, subgraph, *args): positional, unnamed
     ("higher_order.wrap_with_autocast", ""): _DEVICES,
 }
-
-#: integer arguments that size a result (``numel`` bounded like any declared tensor size)
-#: (``start``/``end`` are not: ``slice`` uses end=2**63-1 for "to the end"; ``arange``'s range is
-#: bounded by :mod:`~nanreplay.engine.program_check` itself)
-SIZE_ARGS: frozenset[str] = frozenset({"size", "sizes", "shape", "steps", "n", "m", "output_size", "repeats",
-                                       "num_samples", "num_classes", "minlength", "bins"})
-
 
 def allowed(name: str) -> bool:
     """Whether ``name`` (``"add.Tensor"`` or ``"higher_order.cond"``) is on the allowlist."""

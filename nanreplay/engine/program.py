@@ -16,9 +16,10 @@ Storage, without pickle. ``torch.export.save`` writes a zip whose graph is JSON 
 serialize_example_inputs=False)``), as a JSON object in the bundle metadata; every weight, buffer
 and tensor constant goes into the bundle's tensor dict (or is shared with a tensor the bundle
 already holds, such as ``state/params/<fqn>``), and is handed back to the deserializer as a
-tensor. Before anything runs, every operator the JSON names is checked to be a torch operator
-(``torch.ops.aten``/``prims`` or a control-flow higher-order op): an embedded program can call
-nothing else.
+tensor. Before torch's deserializer reads it, every operator the JSON names is checked against
+a reviewed allowlist (:mod:`nanreplay.engine.program_check`); an untrusted program is then proven
+in bounds on fake tensors before each new shape of call (:mod:`nanreplay.engine.bounds`) and runs
+under an index guard (:mod:`nanreplay.engine.guards`).
 
 How the program is cut: the export root is a small adapter module whose only child is the model,
 under the name ``model``. Its inputs are the tensor leaves of the recorded call, flattened the
@@ -61,10 +62,10 @@ from torch.utils import _pytree as pytree
 
 from ..core.batch import batch_dim, batch_size
 from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode, unflatten_batch
-from ..errors import NanReplayError, ReplayError
+from ..errors import BundleFormatError, NanReplayError, ReplayError
 from ..format.meta import MetaError
 from ..format.program import validate_program_record
-from .program_check import SizeGuard, check_program, element_limits
+from .program_check import check_program
 from .probes import user_frames_only
 
 logger = logging.getLogger(__name__)
@@ -418,8 +419,9 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
 #
 # The record was schema-checked when the bundle was opened (nanreplay.format.program: structure,
 # tree specs, symbolic expressions); engine.program_check checks every node's operator and
-# arguments against the allowlist (engine.opset) and bounds its sizes, before torch's
-# deserializer reads a single name. _check_graph checks the deserialized graph once more.
+# arguments against the allowlist (engine.opset) before torch's deserializer reads a single name.
+# _check_graph checks the deserialized graph once more; engine.bounds proves what it does before
+# an untrusted program runs (_prove), engine.guards checks its index values while it runs.
 
 def _builtin_targets() -> dict[str, Any]:
     from torch._export.serde import serialize as ser
@@ -539,12 +541,13 @@ class ProgramModel(torch.nn.Module):
 
 class _Runner(torch.fx.Interpreter):
     """Runs the export root's graph; its call of ``model`` goes to the :class:`ProgramModel`,
-    outside the size guard where the model (or a module of it) is compiled: Dynamo does not
+    outside the index guard where the model (or a module of it) is compiled: Dynamo does not
     trace under a dispatch mode, so the compiled code would run eagerly."""
 
     def __init__(self, pm: ProgramModel, direct: bool, guard: Any = None) -> None:
         super().__init__(pm._root, graph=pm._root.graph)
         self.pm, self.direct, self.guard = pm, direct, guard
+        self.extra_traceback = False  # errors reach the user as one sentence (_run_root), never with the graph
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target != _CHILD:
@@ -594,14 +597,109 @@ def _run_root(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
 
 def _run_root_unchecked(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
     # preserve_node_meta: each node's recorded stack_trace is the current meta while it runs, so the
-    # op monitor can name the user's source line of a birth in the program; the size guard bounds
-    # every op's allocation by the bundle's own tensors (not under torch.compile)
-    limit = getattr(pm._root, "_nanreplay_per_tensor", None)
-    guard = SizeGuard(limit) if limit is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
+    # op monitor can name the user's source line of a birth in the program. An untrusted program is
+    # proven in bounds on these inputs first (engine.bounds; eagerly, also under torch.compile) and
+    # runs under the index guard (engine.guards; a dispatch mode, which Dynamo does not trace)
+    bounds: Optional[_Bounds] = getattr(pm._root, "_nanreplay_bounds", None)
+    guard: Any = contextlib.nullcontext()
+    if bounds is not None:
+        _prove(bounds, pm, leaves)
+        if not torch.compiler.is_compiling():
+            from .guards import IndexGuard
+
+            guard = IndexGuard()
     with torch.fx.traceback.preserve_node_meta(), guard as active:
         out = _Runner(pm, direct, active).run(*leaves, enable_io_processing=False)
     spec = pm._root.module_call_graph[0].signature.out_spec
     return pytree.tree_unflatten(list(out), spec)
+
+
+class _Bounds:
+    """An untrusted program's flat graph (``ExportedProgram.graph_module``: its placeholders are
+    the weights, buffers and constants, then the call's inputs, in ``input_specs`` order) and the
+    calls already proven (:func:`_prove`), by the geometry of every tensor and the grad mode and
+    autocast they ran under."""
+
+    _KEEP = 16  # proven call shapes remembered (a bisect replays subsets of the batch)
+
+    def __init__(self, ep: Any) -> None:
+        self.gm = ep.graph_module
+        self.specs = [(spec.kind.name, spec.target) for spec in ep.graph_signature.input_specs]
+        self.proven: dict[tuple, Any] = {}
+
+
+def _state_tensor(pm: ProgramModel, target: str) -> torch.Tensor:
+    """The program's live weight, buffer or constant ``target`` (an FQN under the export root):
+    the tensor a call reads now (after ``.to()``, ``.double()`` or a state load)."""
+    obj: Any = pm._root
+    for part in target.split("."):
+        nxt = getattr(obj, part, None)
+        if nxt is None and obj is pm:
+            nxt = getattr(pm._inner, part, None)
+        if nxt is None:
+            raise ReplayError(f"the embedded program reads {target!r}, which its rebuilt model lacks; replay with --model-factory")
+        obj = nxt
+    if not isinstance(obj, torch.Tensor):
+        raise ReplayError(f"the embedded program reads {target!r}, a {type(obj).__name__}, where it expects a tensor; replay with --model-factory")
+    return obj
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes(), t.requires_grad)
+
+
+def _autocast_state() -> tuple:
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+_KINDS = {"PARAMETER": "parameter", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant"}
+
+
+def _bounds_inputs(bounds: _Bounds, pm: ProgramModel, leaves: list) -> tuple[list, list, list, list]:
+    """What :func:`~nanreplay.engine.bounds.verify_bounds` takes for a call on ``leaves``: the
+    real tensor of every placeholder, what each is (for messages), the positions of the buffers
+    (writable) and of the call's inputs."""
+    inputs: list[torch.Tensor] = []
+    names: list[str] = []
+    writable: list[int] = []
+    user: list[int] = []
+    it = iter(leaves)
+    for kind, target in bounds.specs:
+        if kind == "USER_INPUT":
+            x = next(it)
+            names.append(f"the call's input {len(user)} (a {_dtype_name(x.dtype)} {list(x.shape)} tensor)")
+            user.append(len(inputs))
+        elif kind in _KINDS:
+            x = _state_tensor(pm, target)
+            shown = target[len(_CHILD) + 1:] if target.startswith(_CHILD + ".") else target
+            names.append(f"the {_KINDS[kind]} {shown!r}")
+            if kind == "BUFFER":
+                writable.append(len(inputs))
+        else:
+            raise ReplayError(f"the embedded program takes an input of kind {kind}, which nanreplay does not replay; replay with --model-factory")
+        inputs.append(x)
+    return inputs, names, writable, user
+
+
+def _prove(bounds: _Bounds, pm: ProgramModel, leaves: list) -> Any:
+    """Prove the program in bounds on this call's real tensors (:func:`nanreplay.engine.bounds.verify_bounds`),
+    once per geometry of the tensors, grad mode and autocast; returns the
+    :class:`~nanreplay.engine.bounds.Proof`. Under ``torch.compile`` it runs eagerly (a graph
+    break), on the real tensors."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_prove)(bounds, pm, leaves)
+    from .bounds import verify_bounds
+
+    inputs, names, writable, user = _bounds_inputs(bounds, pm, leaves)
+    key = (tuple(_geometry(x) for x in inputs), torch.is_grad_enabled(), _autocast_state())
+    proof = bounds.proven.get(key)
+    if proof is None:
+        proof = verify_bounds(bounds.gm, inputs, names=names, writable=writable, user=user)
+        logger.debug("nanreplay: proved the embedded program in bounds: %s", proof)
+        if len(bounds.proven) >= bounds._KEEP:
+            bounds.proven.pop(next(iter(bounds.proven)))
+        bounds.proven[key] = proof
+    return proof
 
 
 def _match_inputs(info: dict, tree: Any, what: str) -> list:
@@ -752,7 +850,7 @@ def _check_meta(meta: Any) -> None:
         )
 
 
-def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, device: Any = None) -> ProgramModel:
+def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, device: Any = None, trusted: bool = False) -> ProgramModel:
     """Rebuild the model from an embedded program record (:attr:`ProgramCapture.meta`).
 
     Args:
@@ -762,6 +860,11 @@ def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, devic
         device: where to put the tensors; device constants in the graph (``torch.arange(...,
             device=...)``) are rewritten to its type when it differs from the recorded one.
             Default: the tensors' own device (the CPU for a bundle).
+        trusted: the program comes from a trusted bundle or this process's own export. An
+            untrusted one (the default) is proven in bounds on fake tensors before each call
+            on inputs of a new shape (:mod:`nanreplay.engine.bounds`, a few milliseconds per
+            hundred ops, once per shape) and runs under the index guard
+            (:mod:`nanreplay.engine.guards`); a trusted one runs bare.
 
     Returns:
         a :class:`ProgramModel` (FQNs, parameters, buffers as recorded; weights as stored).
@@ -769,8 +872,11 @@ def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, devic
     Raises:
         ReplayError: not a program record, another format or export schema version, an
             operator that is not a torch operator, or a program torch cannot deserialize here.
+            On a call of an untrusted program: ``ProgramRefused`` (a ``ReplayError``), an op out
+            of bounds, over its budget, writing into a tensor it did not create, or indexing out
+            of range; ``BundleFormatError``, metadata that contradicts the program's own ops.
     """
-    root, inner = _load(meta, get_tensor, device)
+    root, inner = _load(meta, get_tensor, device, keep_graph=not trusted)
     names = meta.get("modules", {})
     for fqn, mod in inner.named_modules():
         if fqn:
@@ -780,8 +886,10 @@ def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, devic
     return pm
 
 
-def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(unflattened export root, its ``model`` child) of a program record."""
+def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any, *, keep_graph: bool = False
+          ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(unflattened export root, its ``model`` child) of a program record; with ``keep_graph``
+    the root keeps the flat graph the verifier runs (``_nanreplay_bounds``)."""
     _check_meta(meta)
     from torch._export.serde import schema
     from torch._export.serde.serialize import ExportedProgramDeserializer
@@ -798,9 +906,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
                 t = t.to(dev)
             objs[key] = torch.nn.Parameter(t, requires_grad=bool(ent.get("requires_grad"))) if ent["kind"] == "parameter" else t
         (constants if ent["store"] == "constants" else state_dict)[name] = objs[key]
-    inputs = [math.prod(d for d in m["shape"] if d is not None) for m in meta["inputs"].get("tensor_meta", [])]
-    per_tensor, total = element_limits(iter([t.numel() for t in objs.values()] + inputs))
-    check_program(meta["program"], per_tensor=per_tensor, total=total)
+    check_program(meta["program"])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -809,6 +915,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
             _check_graph(ep.graph_module)
             if dev is not None and torch.device(meta.get("device", "cpu")).type != dev.type:
                 _retarget_devices(ep.graph_module, dev)
+            _drop_metadata_asserts(ep.graph_module)
             root = torch.export.unflatten(ep)
             _drop_metadata_asserts(root)
     except ReplayError:
@@ -818,7 +925,8 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any) ->
             f"the embedded program (torch {meta.get('torch')}) could not be loaded by torch {torch.__version__}: "
             f"{_first_line(e)}; replay with --model-factory"
         ) from e
-    object.__setattr__(root, "_nanreplay_per_tensor", per_tensor)  # the run-time size guard's limit (_run_root)
+    if keep_graph:  # what the verifier runs before each new shape of call (_prove)
+        object.__setattr__(root, "_nanreplay_bounds", _Bounds(ep))
     calls = [n.target for n in root.graph.nodes if n.op == "call_module"]
     if calls.count(_CHILD) != 1 or any(c != _CHILD and not c.startswith(_CHILD + ".") for c in calls):
         raise ReplayError(f"the embedded program calls the model {calls.count(_CHILD)} times ({calls[:6]}); one call is supported: replay with --model-factory")
@@ -975,6 +1083,28 @@ def build_from_program(bundle: Any, *, device: Any = None) -> tuple[ProgramModel
         raise ReplayError(f"{bundle.path} holds no embedded program; pass --model-factory module:function")
     if meta.get("error") and meta.get("kind") is None:
         raise ReplayError(f"{bundle.path} holds no embedded program: its export failed when recording ({meta['error']}); pass --model-factory module:function")
-    model = load_program(meta, bundle.tensor, device=device)
+    _check_declared_inputs(bundle, meta)
+    model = load_program(meta, bundle.tensor, device=device, trusted=bool(getattr(bundle, "trusted", False)))
     return model, (program_loss if model.kind == "loss" else None)
+
+
+def _check_declared_inputs(bundle: Any, meta: dict) -> None:
+    """The program's declared inputs (``inputs.tensor_meta``: dtypes and shapes) against the call
+    it was exported from, the failing step's first batch (kind ``"loss"``) or first forward call
+    (``"forward"``), read as shapes only: a difference is a damaged bundle.
+
+    Raises:
+        BundleFormatError: a leaf count, constant, dtype or fixed size differs.
+    """
+    batches, forwards = bundle.input_shapes(bundle.failing_step)
+    calls = batches if meta.get("kind") == "loss" else forwards
+    if not calls:
+        return
+    try:
+        _match_inputs(meta["inputs"], calls[0], "the recorded call")
+    except ReplayError as e:
+        raise BundleFormatError(
+            f"{bundle.path}: the embedded program's declared inputs (meta.program.inputs) do not match the step it was exported from: "
+            f"{e}; the bundle was hand-edited or damaged: record it again"
+        ) from None
 

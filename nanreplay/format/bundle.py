@@ -443,6 +443,28 @@ class Bundle:
 
         return self._guard(f"step {k}", build)
 
+    def input_shapes(self, k: int) -> tuple[list, list]:
+        """Step ``k``'s recorded batches and forward-call inputs (``(args, kwargs)``) with every
+        tensor a ``meta`` tensor of the stored dtype and shape: the calls' structure and shapes,
+        with no tensor data read (typed nodes come back as dicts of their fields).
+
+        Raises:
+            KeyError: the bundle does not hold step ``k``.
+            BundleFormatError: the step's data is malformed.
+        """
+        m = self._steps[k]
+        p = f"steps/{k}/"
+
+        def get(key: str) -> torch.Tensor:
+            if key not in self._flat:
+                return self.tensor(key)  # raises BundleFormatError
+            i = self._flat.info(key)
+            return torch.empty(i.shape, dtype=i.dtype, device="meta")
+
+        return self._guard(f"step {k}", lambda: (
+            [tree_from_flat(get, b, f"{p}batch/{i}/") for i, b in enumerate(m["batches"])],
+            [tree_from_flat(get, f["inputs"], f"{p}forward/{i}/inputs/") for i, f in enumerate(m["forwards"])]))
+
     def state(self, *, types: Types = None, lazy_optimizer: bool = False) -> Snapshot:
         """The failing step's pre-step weights, step-start buffers and optimizer state.
 

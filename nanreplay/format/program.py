@@ -8,10 +8,10 @@ fails at open with the path of the first bad field (``meta.program.program.graph
 nodes[3].inputs[1].arg``), a :class:`~nanreplay.format.meta.MetaError` (CLI exit 4), never later
 in a replay as "a bug".
 
-What is checked here is structure, not meaning: which operators a program may call, and the
-sizes it may allocate, are checked by :mod:`nanreplay.engine.program_check` when a replay loads
-the program (a program that is well formed but refused is exit 5, and ``--model-factory`` still
-replays the bundle). Two things are checked here because torch's deserializer would act on them:
+What is checked here is structure, not meaning: which operators a program may call is checked by
+:mod:`nanreplay.engine.program_check` when a replay loads the program, and what it may allocate
+by :mod:`nanreplay.engine.bounds` before it runs (a program that is well formed but refused is
+exit 5, and ``--model-factory`` still replays the bundle). Two things are checked here because torch's deserializer would act on them:
 
 * every tree spec (``inputs.spec``, ``outputs.spec``, the module call graph's ``in_spec`` and
   ``out_spec``) is decoded by nanreplay (:func:`nanreplay.core.tree.decode_spec`) and may hold
@@ -456,7 +456,10 @@ class _Walker:
         idx = self.array(t["tensors"], f"{where}.tensors")
         for i, x in enumerate(idx):
             self.integer(x, f"{where}.tensors[{i}]", 0, max(n - 1, 0))
-        for i, tm in enumerate(self.array(t.get("tensor_meta", []), f"{where}.tensor_meta")):
+        metas = self.array(t.get("tensor_meta", []), f"{where}.tensor_meta")
+        if "tensor_meta" in t and len(metas) != len(idx):
+            raise MetaError(f"{where}.tensor_meta", f"one entry per tensor leaf ({len(idx)})", f"{len(metas)} entries")
+        for i, tm in enumerate(metas):
             tm = self.obj(tm, f"{where}.tensor_meta[{i}]", ("dtype", "shape"))
             self.string(tm["dtype"], f"{where}.tensor_meta[{i}].dtype", 32)
             for j, d in enumerate(self.array(tm["shape"], f"{where}.tensor_meta[{i}].shape", 64)):

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from nanreplay import open_bundle, replay  # noqa: E402
+from nanreplay import open_bundle, replay, untrust_bundle  # noqa: E402
 from nanreplay.integrations.transformers import NanReplayCallback, hf_loss, model_from_config  # noqa: E402
 
 BAD_STEP = 2
@@ -84,6 +84,11 @@ def test_trainer_stops_at_the_nan_and_the_bundle_replays_without_user_code(tmp_p
     assert diag["mode"] == "loss_fn"
     assert diag["reproduction"]["verdict"].startswith("reproduced"), diag["reproduction"]
     assert diag["phase"] in ("forward", "loss")
+    # as a stranger's bundle: GPT-2's embedded program is proven in bounds and runs under the index guard
+    untrust_bundle(cb.bundle_path)
+    stranger = replay(cb.bundle_path, samples=False)
+    assert stranger["model_source"].startswith("the program embedded in the bundle"), stranger["model_source"]
+    assert stranger["reproduction"]["verdict"] == diag["reproduction"]["verdict"] and stranger["phase"] == diag["phase"]
 
 
 def test_hf_loss_divides_like_the_trainer_and_model_from_config_builds_offline():
