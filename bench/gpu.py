@@ -267,9 +267,10 @@ def gpu_test_files() -> list[str]:
 
 
 def run_gpu_tests(run: Run, deadline: float) -> dict:
-    """``pytest -m gpu`` on :func:`gpu_test_files` in a child process (CUDA_WORKSPACE_CONFIG
+    """``pytest -m gpu`` on :func:`gpu_test_files` in a child process (``CUBLAS_WORKSPACE_CONFIG``
     unset), read back from its JUnit XML: each test's outcome, message and recorded properties."""
     xml = run.out.with_name("gpu_tests.xml")
+    xml.unlink(missing_ok=True)
     files = gpu_test_files()
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={xml}", *files]
     res: dict[str, Any] = {"command": "python -m pytest -q -m gpu " + " ".join(files), "files": files}
@@ -843,6 +844,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--profile", choices=["missed", "always", "never"], default="missed",
                    help="torch.profiler summary of the recorded step: when a target is missed (default), always, never")
     args = p.parse_args(argv)
+    wanted = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(wanted) - {n for n, _ in SECTIONS})
+    if unknown:
+        p.error(f"--sections: unknown {', '.join(unknown)}; expected a comma-separated subset of {', '.join(n for n, _ in SECTIONS)}")
     given = list(argv if argv is not None else sys.argv[1:])
     if args.out is None:
         args.out = str(Path(tempfile.mkdtemp(prefix="nanreplay-gpu-dry-")) / "results_gpu.json") if args.dry_run else str(HERE / "results_gpu.json")
@@ -858,7 +863,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     _guarded(run.result, "machine", lambda: machine_info(plan.device))
     run.write()
     prev = signal.signal(signal.SIGTERM, _on_term)
-    wanted = [s for s in args.sections.split(",") if s]
     try:
         for name, fn in SECTIONS:
             if name not in wanted:
