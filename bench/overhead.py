@@ -100,16 +100,24 @@ class SyncCounter:
 
 
 class Variant:
-    """One way of running the training loop. ``step`` runs one full training step."""
+    """One way of running the training loop. ``step`` runs one full training step.
+
+    ``optimizer``: builds the optimizer from the parameters (default AdamW, lr 1e-4);
+    ``autocast``: the dtype of ``torch.autocast`` around the forward pass and the loss (``None``:
+    off); ``recorder_options``: keyword options every Recorder variant adds to its own
+    (``bench/gpu.py`` passes ``memory_budget``)."""
 
     name = "plain"
     label = "plain loop"
 
-    def __init__(self, base: torch.nn.Module, loss: Callable, out_dir: Path) -> None:
+    def __init__(self, base: torch.nn.Module, loss: Callable, out_dir: Path, *, optimizer: Optional[Callable] = None,
+                 autocast: Optional[torch.dtype] = None, recorder_options: Optional[dict] = None) -> None:
         self.model = copy.deepcopy(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = optimizer(self.model.parameters()) if optimizer is not None else torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.loss = loss
         self.out_dir = out_dir
+        self.autocast = autocast
+        self.recorder_options = dict(recorder_options or {})
         self.times: list[float] = []
         self.syncs: list[int] = []
         self.setup()
@@ -125,8 +133,9 @@ class Variant:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with self.context():
-            out = self.model(x)
-            loss = self.loss(out, y)
+            with torch.autocast(x.device.type, dtype=self.autocast) if self.autocast is not None else nullcontext():
+                out = self.model(x)
+                loss = self.loss(out, y)
             self.after_forward(loss)
             loss.backward()
             self.before_step(x, y)
@@ -149,7 +158,7 @@ class RecorderVariant(Variant):
     options: dict = {}
 
     def setup(self) -> None:
-        self.rec = Recorder(self.model, self.opt, out_dir=self.out_dir, **self.options)
+        self.rec = Recorder(self.model, self.opt, out_dir=self.out_dir, **{**self.options, **self.recorder_options})
 
     def close(self) -> None:
         self.rec.close()

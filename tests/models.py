@@ -88,6 +88,29 @@ def make_sqrt() -> nn.Module:
     return SqrtNet()
 
 
+class DropoutRoot(nn.Module):
+    """Dropout between two layers, and a learned ``floor`` whose square root is masked away by
+    ``torch.where`` where it is negative: the forward pass stays finite, but the backward pass
+    gives ``floor`` a NaN gradient (0 times the derivative of sqrt at a negative value, the
+    classic ``where`` gradient trap) while every other gradient is finite and depends on the
+    dropout masks, so a replay with other masks shows in them."""
+
+    def __init__(self, d: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(hidden, 4)
+        self.floor = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(self.drop(torch.relu(self.fc1(x))))
+        return h + torch.where(self.floor > 0, torch.sqrt(self.floor), torch.zeros_like(self.floor))
+
+
+def make_dropout_root() -> nn.Module:
+    return DropoutRoot()
+
+
 def mse_loss(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)

@@ -66,6 +66,37 @@ def unreproducible(out_dir) -> NonFiniteGradientError:
         return poisoned_step(opt, model.fc1.bias)
 
 
+def masked_root_under_dropout(out_dir, device: str = "cpu", **opts) -> NonFiniteGradientError:
+    """A NaN gradient born in the backward pass under dropout, on ``device``: ``models.DropoutRoot``
+    trains 3 finite steps (SGD, lr 0.01, ``models.mse_loss``, a new batch of 16 each step, made on
+    the device), then its ``floor`` is pushed below 0 and step 3's backward pass gives ``floor`` a
+    NaN gradient; every other gradient is finite and depends on the step's dropout masks. The
+    bundle keeps whole gradients (``store_grads="full"``), so a replay's verdict gives the max abs
+    difference of the finite values. ``model_factory=models.make_dropout_root``."""
+    torch.manual_seed(0)
+    model = models.make_dropout_root().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator(device=device).manual_seed(1)
+    opts.setdefault("model_factory", models.make_dropout_root)
+    opts.setdefault("store_grads", "full")
+    with Recorder(model, opt, loss_fn=models.mse_loss, out_dir=out_dir, **opts) as rec:
+        for step in range(4):
+            batch = (torch.randn(16, 8, generator=gen, device=device), torch.randn(16, 4, generator=gen, device=device))
+            if step == 3:
+                with torch.no_grad():
+                    model.floor.fill_(-1.0)
+            rec.record(batch)
+            loss = models.mse_loss(model, batch)
+            rec.log_loss(loss)
+            loss.backward()
+            if step < 3:
+                opt.step()
+                opt.zero_grad()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    return info.value
+
+
 def hook_count(model: torch.nn.Module, opt=None) -> int:
     """Every hook registered on ``model``'s modules and parameters and on ``opt``'s step."""
     n = 0

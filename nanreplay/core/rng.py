@@ -82,6 +82,13 @@ class RNGState:
                 )
             torch.cuda.set_rng_state_all(self.torch_cuda)
 
+    def without_cuda(self) -> "RNGState":
+        """This state without its CUDA generators, for a replay that runs on another device (a
+        CUDA bundle replayed on the CPU): such a replay draws nothing from them, and restoring them
+        would need the GPUs the recording had (and would initialise CUDA for nothing). What the step
+        drew on the GPU (dropout of a CUDA model) then comes from the CPU generator: other numbers."""
+        return RNGState(python=self.python, numpy=self.numpy, torch_cpu=self.torch_cpu)
+
     # -- serialisation: tensors + JSON, never pickle ---------------------------------------
 
     def to_flat(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

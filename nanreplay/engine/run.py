@@ -24,7 +24,7 @@ from ..core.allowlist import Allowlist
 from ..core.batch import batch_size, rows_of
 from ..core.digest import RecordedGrad
 from ..core.numerics import Health, all_finite_flag, any_nonfinite, is_float, tensor_health
-from ..core.rng import ReplayRNG
+from ..core.rng import ReplayRNG, RNGState
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
 from ..errors import ReplayError
 from ..format.records import Snapshot, StepRecord
@@ -118,6 +118,9 @@ def _deterministic() -> Iterator[None]:
     try:
         with warnings.catch_warnings():  # ops without a deterministic kernel warn once each: not the user's business here
             warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
+            # torch's cuBLAS alert: CUBLAS_WORKSPACE_CONFIG unset when this process first used cuBLAS (engine.state.deterministic_cublas).
+            # The setting matters to streams sharing a workspace; a replay runs on one stream, with the kernels training chose
+            warnings.filterwarnings("ignore", message=".*because it uses CuBLAS.*")
             yield
     finally:
         torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
@@ -193,11 +196,17 @@ def _batch_root(rec: StepRecord, uses_loss: bool, i: int) -> str:
     return f"inputs[{i}]"
 
 
-def _rng_restorer(rec: StepRecord, rng: ReplayRNG) -> Callable:
+def _replay_state(state: RNGState, cuda: bool) -> RNGState:
+    """The recorded ``state`` as a replay on a CUDA device (``cuda``) or another one loads it: a
+    replay off CUDA leaves the CUDA generators alone (:meth:`RNGState.without_cuda`)."""
+    return state if cuda else state.without_cuda()
+
+
+def _rng_restorer(rec: StepRecord, rng: ReplayRNG, cuda: bool) -> Callable:
     """A forward pre-hook for the top-level model that puts back, before its i-th grad-enabled
     forward of the replayed step, the RNG states recorded before the i-th forward in training
     (draws the loop made between micro-batches, e.g. augmentation, then replay exactly), into
-    the replay's generators ``rng``."""
+    the replay's generators ``rng`` (``cuda``: the replay runs on a CUDA device)."""
     count = [0]
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
@@ -206,7 +215,7 @@ def _rng_restorer(rec: StepRecord, rng: ReplayRNG) -> Callable:
         i = count[0]
         count[0] += 1
         if i < len(rec.forwards) and rec.forwards[i].rng is not None:
-            rng.load(rec.forwards[i].rng)
+            rng.load(_replay_state(rec.forwards[i].rng, cuda))
         return None
 
     return hook
@@ -343,18 +352,24 @@ def _mode_and_inputs(inp: StepInputs) -> tuple[str, list]:
     return mode, [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, _batch_root(rec, False, i))]
 
 
-def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool) -> None:
+def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool, cuda: bool) -> None:
     """Run the step under its recorded RNG states and the monitors: forward with the loss
     function or the recorded cotangent, backward, and the scaler's unscale when the recorded
-    gradients were unscaled. The monitors are closed and the RNG hook removed whatever happens."""
+    gradients were unscaled. The monitors are closed and the RNG hook removed whatever happens.
+    ``cuda``: the replay runs on a CUDA device (else the recorded CUDA generator states are left out)."""
     rec, model = inp.record, run.model
+    if rec.rng.torch_cuda and not cuda:
+        run.warnings.append(
+            "the step was recorded with CUDA generator states and this replay runs off CUDA: random numbers the step drew on the "
+            "GPU, if any (dropout of a CUDA model), come from the CPU generator here, so values that depend on them differ from "
+            "the recorded ones")
     rng = ReplayRNG(private=False if compiled else None)  # compiled: Dynamo does not trace under a dispatch mode
-    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng))  # on a compiled wrapper: runs eagerly
+    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng, cuda))  # on a compiled wrapper: runs eagerly
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
         with rng, _deterministic(), _anomaly(anomaly), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
-            rng.load(rec.rng)
+            rng.load(_replay_state(rec.rng, cuda))
             if rng.shared:
                 run.warnings.append(
                     "other threads were running, so the replay drew torch's random numbers from private generators set to the "
@@ -438,7 +453,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None)
+    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None, cuda=dev.type == "cuda")
     live_grads = [p.grad for p in model.parameters() if p.grad is not None]
     reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None and watch is None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

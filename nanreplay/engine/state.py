@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -25,7 +26,10 @@ from .gate import bundle_types, recorded_callable, require_trust, resolve_optimi
 logger = logging.getLogger(__name__)
 
 __all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler",
-           "Subject", "replay_subject"]
+           "Subject", "replay_subject", "deterministic_cublas", "DETERMINISTIC_CUBLAS"]
+
+#: ``CUBLAS_WORKSPACE_CONFIG`` as torch's deterministic mode asks for it: 8 cuBLAS workspaces of 4096 KiB (32 MiB)
+DETERMINISTIC_CUBLAS = ":4096:8"
 
 
 def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[str, torch.Tensor]] = None) -> None:
@@ -219,6 +223,38 @@ def recorded_device(b: Bundle) -> torch.device:
     return device
 
 
+def deterministic_cublas(device: torch.device) -> Optional[str]:
+    """Set ``CUBLAS_WORKSPACE_CONFIG`` for a replay on ``device`` when that keeps the recording's
+    kernels; return the value set, or ``None`` when nothing was set.
+
+    A replay runs under torch's deterministic algorithms, which ask cuBLAS for a fixed workspace
+    setting (``:4096:8`` or ``:16:8``, NVIDIA's cuBLAS guide, "Results reproducibility"); torch
+    and cuBLAS read the variable once, at the process's first cuBLAS call. So it is set here,
+    before the replay first uses the GPU, when all of these hold: the replay runs on CUDA; the
+    variable is unset; this process has not initialised CUDA yet (a fresh ``nanreplay replay``;
+    in a process that trained on the GPU it is too late, and the user's environment is not the
+    replay's to change); and ``:4096:8`` is the 32 MiB workspace torch gives cuBLAS anyway on
+    this GPU (compute capability 9 and newer: Hopper, Blackwell), so the matrix products pick the
+    kernels the recording picked and a bit-exact replay stays possible. On older GPUs torch's
+    default (``:4096:2:16:8``, about 8 MiB) is neither setting, and another workspace could
+    change the kernels; the variable is left alone there, which a replay on one stream does not
+    need (its cuBLAS results do not change from run to run), and the replay keeps torch's alert
+    about it quiet (:mod:`nanreplay.engine.run`).
+    """
+    if device.type != "cuda" or os.environ.get("CUBLAS_WORKSPACE_CONFIG") or not torch.cuda.is_available() or torch.cuda.is_initialized():
+        return None
+    try:
+        major, _ = torch.cuda.get_device_capability(device)
+    except (RuntimeError, AssertionError, ValueError) as e:  # no such device here: the replay's own error says so
+        logger.debug("no compute capability for %s: %s", device, e)
+        return None
+    if major < 9:
+        return None
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS
+    logger.debug("set CUBLAS_WORKSPACE_CONFIG=%s for the replay on %s (compute capability %d)", DETERMINISTIC_CUBLAS, device, major)
+    return DETERMINISTIC_CUBLAS
+
+
 def replay_scaler(state: Optional[dict], device: torch.device) -> Any:
     """A ``torch.amp.GradScaler`` on ``device``'s type restored from a bundle's scaler state,
     or ``None`` when the bundle holds none."""
@@ -340,6 +376,7 @@ def opened_subject(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, 
     b = open_bundle(bundle, trust=request.trust) if own else bundle.view(trust=request.trust)
     try:
         dev = torch.device(request.device) if request.device is not None else recorded_device(b)
+        deterministic_cublas(dev)  # before anything here uses the GPU
         with script_imports(request.import_script):
             # the trust rule (nanreplay.engine.gate) is checked here, before anything the bundle names is imported
             subject = replay_subject(b, model=request.model, model_factory=request.model_factory, loss_fn=request.loss_fn,
