@@ -31,13 +31,14 @@ else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequi
 __all__ = [
     "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Fix", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
-    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
+    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "RecordedQuantity", "Difference", "Rung", "Fidelity", "DiagnosisDict",
+    "BisectResult", "BisectWindow", "OPEN",
 ]
 
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
 #: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
 #: version when one is renamed, removed or changes type
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 
 #: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
 JFloat = Union[float, Literal["nan", "inf", "-inf"]]
@@ -107,6 +108,7 @@ class Reproduction(TypedDict):
     grad_factor: NotRequired[Optional[JFloat]]
     norm_diff: NotRequired[Optional[JFloat]]
     repeats: NotRequired[int]
+    replayed_from: NotRequired[str]
 
 
 class ChainLink(TypedDict):
@@ -258,6 +260,45 @@ class BatchLeaf(TypedDict):
     neginf: int
 
 
+class RecordedQuantity(TypedDict):
+    """One quantity the recording kept, against the replay (``fidelity.compared``)."""
+
+    quantity: Literal["loss", "gradient"]
+    name: str                # the parameter FQN, or the loss's micro-batch ("micro-batch 0", "the step")
+    agrees: Optional[bool]   # bit-equal in the replay (null: not recorded)
+    detail: str
+
+
+class Difference(TypedDict):
+    """What differs between the recording and the replay (``fidelity.differences``): a kind of
+    ``diagnosis.fidelity.DIFFERENCES``, what was found, and what to record or do to reproduce it."""
+
+    kind: str
+    detail: str
+    record: str
+
+
+class Rung(TypedDict):
+    """One rung of the verdict ladder (``diagnosis.fidelity.RUNGS``) and whether it holds."""
+
+    rung: str
+    holds: bool
+
+
+class Fidelity(TypedDict):
+    """The verdict ladder of a step the replay does not reproduce (``diagnosis.fidelity``): is the
+    replay shown faithful, and where does the recording depart from it."""
+
+    verdict: Literal["device fault", "not reproduced"]
+    rungs: list[Rung]
+    replays: int
+    finite_replays: int
+    agree_bitwise: Optional[bool]
+    compared: list[RecordedQuantity]
+    first_difference: Optional[RecordedQuantity]
+    differences: list[Difference]
+
+
 class DiagnosisDict(TypedDict):
     """The diagnosis of one failing step (``docs/report.md``, "Top level")."""
 
@@ -286,6 +327,7 @@ class DiagnosisDict(TypedDict):
     warnings: list[str]
     errors: list[ReplayFailure]
     compile: Optional[CompileCheck]
+    fidelity: NotRequired[Optional[Fidelity]]
     timeline: NotRequired[list[TimelineStep]]
     forward_modules: NotRequired[list[ForwardModule]]
     batch_leaves: NotRequired[list[BatchLeaf]]

@@ -39,7 +39,7 @@ from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
 
-__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "flags_of", "LOSS_OPS"]
+__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "RootTracker", "flags_of", "LOSS_OPS"]
 
 # ops whose output is uninitialised memory: never a birth, never checked
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
@@ -189,6 +189,49 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     elif isinstance(tree, dict):
         for x in tree.values():
             yield from _tensors(x)
+
+
+class RootTracker(ModuleTracker):
+    """torch's ``ModuleTracker``, which also enters the backward pass of a module whose output is
+    where a backward pass starts.
+
+    ``ModuleTracker`` enters a module's backward pass from a multi-grad hook on the module's
+    outputs, and torch never calls that hook on a tensor ``backward()`` starts from: the loss a
+    criterion or a loss head returns (``model.loss_head(...)`` called from the loss function, a
+    ``model.criterion`` submodule), or a model output the replay drives with its recorded
+    cotangent. The backward ops of such a module then ran outside every module, where its forward
+    ops are named. A pre-hook on the root's autograd node does fire: this tracker keeps, weakly,
+    the modules that returned each output, and :meth:`enter_roots` (called just before the
+    backward pass) enters them from such a pre-hook. Their input hooks leave them, as
+    ``ModuleTracker``'s own do; every hook is removed on exit with ``ModuleTracker``'s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._returned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+        super()._fw_post_hook(mod, input, output)
+        name = self._get_mod_name(mod)
+        for t in _tensors(output):
+            if t.requires_grad and t.grad_fn is not None:
+                self._returned.setdefault(t, []).append(name)
+
+    def enter_roots(self, roots: Iterable[torch.Tensor]) -> None:
+        """Enter, as the backward pass from ``roots`` starts, the modules that returned them."""
+        for t in roots:
+            names = self._returned.get(t) if isinstance(t, torch.Tensor) else None
+            if names and t.grad_fn is not None:
+                self._hooks.append(t.grad_fn.register_prehook(self._entering(names)))
+
+    def _entering(self, names: list[str]) -> Callable:
+        enter = [self._get_append_fn(n, True) for n in names]
+
+        def hook(grads: Any) -> None:
+            for fn in enter:
+                fn()
+
+        return hook
 
 
 class ModuleMonitor:

@@ -211,8 +211,9 @@ def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sampl
     ``per_sample``: dimension 0 merges the batch with the dimensions after it, ``per_sample``
     rows per sample (``[B * T, d]``): its non-finite rows are given as the samples they belong to
     (whatever length the other dimensions have).
-    Returns ``{"size", "dim", "count", "indices"}`` (``count`` non-finite rows, the first
-    ``limit`` of them in ``indices``), plus ``rows_per_sample`` with ``per_sample``."""
+    Returns ``{"size", "dim", "count", "indices"}`` (``count`` non-finite rows; ``indices`` all of
+    them along the batch dimension, whose size bounds the list, else the first ``limit``), plus
+    ``rows_per_sample`` with ``per_sample``."""
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
     if t is None:
         return None
@@ -220,7 +221,8 @@ def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sampl
     dim = 0 if merged else (next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0)
     size = batch if merged else int(t.shape[dim])
     bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(size, -1)).all(dim=1)
-    out = {"size": size, "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+    keep = None if size == batch else limit  # the samples are never cut; rows of another dimension may be many
+    out = {"size": size, "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:keep].tolist()]}
     return dict(out, rows_per_sample=per_sample) if merged else out
 
 

@@ -233,8 +233,10 @@ def _birth_extra(b: dict) -> list[str]:
     rows = b.get("rows") or {}
     if rows.get("indices"):
         per = rows.get("rows_per_sample")  # dimension 0 merges the batch: the indices are samples
-        extra.append(f"non-finite samples {rows['indices'][:16]} of {rows.get('size')} ({per} rows each)" if per else
-                     f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
+        more = rows.get("count", 0) - len(rows["indices"])  # the birth lists every sample; rows of another dimension, the first 64
+        listed = f"{rows['indices']}" + (f" and {more} more" if more > 0 else "")
+        extra.append(f"non-finite samples {listed} of {rows.get('size')} ({per} rows each)" if per else
+                     f"non-finite rows {listed} of {rows.get('size')}")
     return extra
 
 

@@ -26,13 +26,14 @@ REPORT_MD = ROOT / "docs" / "report.md"
 #: a section of docs/report.md (its heading, or the label of a bullet) -> the type it documents
 TABLES = {
     "Top level": R.DiagnosisDict, "`classification`": R.Classification, "`reproduction`": R.Reproduction, "`samples`": R.Samples,
-    "`history`": R.History, "`origin`": R.Origin, "`compile`": R.CompileCheck, "`classification.fix`": R.Fix,
+    "`history`": R.History, "`origin`": R.Origin, "`compile`": R.CompileCheck, "`classification.fix`": R.Fix, "`fidelity`": R.Fidelity,
 }
 PROSE = {"A birth (`births[i]`)": R.Birth, "`optimizer`": R.OptimizerReplay}
 BULLETS = {
     "`chain[i]`": R.ChainLink, "`health[i]`": R.HealthRow, "`nonfinite_inputs[i]`, `nonfinite_weights[i]`": R.NonfiniteLeaf,
     "`errors[i]`": R.ReplayFailure, "`counterfactuals`": R.Counterfactuals, "a health object": R.Health, "`source`": R.Source,
     "`timeline[i]`": R.TimelineStep, "`forward_modules[i]`": R.ForwardModule, "`batch_leaves[i]`": R.BatchLeaf,
+    "`fidelity.rungs[i]`": R.Rung, "`fidelity.compared[i]`": R.RecordedQuantity, "`fidelity.differences[i]`": R.Difference,
 }
 
 #: keys declared for work merged in parallel; documented when the code that writes them lands
