@@ -4,20 +4,24 @@
 :class:`Features` under which it holds, and how its detail and evidence read; the first row whose
 condition holds decides. Causes:
 
-* ``bad input data``: the batch is invalid for what the code assumes: it already holds NaN/Inf;
-  or the operand at fault derives only from the batch's discrete parts (integer or bool leaves:
-  labels, masks, lengths, counts, indices; no weight, no random draw); or the batch's size or
-  composition decided the domain error: a row whose every position a mask from the batch hid, a
-  statistic over too few elements of a batch, an empty selection made by the batch, a loss whose
-  every target the batch marks ignored;
+* ``bad input data``: the batch value itself is invalid for what the code assumes: it already
+  holds NaN/Inf; or the operand at fault derives only from the batch's discrete parts (integer or
+  bool leaves: labels, masks, lengths, counts, indices; no weight, no random draw, no table of
+  the code they index); or the batch's size or composition decided the domain error: a row whose
+  every position a mask from the batch hid, a statistic over too few elements of a batch, an
+  empty selection made by the batch, a target no alignment can produce, a loss whose every
+  target the batch marks ignored;
 * ``optimizer update``: the update from finite gradients, or weights an earlier update corrupted;
 * ``explosion``: values grew step over step (grad-norm history, learning-rate spike) past the range;
 * ``overflow``: a value out of its dtype's range that is finite in a wider dtype;
 * ``underflow``: a value that rounded to 0 (or onto a domain boundary) in its dtype, where the
   step replayed in float64 is finite;
 * ``numerics``: valid values reach the op's singular point or an ill-conditioned formula: on
-  values from the weights or the code, or on continuous batch values (a distance exactly 0 for a
-  duplicate pair, a silent clip's magnitude 0): the fix is in the formula (an eps, a clamp);
+  values from the weights or the code, on continuous batch values (a distance exactly 0 for a
+  duplicate pair, a silent clip's magnitude 0), on a valid discrete value that selects a table
+  entry at the singular point (a sampled diffusion timestep whose SNR is 0), or in the derivative
+  of a legitimate -Inf (the backward of logsumexp over a fully masked row): the fix is in the
+  formula (an eps, a clamp, a safe reduction), and the batch value is the trigger;
 * ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (with
   ``replay(..., compile=True)`` / ``nanreplay replay --compile``, or on its own when the bundle
   says the recording ran compiled and the eager replay does not reproduce it);
@@ -121,9 +125,11 @@ class Features:
     @property
     def only_discrete_batch(self) -> bool:
         """The operand at fault derives only from the batch, and only from its discrete leaves
-        (integer or bool: labels, masks, lengths, counts, indices)."""
+        (integer or bool: labels, masks, lengths, counts, indices), not through a lookup of a table
+        of the code (``alphas_cumprod[t]``: the batch chose a valid entry, the table holds the
+        singular value)."""
         src = self.sources
-        return (bool(src["batch"]) and not src["weights"] and not src["rng"] and not src["buffers"]
+        return (bool(src["batch"]) and not src["weights"] and not src["rng"] and not src["buffers"] and not src["lookup"]
                 and all(self.discrete.get(leaf, False) for leaf in src["batch"]))
 
     @property
@@ -131,17 +137,22 @@ class Features:
         """The batch is invalid for what the code assumes (see the module docstring): its
         composition decided the domain error (a fully masked row, a count, an empty selection,
         every target ignored), or the operand derives only from its discrete parts. Continuous
-        batch values at an op's singular point are not: that is ``numerics``, the samples its trigger."""
+        batch values at an op's singular point are not, nor a valid batch value that selects a
+        table entry at the singular point, nor the derivative of a legitimate -Inf (a log of 0, a
+        logsumexp over a fully masked row) in the backward pass: that is ``numerics``, the batch
+        value its trigger (:func:`trigger`)."""
         op = self.operand or {}
         kind = self.domain_kind
         operands = ((self.birth or {}).get("operands") or {}).get("tensors") or []
         batch_in = lambda prov: any(p.startswith("batch:") for p in prov or [])  # noqa: E731
+        if kind in ("inf", "masked") and (self.birth or {}).get("phase") == "backward":
+            return False  # the forward pass held the -Inf without harm: its derivative is the formula's to guard
         if kind == "masked":
             return batch_in(op.get("masked_by"))
         if kind in ("ignored", "count", "empty"):
             return any(batch_in(o.get("prov")) for o in operands)
         if kind == "zero":
-            return bool(op.get("zeros")) and (self.only_discrete_batch or self.persists_data_perturbed is True)
+            return bool(op.get("zeros")) and (self.only_discrete_batch or (self.persists_data_perturbed is True and not self.sources["lookup"]))
         return self.only_discrete_batch
 
     @property
@@ -421,6 +432,9 @@ def _numerics(f: Features) -> tuple[str, list[str]]:
     if f.sources["batch"] and _continuous(f):
         ev.append(f"the batch values it derives from ({_continuous(f)}) are continuous and finite: valid data that reach the op's "
                   "singular point; the fix is in the formula (an eps, a clamp), the samples are its trigger")
+    if f.domain_kind in ("inf", "masked") and b.get("phase") == "backward":
+        ev.append("the forward pass held the -Inf without harm (a log of 0, a reduction over a fully masked row); its derivative "
+                  "is NaN: guard the formula (a safe logsumexp or softmax, finfo.min for log 0), the samples are its trigger")
     w = b.get("wider")
     if w is not None and not w.get("finite"):
         ev.append(f"{b['op']} is non-finite in {w.get('dtype')} too: a domain error, not a range problem")

@@ -137,13 +137,27 @@ class Facts:
         self._d[t] = fact
 
 
+#: aten ops that read entries of their first operand (a table) at positions their other operands give
+_LOOKUPS = frozenset({"index", "index_select", "gather", "embedding", "take", "take_along_dim", "_embedding_bag", "embedding_bag"})
+
+
 def _provenance(func: Any, name: str, in_facts: list[Fact]) -> frozenset:
     """The sources an op's outputs come from: its inputs' (``const`` for an op without tensor
-    inputs), plus ``rng`` for a random op (:data:`_RANDOM`, or one taking a ``Generator``)."""
+    inputs), plus ``rng`` for a random op (:data:`_RANDOM`, or one taking a ``Generator``), plus
+    ``lookup`` for a lookup (:data:`_LOOKUPS`) of a table of the code (constants, buffers: neither
+    the batch nor the weights) at positions the batch gives (``alphas_cumprod[t]`` for a sampled
+    timestep ``t``): the batch chose a valid entry, the table's values are the code's."""
     prov: frozenset = frozenset().union(*(f.prov for f in in_facts)) if in_facts else frozenset(("const",))
     if name in _RANDOM or any("Generator" in str(a.type) for a in getattr(getattr(func, "_schema", None), "arguments", ())):
         prov = prov | {"rng"}
+    table = in_facts[0].prov if in_facts else frozenset()
+    if name in _LOOKUPS and len(in_facts) > 1 and not _from_batch(table) and "weights" not in table and any(_from_batch(f.prov) for f in in_facts[1:]):
+        prov = prov | {"lookup"}
     return prov
+
+
+def _from_batch(prov: frozenset) -> bool:
+    return any(p.startswith("batch:") for p in prov)
 
 
 #: aten ops that only reshape: their output holds the input's elements in the same (row-major) order
@@ -580,7 +594,8 @@ class OpMonitor(TorchDispatchMode):
             b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
         b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by, f.row_groups) for f in in_facts])
-        b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size))
+        b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size),
+                                          nan_only=any(f.inf for f in in_facts))  # Inf in, NaN born: the NaN rows
         self.births.append(b)
         return k
 

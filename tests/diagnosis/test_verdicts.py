@@ -336,3 +336,43 @@ def test_the_root_tracker_enters_a_module_whose_output_starts_the_backward_pass(
     assert not any("_Head" in s for s in backward_parents(ModuleTracker))
     seen = backward_parents(RootTracker)
     assert seen and all("_Head" in s for s in seen[:8])  # the head's own backward ops (sqrt, sum, mul...) run first
+
+
+# -- cause = what to fix, trigger = what set it off ---------------------------------------
+
+_SCHEDULE = torch.tensor([0.9, 0.7, 0.4, 0.0])  # a table of the code: its last entry is the formula's singular point
+
+
+def _per_step_weight(model, batch):
+    """Each sample's loss divided by its timestep's schedule entry (valid timesteps, a singular table)."""
+    x, t = batch["x"], batch["t"]
+    return (model(x).squeeze(-1).pow(2) / _SCHEDULE[t]).mean()
+
+
+def _per_sample_count(model, batch):
+    """Each sample's loss divided by its number of valid positions (an empty selection for a sample with none)."""
+    x, valid = batch["x"], batch["valid"]
+    return (model(x).squeeze(-1).pow(2) / valid.sum(-1)).mean()
+
+
+@pytest.mark.parametrize("loss_fn, cause, lookup", [(_per_step_weight, "numerics", True), (_per_sample_count, "bad input data", False)])
+def test_a_valid_value_at_a_singular_point_is_numerics_with_the_batch_as_trigger(out_dir, loss_fn, cause, lookup):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    valid = torch.ones(6, 4, dtype=torch.bool)
+    valid[4] = False
+    batch = {"x": torch.randn(6, 3), "t": torch.tensor([0, 1, 2, 1, 3, 0]), "valid": valid}  # sample 4: t = 3, no valid position
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir) as rec:
+        rec.record(batch)
+        loss = loss_fn(model, batch)
+        rec.log_loss(loss)
+        loss.backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    d = info.value.diagnosis
+    cls = d["classification"]
+    assert (d["phase"], d["origin"]["op"], cls["cause"]) == ("loss", "div", cause)
+    assert ("lookup" in d["origin"]["operands"]["tensors"][1]["prov"]) is lookup
+    assert cls["trigger"]["samples"] == [4] and d["samples"]["indices"] == [4]  # the batch value is named either way
+    assert "batch['t'] (as positions in a table of the code)" in cls["trigger"]["property"] if lookup else "batch['valid']" in cls["trigger"]["property"]
