@@ -143,7 +143,9 @@ def diagnose(
         samples: allow per-sample replays when the birth op's output does not show the samples.
         counterfactuals: allow the perturbed-weights replay that tells a zero the batch carries
             from the model's own, the float64 replay that tells an underflow from a domain error,
-            and the repeated replays that tell a transient fault.
+            and, for a step the replay does not reproduce, the two repeats the verdict ladder
+            compares bit for bit (:mod:`nanreplay.diagnosis.fidelity`; without them the ladder
+            cannot say ``device fault``).
         replayed: ``False`` when ``result`` comes from the bundle alone (the cheap cases).
         compiled: the step replayed under ``torch.compile`` beside eagerly
             (:func:`nanreplay.engine.compiled.compile_check`); becomes the ``compile`` entry and

@@ -2,7 +2,9 @@
 the step compiled the way training ran (issue 19, check 1b of "not reproduced").
 
 The order of the not-reproduced checks (``docs/report.md``): the recorded forward inputs, then
-this, then repeats on the same device (nondeterminism), then a float64 reference. The compile
+this, then the verdict ladder (:mod:`nanreplay.diagnosis.fidelity`: repeats on the same device
+compared bit for bit with each other and with the recording; a recording that ran compiled is its
+difference ``compiled graph`` until a compiled replay's evidence stands in for the eager one). The compile
 state comes from the bundle (``meta["compile"]``, written by :mod:`nanreplay.capture.compiled`);
 its backend runs only when it is one a bundle may name
 (:data:`nanreplay.engine.compiled.BUNDLE_BACKENDS`).
@@ -23,7 +25,7 @@ from ..engine.run import StepInputs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay_as_recorded", "compile_facts", "compile_evidence", "compile_agrees"]
+__all__ = ["replay_as_recorded", "compile_facts", "compile_evidence"]
 
 
 def compile_facts(state: Optional[dict]) -> str:
@@ -50,14 +52,6 @@ def compile_evidence(state: Optional[dict], compiled: Optional[dict]) -> str:
         return f"{facts}; the step could not be replayed compiled ({how}): {compiled.get('error')}"
     said = "finite too" if not compiled.get("compiled") else f"non-finite ({', '.join(compiled.get('compiled_nonfinite') or [])})"
     return f"{facts}; the step replayed under torch.compile ({how}, {compiled.get('target')}) is {said}"
-
-
-def compile_agrees(state: Optional[dict], compiled: Optional[dict]) -> bool:
-    """Whether the compile check agrees on finite: the recording was not compiled (or the bundle
-    does not say), or the step replayed compiled is finite."""
-    if not (isinstance(state, dict) and state.get("compiled")):
-        return True
-    return compiled is not None and compiled.get("compiled") is False
 
 
 def replay_as_recorded(f: Any, repro: dict, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device],

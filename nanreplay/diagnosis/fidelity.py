@@ -80,8 +80,11 @@ class StepReplays:
     """The replays of the step the ladder compares: the diagnosis' monitored replay first, then
     the repeats. Each is kept as its gradient digests, its losses and whether it was finite;
     ``grads`` holds the first replay's gradients and ``order`` the parameters in the order that
-    replay produced their gradients (the backward pass' order)."""
+    replay produced their gradients (the backward pass' order). ``compiled``: the replays ran the
+    recording's compiled graph as recorded (a compiled replay's evidence: the difference
+    ``compiled graph`` then does not apply)."""
 
+    compiled: bool = False
     digests: list[dict[str, GradDigest]] = field(default_factory=list)
     losses: list[list[float]] = field(default_factory=list)
     finite: list[bool] = field(default_factory=list)
@@ -138,7 +141,7 @@ def _same_code(c: _Ladder) -> bool:
     if setup.get("loss") == "given":
         ok = c.differ("loss function", "the replay ran a loss function the caller gave, not the recorded one")
     state = c.inp.compile_state
-    if isinstance(state, dict) and state.get("compiled"):
+    if isinstance(state, dict) and state.get("compiled") and not c.replays.compiled:
         comp = c.compiled or {}
         seen = ("; the step replayed compiled as recorded is " + ("finite" if comp.get("compiled") is False else "non-finite")
                 if comp.get("compiled") is not None else "; no compiled replay of the step ran")

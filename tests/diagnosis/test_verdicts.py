@@ -204,6 +204,15 @@ def test_what_differs_between_recording_and_replay_blocks_the_device_verdict(mor
     assert fid["verdict"] == "not reproduced" and [x["kind"] for x in fid["differences"]] == [kind]
 
 
+def test_replays_of_the_compiled_graph_as_recorded_are_evidence_for_a_compiled_recording():
+    rep = _grads()
+    r = StepReplays(compiled=True)
+    for _ in range(3):
+        r.add(_Replayed(rep))  # type: ignore[arg-type]
+    fid = assess(_inputs(_corrupt(rep), compile_state={"compiled": True, "backend": "inductor", "modules": [""]}), r)
+    assert fid["verdict"] == "device fault" and fid["differences"] == []
+
+
 def test_without_a_logged_loss_a_departure_in_the_first_gradient_is_not_evidence():
     rep = _grads()
     recorded = {n: t.clone() for n, t in rep.items()}
@@ -376,3 +385,35 @@ def test_a_valid_value_at_a_singular_point_is_numerics_with_the_batch_as_trigger
     assert ("lookup" in d["origin"]["operands"]["tensors"][1]["prov"]) is lookup
     assert cls["trigger"]["samples"] == [4] and d["samples"]["indices"] == [4]  # the batch value is named either way
     assert "batch['t'] (as positions in a table of the code)" in cls["trigger"]["property"] if lookup else "batch['valid']" in cls["trigger"]["property"]
+
+
+# -- the silent-data-corruption benchmark, a handful of injections ---------------------------
+
+def _sdc():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "sdc.py"
+    import sys
+
+    spec = importlib.util.spec_from_file_location("nanreplay_bench_sdc", path)
+    mod = sys.modules["nanreplay_bench_sdc"] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_injected_hardware_faults_get_a_device_verdict_only_after_the_forward_pass():
+    """bench/sdc.py in small: exponent faults in a gradient buffer after backward are device faults
+    naming the parameter (in process and from the bundle); in a GEMM output or a weight for one
+    forward pass they are 'not reproduced', never a software cause."""
+    sdc = _sdc()
+    sdc.MODELS["mlp"] = 1 / 32  # a 32-wide MLP: the faults, the Recorder and the diagnosis are the benchmark's
+    runs = [sdc.run_one("mlp", "grad", "exponent", 1, also_replay=True)] + [sdc.run_one("mlp", site, "exponent", 3) for site in ("gemm", "weight")]
+    assert all(r.scored for r in runs), [(r.site, r.nonfinite_step) for r in runs]
+    for r in runs[:1]:
+        assert (r.cause, r.verdict, r.named) == ("transient", "device fault", r.target), r.summary
+    assert (runs[0].replay_cause, runs[0].replay_named) == ("transient", runs[0].target)
+    for r in runs[1:]:
+        assert r.cause == "unknown" and r.verdict == "not reproduced" and "forward pass" in r.differences, r.summary
+    s = sdc.score(runs)
+    assert s["after_forward"]["share"] == 1.0 and s["forward"]["fabricated"] == 0
