@@ -36,6 +36,7 @@ underflow, explosion, optimizer update, compiler); "not reproduced" with what di
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import random
@@ -47,8 +48,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-import importlib.util
 
 import torch
 import torch.nn as nn

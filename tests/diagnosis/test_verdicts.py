@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from click.testing import CliRunner
 
 import models
+from helpers import fail_once
 from nanreplay import NonFiniteGradientError, Recorder, replay
 from nanreplay.cli import main
 from nanreplay.core.digest import digest_of
@@ -304,15 +304,7 @@ def test_a_backward_birth_in_a_module_the_loss_function_calls_names_that_module(
         model.loss_head.proj.bias.zero_()
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     y[3] = 0.0
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Recorder(model, opt, loss_fn=_head_loss, out_dir=out_dir) as rec:
-        rec.record((x, y))
-        loss = _head_loss(model, (x, y))
-        rec.log_loss(loss)
-        loss.backward()
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    d = info.value.diagnosis
+    d = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), _head_loss, out_dir).diagnosis
     assert (d["phase"], d["origin"]["forward_op"], d["origin"]["module"]) == ("backward", "sqrt", "loss_head")
     assert "in module loss_head (_Head)" in d["summary"] and d["samples"]["indices"] == [3]
 
@@ -371,15 +363,7 @@ def test_a_valid_value_at_a_singular_point_is_numerics_with_the_batch_as_trigger
     valid = torch.ones(6, 4, dtype=torch.bool)
     valid[4] = False
     batch = {"x": torch.randn(6, 3), "t": torch.tensor([0, 1, 2, 1, 3, 0]), "valid": valid}  # sample 4: t = 3, no valid position
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir) as rec:
-        rec.record(batch)
-        loss = loss_fn(model, batch)
-        rec.log_loss(loss)
-        loss.backward()
-        with pytest.raises(NonFiniteGradientError) as info:
-            opt.step()
-    d = info.value.diagnosis
+    d = fail_once(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, loss_fn, out_dir).diagnosis
     cls = d["classification"]
     assert (d["phase"], d["origin"]["op"], cls["cause"]) == ("loss", "div", cause)
     assert ("lookup" in d["origin"]["operands"]["tensors"][1]["prov"]) is lookup
