@@ -160,10 +160,12 @@ def _inputs_recorded(c: _Ladder) -> bool:
         ok = c.differ("stale inputs", "the recorded inputs were modified in place after capture: the replay fed other values")
     d = (c.inp.reason or {}).get("distributed") or {}
     if d.get("world_size", 1) > 1:
-        if d.get("grads") == "reduced":
+        # FSDP2 keeps each rank's local values only from its reduce-scatter hook (capture.ddp.RankContext._origin_method)
+        unhooked_shards = d.get("grads") == "sharded" and not str(d.get("origin_method") or "").startswith(("reduce-scatter hook", "local check"))
+        if d.get("grads") == "reduced" or unhooked_shards:
             ok = c.differ("origin detection off", f"rank {d.get('rank')} of {d.get('world_size')} recorded its gradients after the "
-                          f"all-reduce ({d.get('origin_method') or 'no origin hook'}): they sum every rank's, the replay computes "
-                          "this rank's own")
+                          f"{'reduce-scatter' if unhooked_shards else 'all-reduce'} ({d.get('origin_method') or 'no origin hook'}): "
+                          "they sum every rank's, the replay computes this rank's own")
         if d.get("origin_ranks") and d.get("rank") not in d["origin_ranks"]:
             ok = c.differ("another rank", f"rank(s) {d['origin_ranks']} were non-finite before the gradient all-reduce, "
                           f"not rank {d.get('rank')}")

@@ -178,17 +178,24 @@ def test_replays_that_differ_bit_for_bit_are_nondeterminism_with_its_rate():
     assert "1 of 2 repeat replays differ bit for bit from the first (rate 0.50" in d["detail"] and "a.weight" in d["detail"]
 
 
-def test_a_ddp_rank_with_origin_detection_off_gets_no_device_verdict():
-    """A clean DDP rank whose recorded gradients are the all-reduced ones (a user comm hook, or
-    origin_hook=False): its own replay is finite and bit-equal elsewhere, but the recording is
-    not this rank's computation (issue 36)."""
+@pytest.mark.parametrize("grads, method", [("reduced", "local loss"), ("sharded", "local loss and cotangents (origin_hook=False: ...)")])
+def test_a_rank_with_origin_detection_off_gets_no_device_verdict(grads, method):
+    """A clean DDP (or FSDP2) rank whose recorded gradients are the reduced ones (a user comm
+    hook, or origin_hook=False): its own replay is finite and bit-equal elsewhere, but the
+    recording is not this rank's computation (issue 36)."""
     rep = _grads()
-    reason = {"distributed": {"rank": 1, "world_size": 2, "origin_ranks": [], "is_origin": False, "origin_method": "local loss",
-                              "grads": "reduced"}}
+    reason = {"distributed": {"rank": 1, "world_size": 2, "origin_ranks": [], "is_origin": False, "origin_method": method, "grads": grads}}
     fid = _ladder(_corrupt(rep), [rep, rep, rep], reason=reason)
     assert fid["verdict"] == "not reproduced"
     assert [x["kind"] for x in fid["differences"]] == ["origin detection off"]
     assert "origin_hook=True" in fid["differences"][0]["record"]
+
+
+def test_a_rank_that_received_another_ranks_nan_gets_no_device_verdict():
+    rep = _grads()
+    reason = {"distributed": {"rank": 0, "world_size": 2, "origin_ranks": [1], "is_origin": False, "origin_method": "comm hook", "grads": "local"}}
+    fid = _ladder(_corrupt(rep), [rep, rep, rep], reason=reason)
+    assert [x["kind"] for x in fid["differences"]] == ["another rank"]
 
 
 @pytest.mark.parametrize("more, kind", [
