@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from ..core.results import DiagnosisDict, Fix, Origin, Reproduction, Source
 
-__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "difference_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
+__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "reproduced", "difference_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[Source]) -> str:
@@ -92,6 +92,16 @@ def difference_phrase(repro: Reproduction, num: Callable[[Any], str] = str) -> s
     if repro.get("max_abs_diff") is None and repro.get("norm_diff") is not None:
         return f"finite gradient 2-norms differ by up to {num(repro['norm_diff'])} (the bundle keeps gradient digests, not values)"
     return f"max abs difference of finite gradient values: {num(repro.get('max_abs_diff'))}"
+
+
+def reproduced(diag: DiagnosisDict) -> bool:
+    """Whether the replay reproduced the failure: the reproduction verdict is not ``not
+    reproduced``, or (``--compile``) the compiled replay's is ``reproduced...``. ``nanreplay
+    replay`` and ``nanreplay report`` exit 3 when it is not, for a diagnosis made by a replay or
+    in process (the one the Recorder stores, ``report --no-replay``) alike; a suspected device
+    fault (``fidelity``) is a step not reproduced too."""
+    compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
+    return (diag.get("reproduction") or {}).get("verdict") != "not reproduced" or compiled.startswith("reproduced")
 
 
 def verdict_phrase(repro: Reproduction) -> str:
