@@ -435,6 +435,7 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
     your Recorder on this machine, `nanreplay trust BUNDLE`, or --trust.
     Exit code 0 when the failure reproduced, 3 when it did not, 7 when refused as untrusted.
     """
+    from .report.summary import reproduced
     from .report.text import render_report
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
@@ -444,7 +445,7 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
         click.echo(_dump_json(_versioned(diag)), color=False)
     else:
         click.echo(render_report(diag, rows=rows, color=color is not False), color=color)
-    if not _reproduced(diag):
+    if not reproduced(diag):
         sys.exit(EXIT_NOT_REPRODUCED)
 
 
@@ -510,12 +511,6 @@ def export(bundle: Path, repro: Path, model_factory: Optional[str], loss_fn: Opt
     where = f", {out['where']}" if out.get("where") else ""
     click.echo(inert(f"wrote {out['script']} and {out['tensors']} ({out['bytes']} bytes): {what} (step {out['step']}{where})"))
     click.echo(inert(f"run it: python {shlex.quote(out['script'])}  (exit 0: the non-finite value is reproduced, 1: not)"))
-
-
-def _reproduced(diag: DiagnosisDict) -> bool:
-    """The eager replay reproduced the failure, or (``--compile``) the compiled one did."""
-    compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
-    return (diag.get("reproduction") or {}).get("verdict") != "not reproduced" or compiled.startswith("reproduced")
 
 
 @main.command()
@@ -780,6 +775,7 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
     from .report.text import styler
 
     _require_report_extra()
+    from .report.summary import reproduced
     from .report.html import render_html
 
     if no_replay:
@@ -808,7 +804,7 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
     click.echo(f"report written to {st(inert(out), fg='cyan')} ({out.stat().st_size // 1024} KiB)" + (" from the stored diagnosis" if no_replay else ""), color=color)
     if open_browser:
         click.launch(str(out))
-    if (diag.get("reproduction") or {}).get("verdict") == "not reproduced":
+    if not reproduced(diag):
         sys.exit(EXIT_NOT_REPRODUCED)
 
 

@@ -91,6 +91,24 @@ class GradDigest:
         """Same non-finite pattern and bit-equal finite values (up to a SHA-256 collision)."""
         return self.same_pattern(other) and self.sha256 == other.sha256
 
+    def nonfinite_positions(self) -> Optional["torch.Tensor"]:
+        """The elements (of the real view, C order) the gradient holds NaN, +Inf or -Inf at, as a
+        CPU bool tensor of ``numel``; ``None`` when it holds none."""
+        import numpy as np
+        import torch
+
+        if not self.nonfinite:
+            return None
+        n = self.numel
+        out = torch.zeros(n, dtype=torch.bool)
+        for kind in MASK_KINDS:
+            count = getattr(self, kind)
+            if count == n:
+                return torch.ones(n, dtype=torch.bool)
+            if count:
+                out |= torch.from_numpy(np.unpackbits(self.masks[kind].numpy(), count=n).astype(bool))
+        return out
+
     def to_meta(self) -> dict:
         """JSON for the bundle's ``meta.grad_digests`` (the masks are stored as tensors)."""
         from .jsonable import fnum

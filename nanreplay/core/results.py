@@ -31,7 +31,8 @@ else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequi
 __all__ = [
     "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Fix", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
-    "CompileCheck", "CompiledReplay", "CompiledCulprit", "CompiledOperand", "CompiledRows", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
+    "CompileCheck", "CompiledReplay", "CompiledCulprit", "CompiledOperand", "CompiledRows", "TimelineStep", "ForwardModule", "BatchLeaf",
+    "RecordedQuantity", "Difference", "Rung", "Fidelity", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
     "RollbackPlan", "Episode", "EpisodeRun", "RejectedState", "LrJump", "LossScale",
 ]
 
@@ -108,6 +109,7 @@ class Reproduction(TypedDict):
     grad_factor: NotRequired[Optional[JFloat]]
     norm_diff: NotRequired[Optional[JFloat]]
     repeats: NotRequired[int]
+    replayed_from: NotRequired[str]
 
 
 class ChainLink(TypedDict):
@@ -390,6 +392,45 @@ class LossScale(TypedDict):
     failure: Optional[str]
 
 
+class RecordedQuantity(TypedDict):
+    """One quantity the recording kept, against the replay (``fidelity.compared``)."""
+
+    quantity: Literal["loss", "gradient"]
+    name: str                # the parameter FQN, or the loss's micro-batch ("micro-batch 0", "the step")
+    agrees: Optional[bool]   # bit-equal in the replay (null: not recorded)
+    detail: str
+
+
+class Difference(TypedDict):
+    """What differs between the recording and the replay (``fidelity.differences``): a kind of
+    ``diagnosis.fidelity.DIFFERENCES``, what was found, and what to record or do to reproduce it."""
+
+    kind: str
+    detail: str
+    record: str
+
+
+class Rung(TypedDict):
+    """One rung of the verdict ladder (``diagnosis.fidelity.RUNGS``) and whether it holds."""
+
+    rung: str
+    holds: bool
+
+
+class Fidelity(TypedDict):
+    """The verdict ladder of a step the replay does not reproduce (``diagnosis.fidelity``): is the
+    replay shown faithful, and where does the recording depart from it."""
+
+    verdict: Literal["device fault", "not reproduced"]
+    rungs: list[Rung]
+    replays: int
+    finite_replays: int
+    agree_bitwise: Optional[bool]
+    compared: list[RecordedQuantity]
+    first_difference: Optional[RecordedQuantity]
+    differences: list[Difference]
+
+
 class DiagnosisDict(TypedDict):
     """The diagnosis of one failing step (``docs/report.md``, "Top level")."""
 
@@ -418,6 +459,7 @@ class DiagnosisDict(TypedDict):
     warnings: list[str]
     errors: list[ReplayFailure]
     compile: Optional[CompileCheck]
+    fidelity: NotRequired[Optional[Fidelity]]
     timeline: NotRequired[list[TimelineStep]]
     forward_modules: NotRequired[list[ForwardModule]]
     batch_leaves: NotRequired[list[BatchLeaf]]

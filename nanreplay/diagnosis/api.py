@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.allowlist import Allowlist
-from ..core.digest import grads_nonfinite, is_digest
+from ..core.digest import is_digest
 from ..core.numerics import kinds
 from ..core.quiet import quietly
 from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
@@ -35,9 +35,9 @@ from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wi
 from ..engine.deadline import deadline, replay_error
 from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, nonfinite_state, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
-from ..engine.state import ReplayRequest, load_state, opened_subject
+from ..engine.state import ReplayRequest, load_state, opened_subject, recorded_device
 from ..errors import BundleFormatError, ReplayError
-from ..format.bundle import Bundle, Types, open_bundle
+from ..format.bundle import Bundle, Types, environment, open_bundle
 from ..format.records import BundleContent
 from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
@@ -45,6 +45,7 @@ from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
 from .compiled import compile_requested, compiled_samples, replay_as_recorded
 from .evidence import grad_norm_history
+from .fidelity import StepReplays, assess, recorded_nonfinite
 from .fix import propose_fix
 from .optimizer import replay_optimizer_update, weights_evidence
 from .origin import Found, find_origin, health_json, report_origin
@@ -61,6 +62,8 @@ Progress = Callable[[str], None]
 #: the ``cause`` sentence of each phase
 PHASE_SENTENCES = {
     "input": "the recorded batch already holds non-finite values",
+    "model input": ("the model's recorded forward input already holds non-finite values: code between record(batch) and the model "
+                    "made them"),
     "weights": "the step-start weights are already non-finite",
     "forward": "a non-finite value is born in the forward pass",
     "loss": "the non-finite value is born in the loss, after the model's forward pass",
@@ -140,7 +143,9 @@ def diagnose(
         samples: allow per-sample replays when the birth op's output does not show the samples.
         counterfactuals: allow the perturbed-weights replay that tells a zero the batch carries
             from the model's own, the float64 replay that tells an underflow from a domain error,
-            and the repeated replays that tell a transient fault.
+            and, for a step the replay does not reproduce, the two repeats the verdict ladder
+            compares bit for bit (:mod:`nanreplay.diagnosis.fidelity`; without them the ladder
+            cannot say ``device fault``).
         replayed: ``False`` when ``result`` comes from the bundle alone (the cheap cases).
         compiled: the step replayed under ``torch.compile`` beside eagerly
             (:func:`nanreplay.engine.compiled.compile_check`); becomes the ``compile`` entry and
@@ -152,10 +157,13 @@ def diagnose(
     found = find_origin(result, inp, model, optimizer_replay=_optimizer_replay(inp, device, say, errors, result, repro))
     f = _features(found, inp, compiled, errors)
     f.compile_state = inp.compile_state
+    if replayed:
+        repro = _from_recorded_inputs(found, repro, model, inp, device, say, errors)
     if counterfactuals and replayed:
         _counterfactuals(f, model, inp, device, say)
         replay_as_recorded(f, repro, model, inp, device, say)  # the recording ran compiled: replay it so (check 1b)
-        _determinism(f, repro, model, inp, device, say)
+    if replayed:
+        _ladder(f, repro, result, model, inp, device, say, repeat=counterfactuals)
     cls = classify(f)
     smp = None
     if found is not None:
@@ -181,6 +189,27 @@ def _reproduction(result: ReplayResult, inp: StepInputs, replayed: bool) -> Repr
     repro = compare_grads(inp.recorded_grads, result.grads)
     compare_loss(repro, inp.record.loss, result.loss_values)
     return repro
+
+
+def _from_recorded_inputs(found: Optional[Found], repro: Reproduction, model: torch.nn.Module, inp: StepInputs,
+                          device: Optional[torch.device], say: Progress, errors: list[dict]) -> Reproduction:
+    """An origin in the model's recorded forward inputs (code between ``record(batch)`` and the
+    model made them non-finite, :func:`~nanreplay.diagnosis.origin.find_origin`): the step replayed
+    with the model fed those inputs (``run_step(model_inputs=True)``) against the recording; its
+    verdict is the reproduction's, with ``replayed_from``. Other origins keep ``repro``."""
+    if found is None or not found.origin.get("recorded_forward_inputs"):
+        return repro
+    say("replaying the step from the model's recorded forward inputs")
+    try:
+        res = run_step(model, inp, ops=False, device=device, model_inputs=True)
+    except Exception as e:
+        errors.append({"replay": "recorded inputs", "error": replay_error(e)})
+        return repro
+    finally:
+        _fresh(model, inp)
+    fed = _reproduction(res, inp, True)
+    fed["replayed_from"] = "the model's recorded input"
+    return fed
 
 
 def _optimizer_replay(inp: StepInputs, device: Optional[torch.device], say: Progress, errors: list[dict], result: ReplayResult,
@@ -266,6 +295,7 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
                      + [f"the {e['replay']} replay failed: {e['error']}" for e in f.errors]),
         "errors": list(f.errors),
         "compile": f.compiled,
+        "fidelity": f.fidelity,
     }
 
 
@@ -303,6 +333,8 @@ def _with_weights_history(f: Features) -> Optional[dict]:
 
 
 def _phase_sentence(phase: str, result: ReplayResult, forward_finite: bool, f: Features) -> str:
+    if phase == "input" and f.origin.get("recorded_forward_inputs"):
+        return PHASE_SENTENCES["model input"]
     if phase == "loss":
         if f.origin.get("loss_replayed") is False:
             return "the non-finite value is born in the loss, which was not replayed (the recorded gradient w.r.t. the model output is non-finite)"
@@ -353,36 +385,29 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             _fresh(model, inp)
 
 
-def _determinism(f: Features, repro: Reproduction, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], say: Progress) -> None:
-    """No birth, recorded gradients non-finite, replay not reproduced (and not a compiler
-    difference): replay twice more; disagreeing replays are nondeterminism; all finite, with a
-    float64 replay finite too, is a suspected hardware fault (``transient``)."""
-    if (f.phase == "none" and repro["verdict"] == "not reproduced" and grads_nonfinite(inp.recorded_grads)
+def _ladder(f: Features, repro: Reproduction, result: ReplayResult, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device],
+            say: Progress, repeat: bool) -> None:
+    """No birth, the recording non-finite, the replay not reproducing it (and not a compiler
+    difference): the verdict ladder (:func:`nanreplay.diagnosis.fidelity.assess`) over this
+    replay and, with ``repeat``, two more plain ones (``fidelity``). Replays that disagree on
+    finiteness are nondeterminism; ``transient`` (a suspected device fault) only when the ladder
+    says ``device fault``."""
+    if not (f.phase == "none" and repro["verdict"] == "not reproduced" and recorded_nonfinite(inp)
             and not (f.compiled or {}).get("only_under_compile")):
-        say("replaying the step again (determinism check)")
-        f.repeats = 1 + _repeat_finite(model, inp, device, times=2)
-        f.transient = f.repeats == 3
-        f.nondeterministic = f.repeats < 3
-        repro["repeats"] = f.repeats
-        if f.transient:
-            say("replaying the step in float64 (a reference for the hardware-fault verdict)")
-            try:
-                f.wide_finite = not replay_wide(model, inp, device=device)
-            except Exception as e:
-                f.errors.append({"replay": "float64", "error": replay_error(e)})
-            finally:
-                _fresh(model, inp)
-
-
-def _repeat_finite(model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device], times: int) -> int:
-    """How many of ``times`` plain replays of the step are finite."""
-    n = 0
-    for _ in range(times):
+        return
+    replays = StepReplays()
+    replays.add(result)
+    if repeat:
+        say("replaying the step twice more (do the replays agree bit for bit?)")
+        for _ in range(2):
+            _fresh(model, inp)
+            replays.add(run_step(model, dataclasses.replace(inp, recorded_grads={}), ops=False, device=device))
         _fresh(model, inp)
-        res = run_step(model, dataclasses.replace(inp, recorded_grads={}), ops=False, device=device)
-        n += not res.products_nonfinite()
-    _fresh(model, inp)
-    return n
+        f.repeats = sum(replays.finite)
+        repro["repeats"] = f.repeats
+    f.nondeterministic = 0 < sum(replays.finite) < replays.count
+    f.fidelity = assess(inp, replays, f.compiled)
+    f.transient = f.fidelity["verdict"] == "device fault"
 
 
 def replay_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, samples: bool = True,
@@ -441,6 +466,7 @@ def diagnose_live(model: torch.nn.Module, content: BundleContent, *, loss_fn: Op
         history=list(content.steps), reason=dict(content.reason),
         scalars=scalar_history_records(content.extra_meta.get("scalar_history")),
         attach_scan=content.extra_meta.get("attach_scan"), compile_state=content.extra_meta.get("compile"),
+        setup={"model": "live", "loss": "live" if loss_fn is not None else None},  # the code that trained, in its process
     )
     with deadline(timeout), preserve_live(model), eager_modules(model):
         load_buffers(model, content.state.buffers)
@@ -536,6 +562,9 @@ def replay(
         state = b.state(lazy_optimizer=True)  # read only if the diagnosis replays the optimizer update
         load_state(model, state)
         inp = bundle_step_inputs(b, state, lf, allow=allow, default_allow=default_allow)
+        inp.setup = {"model": subject.code, "model_source": subject.source, "loss": subject.loss_code if lf is not None else None,
+                     "recorded_environment": b.meta.get("environment") or {}, "environment": environment(),
+                     "recorded_device": recorded_device(b).type, "device": dev.type}
         compiled = None
         if compile:  # the recording's compile state (else inductor), and any backend named beside it
             compiled = compile_requested(model, inp, compile, dev, say)

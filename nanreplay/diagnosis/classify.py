@@ -4,20 +4,24 @@
 :class:`Features` under which it holds, and how its detail and evidence read; the first row whose
 condition holds decides. Causes:
 
-* ``bad input data``: the batch is invalid for what the code assumes: it already holds NaN/Inf;
-  or the operand at fault derives only from the batch's discrete parts (integer or bool leaves:
-  labels, masks, lengths, counts, indices; no weight, no random draw); or the batch's size or
-  composition decided the domain error: a row whose every position a mask from the batch hid, a
-  statistic over too few elements of a batch, an empty selection made by the batch, a loss whose
-  every target the batch marks ignored;
+* ``bad input data``: the batch value itself is invalid for what the code assumes: it already
+  holds NaN/Inf; or the operand at fault derives only from the batch's discrete parts (integer or
+  bool leaves: labels, masks, lengths, counts, indices; no weight, no random draw, no table of
+  the code they index); or the batch's size or composition decided the domain error: a row whose
+  every position a mask from the batch hid, a statistic over too few elements of a batch, an
+  empty selection made by the batch, a target no alignment can produce, a loss whose every
+  target the batch marks ignored;
 * ``optimizer update``: the update from finite gradients, or weights an earlier update corrupted;
 * ``explosion``: values grew step over step (grad-norm history, learning-rate spike) past the range;
 * ``overflow``: a value out of its dtype's range that is finite in a wider dtype;
 * ``underflow``: a value that rounded to 0 (or onto a domain boundary) in its dtype, where the
   step replayed in float64 is finite;
 * ``numerics``: valid values reach the op's singular point or an ill-conditioned formula: on
-  values from the weights or the code, or on continuous batch values (a distance exactly 0 for a
-  duplicate pair, a silent clip's magnitude 0): the fix is in the formula (an eps, a clamp);
+  values from the weights or the code, on continuous batch values (a distance exactly 0 for a
+  duplicate pair, a silent clip's magnitude 0), on a valid discrete value that selects a table
+  entry at the singular point (a sampled diffusion timestep whose SNR is 0), or in the derivative
+  of a legitimate -Inf (the backward of logsumexp over a fully masked row): the fix is in the
+  formula (an eps, a clamp, a safe reduction), and the batch value is the trigger;
 * ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (with
   ``replay(..., compile=True)`` / ``nanreplay replay --compile``, or on its own when the bundle
   says the recording ran compiled and the eager replay does not reproduce it); the detail names
@@ -25,13 +29,13 @@ condition holds decides. Causes:
   (:func:`nanreplay.diagnosis.compiled.compiler_verdict`);
 * ``nondeterminism``: no birth in the monitored replay, and repeated plain replays of the step on
   the same device disagree (some finite, some not);
-* ``transient``: "not reproduced: suspected hardware fault", only when everything checked agrees
-  on finite: the model's recorded forward inputs are finite (no code between ``record`` and the
-  model made them non-finite), the recording ran eagerly (a compiled recording whose compiled
-  replay is finite is not reproduced, with what differs), every repeat replay is finite, and the step replayed in float64
-  is finite too (as Megatron-LM's rerun state machine classifies); where a check did not run or
-  disagrees, the verdict is ``unknown`` and says which;
-* ``unknown``: nothing above can be shown.
+* ``transient``: a suspected device fault, only on positive evidence: the verdict ladder
+  (:mod:`nanreplay.diagnosis.fidelity`) shows the replay faithful (the same code, replays bit-equal
+  to each other, the recording reproduced up to a point) and the recording departing from it in
+  a few elements, and names the first recorded quantity that differs;
+* ``unknown``: nothing above can be shown; for a step the replay does not reproduce, the detail
+  says ``not reproduced`` and what differs between recording and replay (``fidelity``), never a
+  device fault for want of anything else.
 
 The cause says what to fix; :func:`trigger` says what set it off: the samples and the batch
 property (``classification.trigger``), for every cause the batch took part in.
@@ -45,7 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from ..core.numerics import kinds
-from .compiled import compile_agrees, compile_evidence, compiler_verdict
+from .compiled import compile_evidence, compile_facts, compiler_verdict
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
 __all__ = ["CAUSES", "Features", "RULES", "classify", "trigger", "needs_data_perturbed_replay"]
@@ -72,6 +76,7 @@ class Features:
     compiled: Optional[dict] = None           # the compile check (nanreplay.engine.compiled), asked for or run as recorded
     compile_state: Optional[dict] = None      # the recording's torch.compile state (meta["compile"])
     repeats: int = 0
+    fidelity: Optional[dict] = None           # the verdict ladder of a step the replay does not reproduce (diagnosis.fidelity)
     batch_size: Optional[int] = None
     discrete: dict[str, bool] = field(default_factory=dict)  # batch leaf path -> integer/bool dtype (discrete_leaves)
     evidence: list[str] = field(default_factory=list)
@@ -122,9 +127,11 @@ class Features:
     @property
     def only_discrete_batch(self) -> bool:
         """The operand at fault derives only from the batch, and only from its discrete leaves
-        (integer or bool: labels, masks, lengths, counts, indices)."""
+        (integer or bool: labels, masks, lengths, counts, indices), not through a lookup of a table
+        of the code (``alphas_cumprod[t]``: the batch chose a valid entry, the table holds the
+        singular value)."""
         src = self.sources
-        return (bool(src["batch"]) and not src["weights"] and not src["rng"] and not src["buffers"]
+        return (bool(src["batch"]) and not src["weights"] and not src["rng"] and not src["buffers"] and not src["lookup"]
                 and all(self.discrete.get(leaf, False) for leaf in src["batch"]))
 
     @property
@@ -132,17 +139,22 @@ class Features:
         """The batch is invalid for what the code assumes (see the module docstring): its
         composition decided the domain error (a fully masked row, a count, an empty selection,
         every target ignored), or the operand derives only from its discrete parts. Continuous
-        batch values at an op's singular point are not: that is ``numerics``, the samples its trigger."""
+        batch values at an op's singular point are not, nor a valid batch value that selects a
+        table entry at the singular point, nor the derivative of a legitimate -Inf (a log of 0, a
+        logsumexp over a fully masked row) in the backward pass: that is ``numerics``, the batch
+        value its trigger (:func:`trigger`)."""
         op = self.operand or {}
         kind = self.domain_kind
         operands = ((self.birth or {}).get("operands") or {}).get("tensors") or []
         batch_in = lambda prov: any(p.startswith("batch:") for p in prov or [])  # noqa: E731
+        if kind in ("inf", "masked") and (self.birth or {}).get("phase") == "backward":
+            return False  # the forward pass held the -Inf without harm: its derivative is the formula's to guard
         if kind == "masked":
             return batch_in(op.get("masked_by"))
         if kind in ("ignored", "count", "empty"):
             return any(batch_in(o.get("prov")) for o in operands)
         if kind == "zero":
-            return bool(op.get("zeros")) and (self.only_discrete_batch or self.persists_data_perturbed is True)
+            return bool(op.get("zeros")) and (self.only_discrete_batch or (self.persists_data_perturbed is True and not self.sources["lookup"]))
         return self.only_discrete_batch
 
     @property
@@ -189,25 +201,49 @@ def _explosion_grad_norm(f: Features) -> tuple[str, list[str]]:
             [f"the largest gradient ({_g(o.get('largest_gradient'))}) is in {o.get('param')}"] + _history_evidence(f))
 
 
-def _checked(f: Features) -> list[str]:
-    """What the not-reproduced verdicts rest on: every check that ran, and what was not checked."""
-    return [f"{f.repeats} replay(s) of the step, with the recorded batch, weights and RNG states, are all finite"
-            if f.transient else f"{f.repeats} of 3 replays of the step on this device are finite, the others are not",
-            "the recorded gradients hold non-finite values the replay does not produce",
-            "the model's forward inputs the Recorder captured are finite (no code between record(batch) and the model made them non-finite)",
-            {True: "the step replayed in float64 is finite too", False: "the step replayed in float64 is non-finite",
-             None: "the step was not replayed in float64"}[f.wide_finite],
-            compile_evidence(f.compile_state, f.compiled)]
+def _ladder_evidence(f: Features) -> list[str]:
+    """What the not-reproduced verdicts rest on: each rung of the verdict ladder, the recorded
+    quantities compared, and each difference found (:mod:`nanreplay.diagnosis.fidelity`)."""
+    fid = f.fidelity or {}
+    ev = [f"{'holds' if r['holds'] else 'does not hold'}: {r['rung']}" for r in fid.get("rungs") or []]
+    agreed = [q for q in fid.get("compared") or [] if q.get("agrees")]
+    if agreed:
+        ev.append(f"bit-equal in the replays: {_quantities(agreed)}")
+    first = fid.get("first_difference")
+    if first:
+        ev.append(f"the recording departs at {_quantity(first)}: {first['detail']}")
+    ev += [f"{d['kind']}: {d['detail']}" for d in fid.get("differences") or []]
+    return ev + [compile_evidence(f.compile_state, f.compiled)]
+
+
+def _quantity(q: dict) -> str:
+    return f"{q['name']}'s gradient" if q["quantity"] == "gradient" else f"the loss of {q['name']}"
+
+
+def _quantities(qs: list[dict]) -> str:
+    losses = [q for q in qs if q["quantity"] == "loss"]
+    grads = [q["name"] for q in qs if q["quantity"] == "gradient"]
+    parts = ["the loss"] * bool(losses) + ([f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:4])}{' ...' if len(grads) > 4 else ''})"] if grads else [])
+    return " and ".join(parts)
 
 
 def _transient(f: Features) -> tuple[str, list[str]]:
-    return ("not reproduced: suspected hardware fault (every check agrees the step is finite; on another device, compare there)",
-            _checked(f))
+    fid = f.fidelity or {}
+    first = fid.get("first_difference") or {}
+    return f"suspected device fault in {_quantity(first) if first else '?'}: {first.get('detail')}", _ladder_evidence(f)
 
 
 def _nondeterminism(f: Features) -> tuple[str, list[str]]:
-    return ("the step's replays on the same device disagree: nondeterministic kernels or a race, not the data or the weights "
-            "(torch.use_deterministic_algorithms(True) makes the replays comparable)", _checked(f))
+    fid = f.fidelity or {}
+    return (f"{fid.get('finite_replays', f.repeats)} of {fid.get('replays', 3)} replays of the step on this device are finite, the others "
+            "are not: nondeterministic kernels or a race, not the data or the weights (torch.use_deterministic_algorithms(True) makes "
+            "the replays comparable)", _ladder_evidence(f))
+
+
+def _not_reproduced(f: Features) -> tuple[str, list[str]]:
+    diffs = (f.fidelity or {}).get("differences") or []
+    return (f"not reproduced: what differs between the recording and the replay: {', '.join(d['kind'] for d in diffs) or 'nothing found'}"
+            "; nothing shows a device fault", _ladder_evidence(f))
 
 
 def _compiler(f: Features) -> tuple[str, list[str]]:
@@ -217,8 +253,8 @@ def _compiler(f: Features) -> tuple[str, list[str]]:
 def _unknown(f: Features) -> tuple[str, list[str]]:
     if f.phase == "none" and f.errors:
         return f.errors[0]["error"], [f"the {x['replay']} replay raised {x['error']}" for x in f.errors]
-    if f.phase == "none" and f.repeats:
-        return ("not reproduced, and the checks do not agree on a hardware fault: the cause is unknown", _checked(f))
+    if f.phase == "none" and f.fidelity:
+        return _not_reproduced(f)
     if f.phase == "none":
         return "no non-finite value in the replay", []
     if f.origin.get("loss_replayed") is False:
@@ -389,6 +425,9 @@ def _numerics(f: Features) -> tuple[str, list[str]]:
     if f.sources["batch"] and _continuous(f):
         ev.append(f"the batch values it derives from ({_continuous(f)}) are continuous and finite: valid data that reach the op's "
                   "singular point; the fix is in the formula (an eps, a clamp), the samples are its trigger")
+    if f.domain_kind in ("inf", "masked") and b.get("phase") == "backward":
+        ev.append("the forward pass held the -Inf without harm (a log of 0, a reduction over a fully masked row); its derivative "
+                  "is NaN: guard the formula (a safe logsumexp or softmax, finfo.min for log 0), the samples are its trigger")
     w = b.get("wider")
     if w is not None and not w.get("finite"):
         ev.append(f"{b['op']} is non-finite in {w.get('dtype')} too: a domain error, not a range problem")
@@ -417,8 +456,7 @@ RULES: tuple[Rule, ...] = (
     ("explosion", lambda f: f.origin.get("kind") == "explosion", _explosion_grad_norm),
     ("compiler", lambda f: f.phase == "none" and bool((f.compiled or {}).get("only_under_compile")), _compiler),
     ("nondeterminism", lambda f: f.phase == "none" and f.nondeterministic, _nondeterminism),
-    ("transient", lambda f: f.phase == "none" and f.transient and f.wide_finite is True and compile_agrees(f.compile_state, f.compiled),
-     _transient),
+    ("transient", lambda f: f.phase == "none" and f.transient and (f.fidelity or {}).get("verdict") == "device fault", _transient),
     ("unknown", lambda f: f.phase == "none" or f.birth is None, _unknown),
     ("explosion", lambda f: f.overflow and f.exploding, _explosion),
     # a division whose true result fits the dtype, yet gives Inf: its divisor (or an intermediate

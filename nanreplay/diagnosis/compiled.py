@@ -11,10 +11,12 @@ named adds a column to the comparison, it does not replace the recording's. On i
 compiled. Either way the entry says whether it replayed the recording's compile state
 (``replayed_as_recorded``) and what differs (``differs``), for the verdict: a compiled replay
 that is finite is "not reproduced" with those differences, never evidence of a device fault
-(:func:`compile_agrees`).
+(the verdict ladder, :mod:`nanreplay.diagnosis.fidelity`, reads them).
 
 The order of the not-reproduced checks (``docs/report.md``): the recorded forward inputs, then
-this, then repeats on the same device (nondeterminism), then a float64 reference. The compile
+this, then the verdict ladder (:mod:`nanreplay.diagnosis.fidelity`: repeats on the same device
+compared bit for bit with each other and with the recording; a recording that ran compiled is its
+difference ``compiled graph`` until a compiled replay's evidence stands in for the eager one). The compile
 state comes from the bundle (``meta["compile"]``, written by :mod:`nanreplay.capture.compiled`);
 its backend runs only when it is one a bundle may name
 (:data:`nanreplay.engine.compiled.BUNDLE_BACKENDS`).
@@ -35,7 +37,7 @@ from ..engine.run import StepInputs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replay_as_recorded", "compile_requested", "compile_facts", "compile_evidence", "compile_agrees", "compiler_verdict",
+__all__ = ["replay_as_recorded", "compile_requested", "compile_facts", "compile_evidence", "compiler_verdict",
            "compiled_samples"]
 
 #: how the samples of a compiled culprit are found (``samples.method``)
@@ -151,15 +153,6 @@ def compile_evidence(state: Optional[dict], compiled: Optional[dict]) -> str:
     differs = compiled.get("differs") or []
     return (f"{facts}; the step replayed under torch.compile ({how}, {compiled.get('target')}) is {said}"
             + (f"; what differs from the recording: {'; '.join(differs)}" if differs else ""))
-
-
-def compile_agrees(state: Optional[dict], compiled: Optional[dict]) -> bool:
-    """Whether the compile check leaves room for a device verdict: only when the recording ran
-    eagerly (or the bundle does not say). A recording that ran compiled and a compiled replay
-    that is finite is "not reproduced" with what differs between the recorded and the replayed
-    compiled code (``compile["differs"]``: the kernels inductor chose, options, dynamic shapes),
-    never a hardware fault on that alone."""
-    return not (isinstance(state, dict) and state.get("compiled"))
 
 
 def _differs(state: Optional[dict], opts: Optional[dict], entry: dict) -> tuple[Optional[bool], list[str]]:

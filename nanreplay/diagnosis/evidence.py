@@ -141,7 +141,8 @@ def offending_operand(birth: dict) -> Optional[dict]:
 
 def sources(operand: Optional[dict]) -> dict:
     """Where an operand's values come from, from its provenance: ``batch`` (leaf paths),
-    ``weights`` (bool), ``buffers`` (FQNs), ``const``, ``rng`` (bools)."""
+    ``weights`` (bool), ``buffers`` (FQNs), ``const``, ``rng``, ``lookup`` (bools; ``lookup``: the
+    batch chose entries of a table of the code, :func:`nanreplay.engine.monitors._provenance`)."""
     prov = (operand or {}).get("prov") or []
     return {
         "batch": sorted(p[len("batch:"):] for p in prov if p.startswith("batch:")),
@@ -149,12 +150,15 @@ def sources(operand: Optional[dict]) -> dict:
         "buffers": sorted(p[len("buffer:"):] for p in prov if p.startswith("buffer:")),
         "const": "const" in prov,
         "rng": "rng" in prov,
+        "lookup": "lookup" in prov,
     }
 
 
 def describe_sources(src: dict) -> str:
     """``derives from batch['y'] and the weights``, in words."""
     parts = [", ".join(src["batch"])] if src["batch"] else []
+    if src.get("lookup") and parts:
+        parts[0] += " (as positions in a table of the code)"
     if src["weights"]:
         parts.append("the weights")
     if src["buffers"]:

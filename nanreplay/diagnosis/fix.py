@@ -306,6 +306,13 @@ def _range_phrase(birth: dict) -> str:
     return f"{str(dt).replace('torch.', '')}'s largest is {torch.finfo(dt).max:.3g}" if dt is not None else "its largest finite value"
 
 
+def _to_reproduce(f: Features) -> Optional[str]:
+    """For a step the replay did not reproduce: what to record or do so that it does, from the
+    verdict ladder's differences (``fidelity``; never the device's advice without its evidence)."""
+    records = list(dict.fromkeys(d["record"] for d in (f.fidelity or {}).get("differences") or []))
+    return f"to reproduce the step: {'; '.join(records)}" if records else None
+
+
 def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None,
                 verify: bool = True, restore: Optional[Callable[[], None]] = None,
                 progress: Optional[Callable[[str], None]] = None) -> Optional[Fix]:
@@ -328,7 +335,7 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
     dtype = _dtype(b)
     row = _row(cause, b.get("forward_op") or b.get("op"), dtype) if b else None
     if row is None:
-        advice = ADVICE.get(cause) or PHASE_ADVICE.get(f.phase)
+        advice = ADVICE.get(cause) or PHASE_ADVICE.get(f.phase) or _to_reproduce(f)
         if advice is None:
             return None
         return {"description": advice.replace("{range}", _range_phrase(b)), "verified": None, "loss": None, "op": None,

@@ -9,7 +9,7 @@ reproduced; a loop that rescaled every gradient after backward (``clip_grad_norm
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Union
+from typing import Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -17,7 +17,7 @@ from ..core.digest import GradDigest, RecordedGrad, digest_of, grads_nonfinite, 
 from ..core.jsonable import fnum
 from ..core.numerics import any_nonfinite, as_real, is_float
 
-__all__ = ["VERDICTS", "compare_grads", "common_factor", "compare_loss"]
+__all__ = ["VERDICTS", "compare_grads", "common_factor", "compare_loss", "compare_outside", "Outside"]
 
 VERDICTS = ("reproduced exactly", "reproduced", "not reproduced", "not replayed")
 
@@ -142,6 +142,43 @@ def _digest_diff(r: GradDigest, rg: Optional[GradDigest]) -> tuple[bool, Union[f
     if rg is None:
         return False, (None, r.norm)
     return r.same_pattern(rg), 0.0 if r.same_values(rg) else (None, abs(r.norm - rg.norm))
+
+
+class Outside(NamedTuple):
+    """A recorded gradient against a replayed one, outside the elements the recording holds
+    non-finite (:func:`compare_outside`)."""
+
+    bit_equal: bool   # every element the recording holds finite is bit-equal in the replay (and finite there)
+    recorded_nonfinite: int  # elements the recording holds NaN/Inf at
+    replay_finite_there: int  # of those, the ones the replay holds finite
+
+
+def compare_outside(recorded: RecordedGrad, replayed: torch.Tensor) -> Outside:
+    """Does the replay reproduce a recorded gradient everywhere but where the recording holds
+    NaN/Inf? Whole tensors are compared element by element; a recorded
+    :class:`~nanreplay.core.digest.GradDigest` by the hash of the replayed values with the
+    recording's non-finite positions zeroed (the digest's hash zeroes them too): the recording
+    kept no value there. ``-0.0`` and ``0.0`` count as equal, as in the digest. One copy of the
+    gradient."""
+    g = as_real(replayed.detach()).reshape(-1)
+    if is_digest(recorded):
+        where = recorded.nonfinite_positions()
+        where = where.to(g.device) if where is not None else torch.zeros(g.numel(), dtype=torch.bool, device=g.device)
+        if where.numel() != g.numel():
+            return Outside(False, int(where.sum()), 0)
+        vals = g.clone()
+        vals[where] = 0
+        finite_elsewhere = bool(torch.isfinite(vals).all())
+        same = finite_elsewhere and digest_of(vals).sha256 == recorded.sha256
+    else:
+        r = as_real(recorded.detach().to(g.device)).reshape(-1)
+        if r.numel() != g.numel():
+            return Outside(False, 0, 0)
+        where = ~torch.isfinite(r)
+        keep = ~where
+        same = bool(torch.isfinite(g[keep]).all()) and torch.equal(r[keep], g[keep])
+    n = int(where.sum())
+    return Outside(same, n, int(torch.isfinite(g[where]).sum()) if n else 0)
 
 
 def _g(x: float) -> str:

@@ -39,7 +39,7 @@ from ..core.tree import tensor_leaves
 from . import probes
 from .deadline import check_deadline
 
-__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "flags_of", "LOSS_OPS"]
+__all__ = ["born", "Facts", "Fact", "ModuleMonitor", "OpMonitor", "RootTracker", "flags_of", "LOSS_OPS"]
 
 # ops whose output is uninitialised memory: never a birth, never checked
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "empty_permuted"})
@@ -137,13 +137,27 @@ class Facts:
         self._d[t] = fact
 
 
+#: aten ops that read entries of their first operand (a table) at positions their other operands give
+_LOOKUPS = frozenset({"index", "index_select", "gather", "embedding", "take", "take_along_dim", "_embedding_bag", "embedding_bag"})
+
+
 def _provenance(func: Any, name: str, in_facts: list[Fact]) -> frozenset:
     """The sources an op's outputs come from: its inputs' (``const`` for an op without tensor
-    inputs), plus ``rng`` for a random op (:data:`_RANDOM`, or one taking a ``Generator``)."""
+    inputs), plus ``rng`` for a random op (:data:`_RANDOM`, or one taking a ``Generator``), plus
+    ``lookup`` for a lookup (:data:`_LOOKUPS`) of a table of the code (constants, buffers: neither
+    the batch nor the weights) at positions the batch gives (``alphas_cumprod[t]`` for a sampled
+    timestep ``t``): the batch chose a valid entry, the table's values are the code's."""
     prov: frozenset = frozenset().union(*(f.prov for f in in_facts)) if in_facts else frozenset(("const",))
     if name in _RANDOM or any("Generator" in str(a.type) for a in getattr(getattr(func, "_schema", None), "arguments", ())):
         prov = prov | {"rng"}
+    table = in_facts[0].prov if in_facts else frozenset()
+    if name in _LOOKUPS and len(in_facts) > 1 and not _from_batch(table) and "weights" not in table and any(_from_batch(f.prov) for f in in_facts[1:]):
+        prov = prov | {"lookup"}
     return prov
+
+
+def _from_batch(prov: frozenset) -> bool:
+    return any(p.startswith("batch:") for p in prov)
 
 
 #: aten ops that only reshape: their output holds the input's elements in the same (row-major) order
@@ -189,6 +203,49 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     elif isinstance(tree, dict):
         for x in tree.values():
             yield from _tensors(x)
+
+
+class RootTracker(ModuleTracker):
+    """torch's ``ModuleTracker``, which also enters the backward pass of a module whose output is
+    where a backward pass starts.
+
+    ``ModuleTracker`` enters a module's backward pass from a multi-grad hook on the module's
+    outputs, and torch never calls that hook on a tensor ``backward()`` starts from: the loss a
+    criterion or a loss head returns (``model.loss_head(...)`` called from the loss function, a
+    ``model.criterion`` submodule), or a model output the replay drives with its recorded
+    cotangent. The backward ops of such a module then ran outside every module, where its forward
+    ops are named. A pre-hook on the root's autograd node does fire: this tracker keeps, weakly,
+    the modules that returned each output, and :meth:`enter_roots` (called just before the
+    backward pass) enters them from such a pre-hook. Their input hooks leave them, as
+    ``ModuleTracker``'s own do; every hook is removed on exit with ``ModuleTracker``'s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._returned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+        super()._fw_post_hook(mod, input, output)
+        name = self._get_mod_name(mod)
+        for t in _tensors(output):
+            if t.requires_grad and t.grad_fn is not None:
+                self._returned.setdefault(t, []).append(name)
+
+    def enter_roots(self, roots: Iterable[torch.Tensor]) -> None:
+        """Enter, as the backward pass from ``roots`` starts, the modules that returned them."""
+        for t in roots:
+            names = self._returned.get(t) if isinstance(t, torch.Tensor) else None
+            if names and t.grad_fn is not None:
+                self._hooks.append(t.grad_fn.register_prehook(self._entering(names)))
+
+    def _entering(self, names: list[str]) -> Callable:
+        enter = [self._get_append_fn(n, True) for n in names]
+
+        def hook(grads: Any) -> None:
+            for fn in enter:
+                fn()
+
+        return hook
 
 
 class ModuleMonitor:
@@ -537,7 +594,8 @@ class OpMonitor(TorchDispatchMode):
             b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
         b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by, f.row_groups) for f in in_facts])
-        b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size))
+        b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size),
+                                          nan_only=any(f.inf for f in in_facts))  # Inf in, NaN born: the NaN rows
         self.births.append(b)
         return k
 

@@ -205,22 +205,28 @@ def wider_recompute(func: Callable, args: tuple, kwargs: dict, outs: Sequence[to
     return {"dtype": str(ts[0].dtype).replace("torch.", ""), "finite": finite, "absmax": absmax}
 
 
-def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sample: Optional[int] = None, limit: int = 64) -> Optional[dict]:
+def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sample: Optional[int] = None, limit: int = 64, *,
+                   nan_only: bool = False) -> Optional[dict]:
     """The batch rows of the first floating output that hold a non-finite value: along its first
     dimension of length ``batch`` (the replayed micro-batch's size), else along dimension 0.
     ``per_sample``: dimension 0 merges the batch with the dimensions after it, ``per_sample``
     rows per sample (``[B * T, d]``): its non-finite rows are given as the samples they belong to
     (whatever length the other dimensions have).
-    Returns ``{"size", "dim", "count", "indices"}`` (``count`` non-finite rows, the first
-    ``limit`` of them in ``indices``), plus ``rows_per_sample`` with ``per_sample``."""
+    ``nan_only``: the rows holding NaN (a NaN born of inputs that already held Inf: the Inf is
+    theirs, carried on, and only the NaN rows are born here).
+    Returns ``{"size", "dim", "count", "indices"}`` (``count`` non-finite rows; ``indices`` all of
+    them along the batch dimension, whose size bounds the list, else the first ``limit``), plus
+    ``rows_per_sample`` with ``per_sample``."""
     t = next((t for t in outs if is_float(t) and t.dim() >= 1), None)
     if t is None:
         return None
     merged = bool(per_sample and batch and t.shape[0] == batch * per_sample)  # row r of dim 0 is in sample r // per_sample
     dim = 0 if merged else (next((d for d, n in enumerate(t.shape) if n == batch), 0) if batch is not None else 0)
     size = batch if merged else int(t.shape[dim])
-    bad = ~torch.isfinite(t.detach().movedim(dim, 0).reshape(size, -1)).all(dim=1)
-    out = {"size": size, "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:limit].tolist()]}
+    rows = t.detach().movedim(dim, 0).reshape(size, -1)
+    bad = torch.isnan(rows).any(dim=1) if nan_only else ~torch.isfinite(rows).all(dim=1)
+    keep = None if size == batch else limit  # the samples are never cut; rows of another dimension may be many
+    out = {"size": size, "dim": dim, "count": int(bad.sum()), "indices": [int(i) for i in bad.nonzero().flatten()[:keep].tolist()]}
     return dict(out, rows_per_sample=per_sample) if merged else out
 
 
@@ -281,6 +287,7 @@ def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: st
     vals = torch.unique(d)
     out["distinct"] = [int(x) for x in vals[:9].tolist()] if vals.numel() <= 8 else None
     out["min"], out["max"] = int(d.min()), int(d.max())
+    out["zeros"], out["negatives"] = int(torch.count_nonzero(d == 0)), int(torch.count_nonzero(d < 0))  # an integer divisor (a count) at 0
     return out
 
 

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.module_tracker import ModuleTracker
 
 from ..core.allowlist import Allowlist
 from ..core.batch import batch_size, rows_of
@@ -28,7 +27,7 @@ from ..core.rng import ReplayRNG, RNGState
 from ..core.tree import flatten_typed, map_tensors, tensor_leaves, to_typed
 from ..errors import ReplayError
 from ..format.records import Snapshot, StepRecord
-from .monitors import ModuleMonitor, OpMonitor
+from .monitors import ModuleMonitor, OpMonitor, RootTracker
 from .state import replay_scaler
 
 logger = logging.getLogger(__name__)
@@ -53,6 +52,10 @@ class StepInputs:
     attach_scan: Optional[dict] = None           # meta["attach_scan"]: tensors non-finite when the Recorder attached
     scalars: list = field(default_factory=list)  # the scalar history (meta["scalar_history"]) as light records
     compile_state: Optional[dict] = None         # meta["compile"]: the recording's torch.compile state (capture.compiled)
+    # what the replay runs against what was recorded, for the verdict ladder (diagnosis.fidelity):
+    # "model"/"loss" ("live", "recorded", "program" or "given"), "model_source", "environment" and
+    # "recorded_environment" (format.bundle.environment), "device" and "recorded_device" (types)
+    setup: dict = field(default_factory=dict)
 
     def long_history(self) -> list:
         """The scalar history merged with the ring buffer's steps (a ring step wins), oldest
@@ -162,7 +165,7 @@ def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
             h = tensor_health([leaf])
             if h is not None and not h.finite:
                 rows = rows_of(~torch.isfinite(leaf.detach()), size) if size is not None and leaf.dim() else None
-                out.append({"leaf": path, "health": h, "samples": rows or []})  # every row: at most the batch size
+                out.append({"leaf": path, "health": h, "samples": rows or []})  # every row: a cut list would hide samples
     return out
 
 
@@ -221,6 +224,26 @@ def _rng_restorer(rec: StepRecord, rng: ReplayRNG, cuda: bool) -> Callable:
     return hook
 
 
+def _input_feeder(run: "_Run", rec: StepRecord) -> Callable:
+    """A forward pre-hook for the top-level model that hands its i-th grad-enabled forward of the
+    replayed step the model's forward inputs the Recorder captured in training (``rec.forwards[i]``),
+    in place of what the loss function passes: what the model saw, when code between
+    ``record(batch)`` and the model changed the batch."""
+    count = [0]
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        if not torch.is_grad_enabled():
+            return None
+        i = count[0]
+        count[0] += 1
+        if i >= len(rec.forwards):
+            return None
+        fed_args, fed_kwargs = run.seed(rec.forwards[i].inputs, _batch_root(rec, False, i))
+        return tuple(fed_args), dict(fed_kwargs)
+
+    return hook
+
+
 class _NoModuleMonitor:
     """The module monitor of a replay run without one (``run_step(..., monitors=False)``)."""
 
@@ -243,7 +266,7 @@ class _Run:
         self.settle, self.backward = settle, backward
         self.runner = runner if runner is not None else model
         self.mon: Any = ModuleMonitor(model, backward=not lean, counts=not lean) if monitors else _NoModuleMonitor()
-        self.tracker: Any = ModuleTracker() if monitors else contextlib.nullcontext()
+        self.tracker: Any = RootTracker() if monitors else contextlib.nullcontext()
         self.opmon = OpMonitor(self.tracker, model, allow=inp.allow, watch=watch) if ops else None
         self.losses: list[Optional[Health]] = []
         self.loss_values: list[float] = []
@@ -260,6 +283,12 @@ class _Run:
             self.opmon.run_phase = phase
             if micro_batch is not None:
                 self.opmon.micro_batch = micro_batch
+
+    def enter_roots(self, roots: list) -> None:
+        """The modules that returned the tensors a backward pass starts from take part in it
+        (:class:`~nanreplay.engine.monitors.RootTracker`)."""
+        if isinstance(self.tracker, RootTracker):
+            self.tracker.enter_roots(roots)
 
     def seed(self, tree: Any, root: str) -> Any:
         """Move a recorded batch to the replay device and declare its leaves sources."""
@@ -287,7 +316,9 @@ class _Run:
             self.products.append(loss)
             if self.backward:
                 self.phase("backward")
-                (scaler.scale(loss) if scaler is not None else loss).backward()
+                root = scaler.scale(loss) if scaler is not None else loss
+                self.enter_roots([root])
+                root.backward()
 
     def with_cotangent(self, autocast: Any, mode: str) -> None:
         """The model's forward calls, then backward seeded with the recorded output gradients."""
@@ -314,6 +345,7 @@ class _Run:
                 # output also feeds another inside the model, autograd would add that internal
                 # path on top of the seed: pin each output's gradient to its recorded value.
                 pins = [o.register_hook(lambda g, c=c: c) for o, c in pairs] if len(pairs) > 1 else []
+                self.enter_roots([o for o, _ in pairs])
                 try:
                     torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
                 finally:
@@ -352,11 +384,13 @@ def _mode_and_inputs(inp: StepInputs) -> tuple[str, list]:
     return mode, [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, _batch_root(rec, False, i))]
 
 
-def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool, cuda: bool) -> None:
+def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool, cuda: bool,
+             model_inputs: bool = False) -> None:
     """Run the step under its recorded RNG states and the monitors: forward with the loss
     function or the recorded cotangent, backward, and the scaler's unscale when the recorded
     gradients were unscaled. The monitors are closed and the RNG hook removed whatever happens.
-    ``cuda``: the replay runs on a CUDA device (else the recorded CUDA generator states are left out)."""
+    ``cuda``: the replay runs on a CUDA device (else the recorded CUDA generator states are left out).
+    ``model_inputs``: the loss function's model calls get the recorded forward inputs."""
     rec, model = inp.record, run.model
     if rec.rng.torch_cuda and not cuda:
         run.warnings.append(
@@ -364,7 +398,9 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
             "GPU, if any (dropout of a CUDA model), come from the CPU generator here, so values that depend on them differ from "
             "the recorded ones")
     rng = ReplayRNG(private=False if compiled else None)  # compiled: Dynamo does not trace under a dispatch mode
-    rng_hook = run.runner.register_forward_pre_hook(_rng_restorer(rec, rng, cuda))  # on a compiled wrapper: runs eagerly
+    hooks = _Both(run.runner.register_forward_pre_hook(_rng_restorer(rec, rng, cuda)))  # on a compiled wrapper: runs eagerly
+    if model_inputs and mode == "loss_fn":
+        hooks = _Both(*hooks.handles, run.runner.register_forward_pre_hook(_input_feeder(run, rec), with_kwargs=True))
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
@@ -384,12 +420,23 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
                 scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.grad is not None] or [torch.zeros(1)], lr=0.0))
     finally:
         run.mon.close()
-        rng_hook.remove()
+        hooks.remove()
+
+
+class _Both:
+    """Two hook handles removed as one."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
              runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
-             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True) -> ReplayResult:
+             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True, model_inputs: bool = False) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -423,6 +470,11 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
         backward: ``False`` stops after the forward pass and the loss (no gradients; the
             outputs' and losses' health only), for the per-sample replays of a forward or loss
             birth: about a third of a step's time.
+        model_inputs: with a loss function, the model's i-th forward call of the step gets the
+            forward inputs the Recorder captured for it (``record.forwards[i].inputs``) in place
+            of what the loss function passes it: the step as the model saw it when code between
+            ``record(batch)`` and the model changed the batch (the loss function still supplies
+            the rest, e.g. the targets).
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -453,7 +505,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None, cuda=dev.type == "cuda")
+    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None, cuda=dev.type == "cuda",
+             model_inputs=model_inputs)
     live_grads = [p.grad for p in model.parameters() if p.grad is not None]
     reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None and watch is None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

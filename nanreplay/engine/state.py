@@ -274,6 +274,8 @@ class Subject:
     loss_fn: Optional[Callable]
     source: str
     notes: list[str] = field(default_factory=list)
+    code: str = "recorded"               # the model's code: "given" (the caller's), "program" (embedded) or "recorded" (its factory or class)
+    loss_code: Optional[str] = None      # the loss function's: "given", "program", "recorded", or None (no loss function)
 
 
 def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_factory: Union[str, Callable, None] = None,
@@ -317,22 +319,28 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
             return recorded_callable(b, "loss function", b.loss_fn)  # trust rule checked again
         return None
 
+    given = user_loss is not None and not (isinstance(user_loss, str) and user_loss == b.loss_fn)  # the recorded path, named again
+    loss_code = "given" if given else ("recorded" if wants_loss and b.loss_fn else None)
     if model is not None:
-        return Subject(model, resolve_loss(True), "the given model", notes)
+        return Subject(model, resolve_loss(True), "the given model", notes, code="given", loss_code=loss_code)
     if model_factory is not None:
-        return Subject(build_model(b, model_factory), resolve_loss(True), f"the given factory {model_factory if isinstance(model_factory, str) else getattr(model_factory, '__qualname__', model_factory)}", notes)
+        return Subject(build_model(b, model_factory), resolve_loss(True), f"the given factory {model_factory if isinstance(model_factory, str) else getattr(model_factory, '__qualname__', model_factory)}",
+                       notes, code="given", loss_code=loss_code)
     from .program import build_from_program
 
     if uses_program:
         pmodel, ploss = build_from_program(b, device=device)
-        lf = ploss if ploss is not None and user_loss is None and wants_loss else resolve_loss(True)
-        return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes)
+        own_loss = ploss is not None and user_loss is None and wants_loss
+        lf = ploss if own_loss else resolve_loss(True)
+        return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes,
+                       code="program", loss_code="program" if own_loss else loss_code)
     if program.get("kind"):
         notes.append("the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory")
     elif program.get("error"):
         notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
                      "the recorded model factory rebuilds the model")
-    return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters", notes)
+    return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters",
+                   notes, loss_code=loss_code)
 
 
 @dataclass(frozen=True)

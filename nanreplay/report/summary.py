@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 
 from ..core.results import DiagnosisDict, Fix, Origin, Reproduction, Source
 
-__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "difference_phrase", "culprit_phrase", "HEADS", "HEAD_KINDS", "TAILS",
-           "COMPILE_PHRASES"]
+__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "reproduced", "difference_phrase", "culprit_phrase", "HEADS",
+           "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[Source]) -> str:
@@ -47,8 +47,11 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
     ("forward", None): "{kinds} born in the forward pass{op}{at}{in_module}",
     ("none", "compiled only"): ("step {step}: {compiled_kinds} only under torch.compile (backend {backend}){compiled_culprit}: the step "
                                 "replayed eagerly is finite, replayed compiled its {compiled_parts} are not{compiled_vs_recording}"),
-    ("none", "transient"): "step {step}: the recorded gradients are non-finite, but {repeats} replays of the step are finite",
-    ("none", "nondeterminism"): "step {step}: the recorded gradients are non-finite, and the replays of the step disagree ({repeats} of 3 finite)",
+    ("none", "transient"): ("step {step}: {replays} replays of the step agree bit for bit and reproduce {agreeing} of the recording, "
+                            "which departs at {departs}"),
+    ("none", "nondeterminism"): "step {step}: the recording is non-finite, and the replays of the step disagree ({finite_replays} of {replays} finite)",
+    ("none", "not reproduced"): ("step {step}: the recording is non-finite, {finite_replays} of {replays} replay(s) of the step are finite; "
+                                 "recording and replay differ in: {differences}"),
     ("none", "replay failed"): "step {step}: the {failed_replay} replay failed, so the origin is unknown",
     ("none", None): "step {step}: the replay produced no non-finite value",
 }
@@ -60,6 +63,7 @@ HEAD_KINDS: tuple[tuple[str, str], ...] = (
     ("transient", "transient"),
     ("nondeterministic", "nondeterminism"),
     ("replay_failed", "replay failed"),
+    ("not_reproduced", "not reproduced"),
 )
 
 #: what the reproduction verdict adds, by head kind (the verdict is the eager replay's)
@@ -91,11 +95,28 @@ def difference_phrase(repro: Reproduction, num: Callable[[Any], str] = str) -> s
     return f"max abs difference of finite gradient values: {num(repro.get('max_abs_diff'))}"
 
 
+def reproduced(diag: DiagnosisDict) -> bool:
+    """Whether the replay reproduced the failure: the reproduction verdict is not ``not
+    reproduced``, or (``--compile``) the compiled replay's is ``reproduced...``. ``nanreplay
+    replay`` and ``nanreplay report`` exit 3 when it is not, for a diagnosis made by a replay or
+    in process (the one the Recorder stores, ``report --no-replay``) alike; a suspected device
+    fault (``fidelity``) is a step not reproduced too."""
+    compiled = str((diag.get("compile") or {}).get("compiled_reproduction") or "")
+    return (diag.get("reproduction") or {}).get("verdict") != "not reproduced" or compiled.startswith("reproduced")
+
+
 def verdict_phrase(repro: Reproduction) -> str:
     """The reproduction verdict as the summary says it: ``reproduced exactly``, ``reproduced (max
     abs difference X)``, ``reproduced up to one gradient factor C that the loop applied after
     backward`` (see :func:`nanreplay.engine.compare.common_factor`), ``not reproduced``, or
-    ``not replayed`` (the in-process diagnosis answered from the recorded data alone)."""
+    ``not replayed`` (the in-process diagnosis answered from the recorded data alone); a step
+    replayed from the model's recorded input (``replayed_from``) says so: ``reproduced exactly
+    from the model's recorded input``."""
+    said = _verdict(repro)
+    return f"{said} from {repro['replayed_from']}" if repro.get("replayed_from") and said.startswith("reproduced") else said
+
+
+def _verdict(repro: Reproduction) -> str:
     v = repro.get("verdict", "")
     if v == "reproduced" and repro.get("grad_factor") == "nan":
         return "reproduced (the loop then made every gradient NaN, as clip_grad_norm_ does with a non-finite total norm)"
@@ -113,7 +134,7 @@ def verdict_phrase(repro: Reproduction) -> str:
 def _fields(diag: DiagnosisDict) -> dict:
     """The values the sentence templates fill in: those of the origin, of the diagnosis' other
     parts (chain, classification, errors) and of the compiled replay."""
-    return {**_origin_fields(diag.get("origin") or {}), **_diagnosis_fields(diag), **_compile_fields(diag)}
+    return {**_origin_fields(diag.get("origin") or {}), **_diagnosis_fields(diag), **_compile_fields(diag), **_fidelity_fields(diag)}
 
 
 def _origin_fields(o: Origin) -> dict:
@@ -172,6 +193,24 @@ def _culprit_head(diag: DiagnosisDict) -> str:
     smp = diag.get("samples") or {}
     rows = (", every sample" if smp.get("batch_level") else f", samples {smp['indices']}" if smp.get("indices") else "")
     return f", born in op {said}{rows}"
+
+
+def _fidelity_fields(diag: DiagnosisDict) -> dict:
+    """The verdict ladder's findings (``fidelity``, :mod:`nanreplay.diagnosis.fidelity`)."""
+    fid = diag.get("fidelity") or {}
+    compared = fid.get("compared") or []
+    grads = [q for q in compared if q["quantity"] == "gradient"]
+    agreed = [q for q in grads if q.get("agrees")]
+    loss = [q for q in compared if q["quantity"] == "loss" and q.get("agrees")]
+    first = fid.get("first_difference") or {}
+    return {
+        "not_reproduced": fid.get("verdict") == "not reproduced" and (diag.get("classification") or {}).get("cause") == "unknown",
+        "replays": fid.get("replays"),
+        "finite_replays": fid.get("finite_replays"),
+        "agreeing": " and ".join(["the loss"] * bool(loss) + ([f"{len(agreed)} of {len(grads)} gradients"] if agreed else [])) or "nothing",
+        "departs": (f"{first['name']}'s gradient" if first.get("quantity") == "gradient" else f"the loss of {first.get('name')}") if first else "?",
+        "differences": ", ".join(d["kind"] for d in fid.get("differences") or []) or "nothing found",
+    }
 
 
 def _compile_fields(diag: DiagnosisDict) -> dict:

@@ -153,22 +153,9 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
     diag = inert_tree(diag, one_line=True)
     st = styler(color)
     lines = [st(diag.get("summary", ""), bold=True), ""]
-    o = diag.get("origin") or {}
     lines.append(f"  step:          {diag.get('step')}")
     lines.append(f"  phase:         {st(str(diag.get('phase')), fg='red' if diag.get('phase') != 'none' else None, bold=True)}")
-    if o:
-        where = o.get("module")
-        lines.append(
-            "  origin:        "
-            + st(((where or "(root module)") if where is not None else o.get("leaf") or o.get("tensor")
-                  or ("outside the model" if diag.get("phase") in ("forward", "loss", "backward") else "-"))
-                 + (f" ({o['class']})" if o.get("class") else "")
-                 + (f", op {o['op']}" if o.get("op") else ""), bold=True)
-        )
-        for k in ("first_nonfinite_gradient", "tensor", "samples"):
-            if o.get(k) not in (None, []):
-                lines.append(f"  {k.replace('_', ' ')+':':<15}{o[k]}")
-        lines.extend(_origin_details(o, st))
+    lines.extend(_origin_lines(diag, st))
     cls = diag.get("classification")
     if cls:
         lines.append(f"  verdict:       {st(cls['cause'], fg='red', bold=True)} ({cls['detail']})")
@@ -182,7 +169,8 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
         lines.append(f"  cause:         {diag['cause']}")
     lines.extend(_chain_lines(diag.get("chain") or []))
     r = diag.get("reproduction") or {}
-    lines.append(f"  reproduction:  {st(str(r.get('verdict')), fg=_VERDICT_COLOR.get(r.get('verdict')), bold=True)} ({difference_phrase(r, _num)})")
+    lines.append(f"  reproduction:  {st(str(r.get('verdict')), fg=_VERDICT_COLOR.get(r.get('verdict')), bold=True)}"
+                 + (f" from {r['replayed_from']}" if r.get("replayed_from") else "") + f" ({difference_phrase(r, _num)})")
     if r.get("detail"):
         lines.append(f"                 {r['detail']}")
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))
@@ -218,6 +206,24 @@ def _plan_lines(diag: DiagnosisDict) -> list[str]:
         out.append(f"  loss scale:    {_num(ls.get('scale'))}" + (f" ({_num(ls['scale_after'])} after the step)" if ls.get("scale_after") is not None else "")
                    + (f"; failure: {ls['failure']}" if ls.get("failure") else "") + (f"; history {hist}" if hist else ""))
     return out
+
+
+def _origin_lines(diag: dict, st: Callable[..., str]) -> list[str]:
+    """The origin: where, its gradient, tensor and samples (every one, or the whole batch), its details."""
+    o = diag.get("origin") or {}
+    if not o:
+        return []
+    where = o.get("module")
+    lines = ["  origin:        " + st(((where or "(root module)") if where is not None else o.get("leaf") or o.get("tensor")
+                                    or ("outside the model" if diag.get("phase") in ("forward", "loss", "backward") else "-"))
+                                   + (f" ({o['class']})" if o.get("class") else "") + (f", op {o['op']}" if o.get("op") else ""), bold=True)]
+    for k in ("first_nonfinite_gradient", "tensor", "samples"):
+        if o.get(k) not in (None, []):
+            lines.append(f"  {k.replace('_', ' ')+':':<15}{o[k]}")
+    smp = diag.get("samples") or {}
+    if smp.get("batch_level"):
+        lines.append(f"  samples:       the whole batch of {smp.get('batch_size')}" + (f" ({smp['reason']})" if smp.get("reason") else ""))
+    return lines + _origin_details(o, st)
 
 
 def _chain_lines(chain: list) -> list[str]:

@@ -28,6 +28,7 @@ TABLES = {
     "Top level": R.DiagnosisDict, "`classification`": R.Classification, "`reproduction`": R.Reproduction, "`samples`": R.Samples,
     "`history`": R.History, "`origin`": R.Origin, "`compile`": R.CompileCheck, "`classification.fix`": R.Fix,
     "`rollback`": R.RollbackPlan, "`loss_scale`": R.LossScale,
+    "`fidelity`": R.Fidelity,
 }
 PROSE = {"A birth (`births[i]`)": R.Birth, "`optimizer`": R.OptimizerReplay}
 BULLETS = {
@@ -38,6 +39,7 @@ BULLETS = {
     "`culprit.samples`": R.CompiledRows,
     "`rollback.episode`": R.Episode, "`rollback.episode.runs[i]`": R.EpisodeRun, "`rollback.rejected[i]`": R.RejectedState,
     "`rollback.lr_jump`": R.LrJump,
+    "`fidelity.rungs[i]`": R.Rung, "`fidelity.compared[i]`": R.RecordedQuantity, "`fidelity.differences[i]`": R.Difference,
 }
 
 #: keys declared for work merged in parallel; documented when the code that writes them lands

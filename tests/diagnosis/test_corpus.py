@@ -129,6 +129,11 @@ def test_report_invariants(case_name, tmp_path_factory):
         modules = dict(case.make_model().named_modules())
         assert module in modules, f"origin module {module!r} is not a module of the model ({sorted(modules)[:12]}...)"
 
+    # a device fault only where the case injects one (issue 34: never a hardware verdict for want of a finding)
+    if (diag.get("classification") or {}).get("cause") == "transient":
+        assert "hardware-fault" in case.TAGS, f"a device verdict for a software bug: {diag.get('summary')!r}"
+        assert (diag.get("fidelity") or {}).get("verdict") == "device fault" and diag["fidelity"]["first_difference"]
+
     summary = diag.get("summary") or ""
     if op:
         names = [n for n in (op, origin.get("forward_op"), origin.get("node")) if n]
