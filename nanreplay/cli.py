@@ -644,7 +644,9 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
 
     st = styler(color is not False)
     review = _code_listing(info.get("code") or {})
+    names = {k: inert_name(info[k]) for k in ("model_class", "model_factory", "loss_fn", "optimizer") if info.get(k) is not None}
     info = inert_tree(info, one_line=True)  # every string from the bundle shows, escaped, and acts on nothing
+    info.update(names)  # names of code: every character outside printable ASCII escaped (no look-alike)
 
     def echo(line: str) -> None:
         click.echo(line, color=color)

@@ -103,8 +103,9 @@ class UntrustedBundleError(NanReplayError):
         super().__init__(self.describe(cli=False))
 
     def listing(self) -> str:
-        """The names, as ``model factory 'a:b'; loss function 'c:d'``."""
-        return "; ".join(f"{kind} " + ", ".join(repr(n) for n in names) for kind, names in self.names.items())
+        """The names, as ``model factory 'a:b'; loss function 'c:d'``: each by ``ascii()``, so a
+        look-alike or invisible character shows as its escape (``'model\\u2024py:make'``)."""
+        return "; ".join(f"{kind} " + ", ".join(ascii(n) for n in names) for kind, names in self.names.items())
 
     def describe(self, *, cli: bool) -> str:
         """The message in the caller's terms: CLI flags (``cli=True``) or Python keywords."""
