@@ -33,6 +33,10 @@ goes with it when matplotlib (the ``report`` extra) is installed and the event h
 rendering it takes about 1 s on 2 CPU cores, nearly all of an event's cost (``bench/trackers.py``). A tracker that fails logs one warning and never stops
 training (:meth:`Trackers.emit`); the command line (``nanreplay log``) asks for the failures
 instead, to exit with them.
+
+Every string a tracker gets is escaped for Markdown and HTML (:func:`_text`,
+:func:`nanreplay.core.inert.inert_markdown`): a bundle's text is untrusted and TensorBoard, W&B and
+MLflow render Markdown, so a stored image or link shows as text. A callable gets the raw event.
 """
 
 from __future__ import annotations

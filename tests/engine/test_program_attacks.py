@@ -120,3 +120,19 @@ def test_the_attack_index_matches_what_the_script_writes(tmp_path):
                        text=True, timeout=300, env=_env())
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "index.json").exists()
+
+
+def test_hostile_arguments_to_allowlisted_ops_are_refused_or_contained(tmp_path):
+    """bench/fuzz.py's argument mutator, a few dozen mutants: each calls one allowlisted op (a
+    different one each, in turn) with valid arguments, then with hostile sizes, indices, dtypes or
+    empty tensors; replayed as a stranger's bundle (the sandbox), each ends ok / exit 4 / 5 / 7,
+    never another exit, a traceback or a signal of the process around it, within the time and
+    memory bounds of the fuzzer's child."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--args", "--mutants", "30", "--workers", "1", "--seed", "7",
+                        "--timeout", "60", "--json", str(tmp_path / "r.jsonl")], capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "30 argument mutants over 30 allowlisted ops" in r.stdout
+    assert "other outcomes (not ok / exit 4 / exit 5 / exit 7, a signal or a timeout of the outer process): 0" in r.stdout
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert all(row["seconds"] < 60 for row in rows)
+    assert all(row["stages"]["replay"] in ("ok", "exit 4", "exit 5", "exit 7") for row in rows)
