@@ -46,10 +46,10 @@ def check_finite(bundle: Union[str, Path, Bundle], *, model: Optional[torch.nn.M
     """
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=True, device=device, trust=trust,
                             import_script=import_script)
-    plan = sandbox_plan(bundle, request)
-    if plan is None:
-        return _check(bundle, request)
-    out, _ = plan.run(lambda req, relay: _check(bundle, req), limits=sandbox)
+    with sandbox_plan(bundle, request) as (b, plan):
+        if plan is None:
+            return _check(b, request)
+        out, _ = plan.run(lambda req, relay: _check(b, req), limits=sandbox)
     out = conforming(out, _CHECK_SCHEMA, plan.path)
     out["loss"] = unfnum(out["loss"])  # "nan" / "inf" as JSON carries them, a float again
     return out

@@ -523,12 +523,12 @@ def replay(
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
                             batch_types=batch_types, import_script=import_script)
     options = dict(allow=allow, default_allow=default_allow, ops=ops, samples=samples, compile=compile)
-    plan = sandbox_plan(bundle, request)
-    if plan is None:
-        return _replay(bundle, request, progress=say, **options)
-    say("starting the sandboxed replay (the bundle is not trusted)")
-    diag, _ = plan.run(lambda req, relay: dict(_replay(bundle, req, progress=relay, **options)), progress=say, limits=sandbox)
-    return Diagnosis(conforming(diag, "diagnosis", plan.path), meta=plan.meta)
+    with sandbox_plan(bundle, request) as (b, plan):
+        if plan is None:
+            return _replay(b, request, progress=say, **options)
+        say("starting the sandboxed replay (the bundle is not trusted)")
+        diag, _ = plan.run(lambda req, relay: dict(_replay(b, req, progress=relay, **options)), progress=say, limits=sandbox)
+        return Diagnosis(conforming(diag, "diagnosis", plan.path), meta=plan.meta)
 
 
 def _replay(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, progress: Progress, allow: Optional[Sequence[str]],

@@ -295,20 +295,20 @@ def export_repro(bundle: Union[str, Path, Bundle], out_dir: Union[str, Path], *,
     say = progress or _silent
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
                             batch_types=batch_types, import_script=import_script)
-    plan = sandbox_plan(bundle, request)
-    if plan is None:
-        got, facts = _captured(bundle, request, allow=allow, progress=say)
-    else:
-        say("starting the sandboxed replay (the bundle is not trusted)")
+    with sandbox_plan(bundle, request) as (b, plan):
+        if plan is None:
+            got, facts = _captured(b, request, allow=allow, progress=say)
+        else:
+            say("starting the sandboxed replay (the bundle is not trusted)")
 
-        def work(req: ReplayRequest, relay: Progress) -> tuple[dict, dict[str, bytes]]:
-            call, info = _captured(bundle, req, allow=allow, progress=relay)
-            data, tensors = call_payload(call)
-            return {"call": data, **info}, {TENSORS: tensors}
+            def work(req: ReplayRequest, relay: Progress) -> tuple[dict, dict[str, bytes]]:
+                call, info = _captured(b, req, allow=allow, progress=relay)
+                data, tensors = call_payload(call)
+                return {"call": data, **info}, {TENSORS: tensors}
 
-        data, blobs = plan.run(work, progress=say, limits=sandbox, encode=lambda v: v)
-        facts = conforming(data, _FACTS_SCHEMA, plan.path)
-        got = call_from_payload(facts.pop("call"), blobs.get(TENSORS, b""))
+            data, blobs = plan.run(work, progress=say, limits=sandbox, encode=lambda v: v)
+            facts = conforming(data, _FACTS_SCHEMA, plan.path)
+            got = call_from_payload(facts.pop("call"), blobs.get(TENSORS, b""))
     out = write_repro(got, out_dir, step=facts["step"], where=facts["where"])
     out.update(facts)
     return out

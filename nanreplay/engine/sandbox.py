@@ -239,11 +239,20 @@ class SandboxPlan:
                           memory=limits.memory_for(self.bundle_bytes), label=str(self.path))
 
 
-def sandbox_plan(bundle: Any, request: Any, *, optimizer: bool = False) -> Optional[SandboxPlan]:
-    """The sandbox plan of a replay of ``bundle`` with ``request``, or ``None`` when this process
-    may run it: the bundle is trusted (trust store or ``request.trust``), or the replay would not
-    run its embedded program (the user's model or factory, or the recorded factory of a trusted
-    bundle). The trust rule is checked here too, before anything is forked.
+@contextlib.contextmanager
+def sandbox_plan(bundle: Any, request: Any, *, optimizer: bool = False) -> Iterator[tuple[Any, Optional[SandboxPlan]]]:
+    """Open ``bundle`` for a replay with ``request`` and say where it runs: yields the open
+    :class:`~nanreplay.format.bundle.Bundle` (a path is opened here and closed on exit, an open one
+    is viewed) and the sandbox plan, or ``None`` when this process may run it: the bundle is
+    trusted (trust store or ``request.trust``), or the replay would not run its embedded program
+    (the user's model or factory, or the recorded factory of a trusted bundle). The caller replays
+    the yielded bundle either way (a forked child inherits it), so it is opened once. The trust
+    rule is checked here, before anything is forked::
+
+        with sandbox_plan(path, request) as (b, plan):
+            if plan is None:
+                return work(b, request, progress)
+            data, files = plan.run(lambda req, say: work(b, req, say))
 
     Raises:
         UntrustedBundleError: the replay would import code the untrusted bundle names.
@@ -254,28 +263,33 @@ def sandbox_plan(bundle: Any, request: Any, *, optimizer: bool = False) -> Optio
         FileNotFoundError, BundleFormatError: the bundle cannot be read.
     """
     from ..format.bundle import Bundle, open_bundle
-    from .state import runs_untrusted_program
 
     own = not isinstance(bundle, Bundle)
     b = open_bundle(bundle, trust=request.trust) if own else bundle.view(trust=request.trust)
     try:
-        if not runs_untrusted_program(b, request, optimizer=optimizer):
-            return None
-        why = unavailable()
-        if why is not None:
-            raise SandboxUnavailableError(b.path, why)
-        dev = request.device
-        if dev is not None and str(dev).split(":")[0] != "cpu":
-            raise ReplayError(f"device {dev}: the program of an untrusted bundle replays only inside nanreplay's sandbox, on the CPU; "
-                              f"pass --trust (Python: trust=True) to replay it on {dev} in this process, after reviewing `nanreplay inspect`")
-        try:
-            size = Path(b.path).stat().st_size
-        except OSError:
-            size = 0
-        return SandboxPlan(Path(b.path), dict(b.meta), dataclasses.replace(request, device="cpu"), size)
+        yield b, _plan(b, request, optimizer)
     finally:
         if own:
             b.close()
+
+
+def _plan(b: Any, request: Any, optimizer: bool) -> Optional[SandboxPlan]:
+    from .state import runs_untrusted_program
+
+    if not runs_untrusted_program(b, request, optimizer=optimizer):
+        return None
+    why = unavailable()
+    if why is not None:
+        raise SandboxUnavailableError(b.path, why)
+    dev = request.device
+    if dev is not None and str(dev).split(":")[0] != "cpu":
+        raise ReplayError(f"device {dev}: the program of an untrusted bundle replays only inside nanreplay's sandbox, on the CPU; "
+                          f"pass --trust (Python: trust=True) to replay it on {dev} in this process, after reviewing `nanreplay inspect`")
+    try:
+        size = Path(b.path).stat().st_size
+    except OSError:
+        size = 0
+    return SandboxPlan(Path(b.path), dict(b.meta), dataclasses.replace(request, device="cpu"), size)
 
 
 def conforming(data: Any, schema: Union[str, dict], path: Any) -> Any:

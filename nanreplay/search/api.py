@@ -123,12 +123,12 @@ def bisect(
     if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a multiple of the median of earlier steps), got {threshold}")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, batch_types=batch_types)
-    plan = sandbox_plan(bundle, request, optimizer=over == "steps")
-    if plan is None:
-        return _bisect(bundle, request, over=over, max_replays=max_replays, threshold=threshold, progress=progress)
-    out, _ = plan.run(lambda req, relay: _bisect(bundle, req, over=over, max_replays=max_replays, threshold=threshold, progress=relay),
-                      progress=progress, limits=sandbox)
-    return conforming(out, "bisect", plan.path)
+    with sandbox_plan(bundle, request, optimizer=over == "steps") as (b, plan):
+        if plan is None:
+            return _bisect(b, request, over=over, max_replays=max_replays, threshold=threshold, progress=progress)
+        out, _ = plan.run(lambda req, relay: _bisect(b, req, over=over, max_replays=max_replays, threshold=threshold, progress=relay),
+                          progress=progress, limits=sandbox)
+        return conforming(out, "bisect", plan.path)
 
 
 def _bisect(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, over: str, max_replays: int, threshold: float,
