@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import os
 import signal
 import socket
@@ -225,6 +226,10 @@ def test_check_and_bisect_run_in_the_sandbox(program_bundle):
     assert r.exit_code == 3, r.output
     out = json.loads(r.output)
     assert out["finite"] is False and out["loss"] in ("nan", "inf", "-inf")  # the check's non-finite loss, as JSON writes it
+    from nanreplay.testing import check_finite
+
+    py = check_finite(program_bundle)  # the Python API: sandboxed too, the loss a float again
+    assert isinstance(py["loss"], float) and not math.isfinite(py["loss"]) and py["nonfinite"] == out["nonfinite"]
     r = CliRunner().invoke(main, ["bisect", "--over", "samples", "--json", str(program_bundle)], catch_exceptions=False)
     assert r.exit_code in (0, 6), r.output
     assert json.loads(r.output)["over"] == "samples"
