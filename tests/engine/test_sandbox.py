@@ -266,3 +266,28 @@ def test_sandbox_limits_refuse_nonsense():
     with pytest.raises(ValueError, match="memory"):
         SandboxLimits(memory=-1)
     assert SandboxLimits().memory_for(1 << 20) == sandbox.MEMORY_ALLOWANCE + 8 * (1 << 20)
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_an_exception_in_torchs_deserializer_is_one_sentence_without_torchs_traceback(program_bundle, monkeypatch, caplog, trusted):
+    """A record torch's deserializer trips over (simulated: it logs a traceback through torch's own
+    logger and raises a KeyError) ends in exit 5 with one sentence, in the sandbox or in-process
+    (--trust), and stderr carries none of torch's output."""
+    import logging
+
+    from torch._export.serde import serialize
+
+    def broken(self, *args, **kwargs):
+        try:
+            raise KeyError("node 'evil'")
+        except KeyError:
+            logging.getLogger("torch._export.serde.serialize").exception("TORCH-LOG-MARKER while deserializing")
+            raise
+
+    monkeypatch.setattr(serialize.ExportedProgramDeserializer, "deserialize", broken)
+    caplog.set_level(logging.DEBUG, logger="torch._export")
+    r = CliRunner().invoke(main, ["replay", *(["--trust"] if trusted else []), str(program_bundle)], catch_exceptions=False)
+    assert r.exit_code == 5, r.output
+    assert r.output.startswith("Error: the embedded program (torch ") and "KeyError: \"node 'evil'\"; replay with --model-factory" in r.output
+    assert r.output.count("\n") == 1 and "Traceback" not in r.output and "TORCH-LOG-MARKER" not in r.output
+    assert not [rec for rec in caplog.records if "TORCH-LOG-MARKER" in rec.getMessage()]  # torch's logger said nothing
