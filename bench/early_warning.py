@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/early_warning.py             # all runs, prints the tables (about 2 minutes on 2 cores)
+    python bench/early_warning.py             # all runs, prints the tables (about 10 minutes on 1 thread)
     python bench/early_warning.py --readme    # also writes them into bench/README.md
     python bench/early_warning.py --quick     # a third of the runs, for a smoke test
 
@@ -11,14 +11,19 @@ Method. Every run trains a small model (an MLP, or a one-head attention block) w
 ``action="warn"`` and no dumps, so the run goes on after a spike), until its first non-finite
 loss or gradient or the end of its steps. A run is:
 
-* **diverging** (24 runs, 8 kinds x 3 seeds/sizes): a learning-rate ramp (x1.3-x1.5 per step, a
+* **diverging** (27 runs, 9 kinds x 3 seeds/sizes): a learning-rate ramp (x1.3-x1.5 per step, a
   range test), a learning-rate jump (x100-x1000), an outlier batch (inputs x300-x3000, once),
   targets that grow (x1.2-x1.4 per step), a loss scale that grows (x2 per step or every 2 steps,
   never unscaled), attention logits that grow (the q/k group's learning rate x1.15-x1.3 per step, a naive softmax),
-  a clipped divergence that stays finite (lr x1000 under ``clip_grad_norm_(1.0)``), and an Adam
-  ``eps`` too small (``eps=1e-30``, learning rate raised, sparse features);
-* **clean** (100 runs): batch sizes 4-64, warm-up + cosine, Adam or SGD with momentum, noisy
-  targets (MSE or cross-entropy), an attention block among them, 300-400 steps each.
+  a clipped divergence that stays finite (lr x1000 under ``clip_grad_norm_(1.0)``), an Adam
+  ``eps`` too small (``eps=1e-30``, learning rate raised, sparse features), and a warm restart of the
+  learning rate far above where a cosine decay left it (x2,500-x15,000 in one step, as a restart
+  with the wrong maximum does);
+* **clean** (130 runs): 100 with batch sizes 4-64, warm-up + cosine, Adam or SGD with momentum, noisy
+  targets (MSE or cross-entropy), an attention block among them, 300-400 steps each; 20 with a
+  one-cycle schedule (``OneCycleLR``'s shape: up 25x over 30 % of the steps, then down); 10 of a
+  float64 linear model fitting exact targets, whose loss falls to 1e-31..1e-33 and stays at
+  rounding noise (a loss near zero).
 
 Figures: **recall** = diverging runs warned at least one step before their first non-finite step
 (a run that stays finite: warned at all); **lead** = steps from the first warning to the first
@@ -75,14 +80,20 @@ def mlp(d: int, out: int, h: int = 64) -> nn.Module:
 
 
 class Task:
-    """A synthetic task: a fixed random teacher, noisy targets; ``batch(bs)`` draws from a private generator."""
+    """A synthetic task: a fixed random teacher, noisy targets; ``batch(bs)`` draws from a private
+    generator. ``exact``: float64 targets with no noise, computed in another summation order than a
+    linear model's matmul, so a model that fits them drives its loss to rounding noise (1e-31..1e-33)."""
 
-    def __init__(self, seed: int, d: int = 16, classes: int = 0, tokens: int = 0, noise: float = 0.3, sparse: bool = False) -> None:
+    def __init__(self, seed: int, d: int = 16, classes: int = 0, tokens: int = 0, noise: float = 0.3, sparse: bool = False,
+                 exact: bool = False) -> None:
         self.g = torch.Generator().manual_seed(seed)
-        self.d, self.classes, self.tokens, self.noise, self.sparse = d, classes, tokens, noise, sparse
-        self.w = torch.randn(d, max(classes, 1), generator=self.g)
+        self.d, self.classes, self.tokens, self.noise, self.sparse, self.exact = d, classes, tokens, noise, sparse, exact
+        self.w = torch.randn(d, max(classes, 1), generator=self.g, dtype=torch.float64 if exact else torch.float32)
 
     def batch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exact:
+            x = torch.randn(bs, self.d, generator=self.g, dtype=torch.float64)
+            return x, (x * self.w[:, 0]).sum(1, keepdim=True)
         shape = (bs, self.tokens, self.d) if self.tokens else (bs, self.d)
         x = torch.randn(*shape, generator=self.g)
         if self.sparse:
@@ -103,6 +114,17 @@ def warmup_cosine(step: int, total: int, warm: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
+def one_cycle(step: int, total: int, pct: float = 0.3, div: float = 25.0, final_div: float = 1e4) -> float:
+    """``torch.optim.lr_scheduler.OneCycleLR``'s multiplier of ``max_lr`` (cosine annealing): from
+    1/div up to 1 over ``pct`` of the steps, then down to 1/(div * final_div)."""
+    up = max(1, int(pct * total) - 1)
+    def cos(a: float, b: float, t: float) -> float:
+        return b + (a - b) / 2 * (1 + math.cos(math.pi * t))
+    if step <= up:
+        return cos(1 / div, 1.0, step / up)
+    return cos(1.0, 1 / (div * final_div), (step - up) / max(1, total - 1 - up))
+
+
 # -- one run ------------------------------------------------------------------------------------------
 def train(run: dict) -> dict:
     """Train one run with a Recorder; returns its first non-finite step, the Recorder's spikes and
@@ -119,7 +141,8 @@ def train(run: dict) -> dict:
                                                       max_dumps=0, capture_cotangent=False) as rec:
         state: dict[str, Any] = {"lr_mult": 1.0, "scale": 1.0}
         for step in range(steps):
-            sched = warmup_cosine(step, steps, run.get("warm", 0)) if run.get("cosine") else 1.0
+            sched = (warmup_cosine(step, steps, run.get("warm", 0)) if run.get("cosine") else
+                     one_cycle(step, steps) if run.get("one_cycle") else 1.0)
             x, y = task.batch(bs)
             hook(step, state, model, x, y)
             x, y = state.pop("x", x), state.pop("y", y)
@@ -203,6 +226,10 @@ def diverging_runs() -> list[dict]:
         def big(step, st, m, x, y, start=start):
             st["lr_mult"] = 1000.0 if step >= start else 1.0
         add("clipped divergence (finite)", i, bs=bs, opt=opt, hook=big, clip=1.0, steps=300)
+    for i, (restart, high, bs, opt) in enumerate([(150, 60.0, 16, _sgd(0.05)), (200, 50.0, 32, _sgd(0.02, 0.9)), (120, 300.0, 8, _adam(1e-3))]):
+        def warm_restart(step, st, m, x, y, restart=restart, high=high):  # a cosine decay to 2 % of the rate, then a restart far above it
+            st["lr_mult"] = 0.02 + 0.49 * (1 + math.cos(math.pi * step / restart)) if step < restart else high
+        add("lr warm restart", i, bs=bs, opt=opt, hook=warm_restart, steps=restart + 100)
     for i, (start, bs) in enumerate([(80, 16), (120, 32), (150, 8)]):
         def hot(step, st, m, x, y, start=start):
             st["lr_mult"] = 30.0 if step >= start else 1.0
@@ -210,9 +237,12 @@ def diverging_runs() -> list[dict]:
     return runs
 
 
-#: clean runs: 100 x 300-400 steps = 35,000 steps, enough that 0 alarms bounds the rate below 1 per 10,000
-#: (rule of three: 3 / 35,000 = 0.86 per 10,000 at 95 %)
+#: clean runs: 100 x 300-400 steps = 35,000 steps of warm-up + cosine, enough that 0 alarms bounds the rate
+#: below 1 per 10,000 (rule of three: 3 / 35,000 = 0.86 per 10,000 at 95 %); then one-cycle schedules and
+#: losses near zero
 CLEAN_RUNS = 100
+ONE_CYCLE_RUNS = 20
+NEAR_ZERO_RUNS = 10
 
 
 def clean_runs() -> list[dict]:
@@ -229,6 +259,17 @@ def clean_runs() -> list[dict]:
         model = (lambda c=classes: Attn(out=max(c, 1))) if attn else (lambda c=classes: mlp(16, max(c, 1)))
         runs.append({"name": f"clean-{i}", "kind": "clean", "seed": seed, "task": task, "model": model, "opt": opt, "bs": bs,
                      "steps": 300 + 25 * (i % 5), "cosine": True, "warm": 30})
+    for i in range(ONE_CYCLE_RUNS):  # OneCycleLR: the rate rises 25x over 30 % of the steps, then falls 250,000x
+        bs, seed, adam = sizes[i % 5], 2000 + i, i % 2 == 0
+        classes = 10 if i % 4 in (1, 2) else 0
+        opt = _adam(1e-2) if adam else _sgd(0.1 if classes else 0.02, 0.9)
+        runs.append({"name": f"one-cycle-{i}", "kind": "one-cycle", "seed": seed, "task": Task(seed, classes=classes, noise=0.3 + 0.2 * (i % 3)),
+                     "model": lambda c=classes: mlp(16, max(c, 1)), "opt": opt, "bs": bs, "steps": 300 + 25 * (i % 5), "one_cycle": True})
+    for i in range(NEAR_ZERO_RUNS):  # a float64 linear model fitting exact targets: the loss falls to 1e-31..1e-33 and sits at rounding noise
+        seed = 3000 + i
+        runs.append({"name": f"near-zero-{i}", "kind": "near-zero loss", "seed": seed, "task": Task(seed, exact=True),
+                     "model": lambda: nn.Linear(16, 1, bias=False).double(), "opt": _sgd((0.05, 0.1)[i % 2]), "bs": (2, 4, 8, 16, 32)[i % 5],
+                     "steps": 400})
     return runs
 
 
@@ -236,9 +277,9 @@ def clean_runs() -> list[dict]:
 def replay_detector(rows: list, z: float, drift: float) -> list[dict]:
     """The spikes an :class:`EarlyWarning` with these thresholds finds on a run's recorded values."""
     ew = early.EarlyWarning(z=z, drift=drift)
-    for step, loss, gnorm, lrs, finite in rows:
+    for step, loss, gnorm, lrs, finite, _scale, pre in rows:
         if finite:
-            ew.observe(step, loss=loss, grad_norm=gnorm, lrs=[x for x in lrs if not isinstance(x, torch.Tensor)])
+            ew.observe(step, loss=loss, grad_norm=gnorm if pre is None else pre, lrs=[x for x in lrs if not isinstance(x, torch.Tensor)])
     return ew.spikes
 
 
@@ -247,7 +288,7 @@ def margins(rows: list) -> tuple[float, float]:
     against the default bands (the bands' own winsorising at the default ``Z_SPIKE``)."""
     bands = {s: early.Band() for s in early.SIGNALS}
     zmax, dmax = -math.inf, 0.0
-    for step, loss, gnorm, lrs, finite in rows:
+    for step, loss, gnorm, lrs, finite, _scale, _pre in rows:
         if not finite:
             continue
         lr = early._max_lr([x for x in lrs if not isinstance(x, torch.Tensor)])
@@ -255,6 +296,8 @@ def margins(rows: list) -> tuple[float, float]:
             y = early._log(x)
             if y is None:
                 continue
+            if name != "lr":
+                y = bands[name].floored(y, early.EPS_FLOAT32)
             z = bands[name].score(y)
             if z is not None:
                 zmax = max(zmax, z)
@@ -281,7 +324,7 @@ def score(div: list[dict], clean: list[dict], spikes_of: Callable[[dict], list])
             leads.append(lead)
         k = per_kind.setdefault(r["kind"], {"runs": 0, "warned": 0, "leads": [], "finite": 0, "signals": []})
         if first is not None:
-            k["signals"].append(sp[0]["signal"] + ("" if sp[0]["kind"] == "spike" else " drift"))
+            k["signals"].append(sp[0]["signal"] + ("" if sp[0]["kind"] == "spike" else " " + sp[0]["kind"]))
         k["runs"] += 1
         k["warned"] += ok
         k["finite"] += r["first_bad"] is None
@@ -303,8 +346,8 @@ def host_cost(rows_of_runs: list[list]) -> float:
     for rows in rows_of_runs:
         ew, hist = early.EarlyWarning(), early.ScalarHistory()
         t0 = time.perf_counter()
-        for step, loss, gnorm, lrs, finite in rows:
-            hist.add(step, loss, gnorm, lrs, finite)
+        for step, loss, gnorm, lrs, finite, scale, pre in rows:
+            hist.add(step, loss, gnorm, lrs, finite, scale, pre)
             ew.observe(step, loss=loss, grad_norm=gnorm, lrs=lrs)
         t += time.perf_counter() - t0
         n += len(rows)
@@ -395,7 +438,8 @@ def report(live: dict, grid: list, div: list, clean: list, took: float) -> list[
     lines = [
         f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}, {torch.get_num_threads()} thread(s); "
         f"command: `python bench/early_warning.py --readme` ({took:.0f} s); thresholds: z > {early.Z_SPIKE:g} spreads, "
-        f"loss drift > {early.DRIFT_RATIO:g}x its lowest smoothed value, warm-up {early.WARMUP} steps",
+        f"loss drift > {early.DRIFT_RATIO:g}x its lowest smoothed value, learning-rate jump >= {early.LR_JUMP:g}x its previous value, "
+        f"warm-up {early.WARMUP} steps, floor: the signal's peak x its dtype's machine epsilon",
         "",
         f"Default Recorder (`on_spike=\"warn\"`): **recall {live['hits']}/{live['runs']} = {100 * live['recall']:.0f}%** of diverging runs "
         f"warned at least one step before the first non-finite step (or at all, for the runs that stay finite); lead median "
@@ -408,6 +452,13 @@ def report(live: dict, grid: list, div: list, clean: list, took: float) -> list[
     ]
     for kind, k in live["per_kind"].items():
         lines.append(f"| {kind} | {k['runs']} | {k['warned']} | {k['finite']} | {', '.join(map(str, k['leads'])) or '-'} | {', '.join(k['signals'])} |")
+    lines += ["", "| clean kind | runs | steps | alarm episodes | alarms (step: signal kind) |", "|---|---|---|---|---|"]
+    for kind in dict.fromkeys(r["kind"] for r in clean):
+        runs = [r for r in clean if r["kind"] == kind]
+        eps = [(r["name"], s["step"], s["signal"], s["kind"]) for r in runs for s in r["spikes"]]
+        n = sum(len({s["episode"] for s in r["spikes"]}) for r in runs)
+        lines.append(f"| {kind} | {len(runs)} | {sum(r['steps'] for r in runs):,} | {n} | "
+                     + (", ".join(f"{a} {b}: {c} {d}" for a, b, c, d in eps[:6]) + (" ..." if len(eps) > 6 else "") or "-") + " |")
     lines += ["", "Threshold grid (the same recorded values replayed through `EarlyWarning`): recall % / lead median / false alarms per 10,000 clean steps", "",
               "| z \\ drift | " + " | ".join(f"{d:g}x" for d in sorted({g[1] for g in grid})) + " |",
               "|---|" + "---|" * len({g[1] for g in grid})]

@@ -13,7 +13,7 @@ library's exceptions to them, and ``tests/cli/test_cli.py`` checks this table ag
       newest first with their failing step; for ``log``: a malformed ``--to``, its tracker's
       library not installed (the ``trackers`` extra), or a tracker that refused the log
 3     ``replay``, ``report``: the failure was NOT reproduced (``report`` still writes the page);
-      with ``replay --compile``: neither the eager nor the compiled replay reproduced it
+      with ``replay --compile``: neither the eager nor the main compiled replay reproduced it
 4     the bundle is missing, unreadable, truncated, corrupted or foreign
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
       (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot); for ``export --repro``: the
@@ -445,14 +445,14 @@ class _InertFormatter(logging.Formatter):
 @click.option("--rows", default=8, show_default=True, help="Rows of the health table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON (fields in docs/report.md).")
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import (a training script without an `if __name__ == \"__main__\":` guard trains again).")
-@click.option("--compile", "compile_", is_flag=True, help="Also replay the step with the model under torch.compile (same weights, batch and RNG states) and say whether the NaN appears only under compile.")
-@click.option("--compile-backend", default="inductor", show_default=True, metavar="BACKEND", help="The torch.compile backend of --compile (inductor, aot_eager, eager, ...).")
+@click.option("--compile", "compile_", is_flag=True, help="Also replay the step under torch.compile as the recording compiled it (its backend, mode, options and compiled modules; inductor when the bundle does not say), beside eager and aot_eager (same weights, batch and RNG states): says whether the NaN appears only under compile, which compiler stage brings it, and the op, source line and samples inside the compiled region.")
+@click.option("--compile-backend", multiple=True, metavar="BACKEND", help="Add BACKEND (inductor, aot_eager, aot_eager_decomp_partition, eager, ...) to the --compile comparison as one more column; the recording's backend stays the main one. Repeatable; implies --compile.")
 @_trust_opt
 @_batch_type_opt
 @_sandbox_options
 @_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
-           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, compile_: bool, compile_backend: str,
+           allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, compile_: bool, compile_backend: tuple,
            trust: bool, batch_types: tuple, timeout: float, memory_limit: Optional[float], color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
@@ -468,7 +468,7 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
                                allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script,
-                               trust=trust, batch_types=_import_types(batch_types), compile=compile_backend if compile_ else False,
+                               trust=trust, batch_types=_import_types(batch_types), compile=list(compile_backend) or compile_,
                                sandbox=_limits(timeout, memory_limit))
     if as_json:
         click.echo(_dump_json(_versioned(diag)), color=False)

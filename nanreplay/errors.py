@@ -161,6 +161,9 @@ class NonFiniteGradientError(NanReplayError):
         step: the failing optimizer step index (0-based count of ``optimizer.step()`` calls seen).
         bundle_path: the bundle written for that step, or ``None`` when the dump failed.
         diagnosis: the in-process replay's diagnosis as a JSON-able dict, or ``None``.
+        rollback: the rollback plan (``Recorder.rollback_plan()``: the episode, the restore
+            point, the steps to skip) when the Recorder gave up after ``max_consecutive`` skips,
+            else ``None``.
     """
 
     def __init__(
@@ -170,11 +173,13 @@ class NonFiniteGradientError(NanReplayError):
         step: int,
         bundle_path: Optional[str] = None,
         diagnosis: Optional[dict[str, Any]] = None,
+        rollback: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__(message)
         self.step = step
         self.bundle_path = bundle_path
         self.diagnosis = diagnosis
+        self.rollback = rollback
 
 
 class SpikeError(NanReplayError):

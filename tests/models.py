@@ -289,6 +289,35 @@ def make_compiled_only_nan() -> nn.Module:
     return CompiledOnlyNaN()
 
 
+class OnePassNorm(nn.Module):
+    """Normalises each row by a one-pass variance, E[x^2] - E[x]^2: on rows with a large offset
+    and a small spread the two terms cancel, and the float32 result is rounding noise of either
+    sign. Inductor's kernel sums the reductions in another order than eager code, so for some
+    rows only the compiled model takes ``rsqrt`` of a negative value (NaN)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - m * m
+        return (x - m) * torch.rsqrt(var + 1e-6)
+
+
+class OnePassNet(nn.Module):
+    """:class:`OnePassNorm` at ``norm``, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = OnePassNorm()
+        self.fc = nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+def make_one_pass_norm() -> nn.Module:
+    torch.manual_seed(0)
+    return OnePassNet()
+
+
 class BatchStdNet(nn.Module):
     """Normalises by the batch's standard deviation (``std`` over dim 0), then takes ``sqrt`` of
     a batch mean: NaN born in an op whose output has no batch dimension, so the samples are found

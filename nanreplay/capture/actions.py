@@ -35,10 +35,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from ..core.rollback import plan_phrase
 from ..errors import NonFiniteGradientError, SpikeError
 
 logger = logging.getLogger(__name__)
@@ -107,12 +108,14 @@ class Skip(Action):
             return
         state.skipped += 1
         if state.skipped > state.max_consecutive:
+            plan = state.final_plan() if state.final_plan is not None else None
             raise NonFiniteGradientError(
                 f"{incident.message}; {state.skipped} consecutive steps skipped, more than max_consecutive="
-                f"{state.max_consecutive}: training is not recovering",
+                f"{state.max_consecutive}: training is not recovering" + (f"; rollback plan: {plan_phrase(plan)}" if plan else ""),
                 step=incident.step,
                 bundle_path=str(state.dump.bundles[0]) if state.dump.bundles else None,
                 diagnosis=state.dump.last_diagnosis,
+                rollback=plan,
             )
         logger.warning("nanreplay: %s; skipping this optimizer step (%d in a row)", incident.message, state.skipped)
         state.drop_gradients()
@@ -197,6 +200,9 @@ class Actions:
 
     Attributes:
         skipped: consecutive skipped steps.
+        final_plan: ``final_plan()`` returns the rollback plan of the episode (bringing the
+            bundle's up to date) when ``skip`` gives up; set by the Recorder
+            (:meth:`nanreplay.capture.early.SpikeWatch.final_plan`), else ``None``.
     """
 
     def __init__(self, name: str, optimizer: torch.optim.Optimizer, *, dump: Any, max_consecutive: int,
@@ -204,6 +210,7 @@ class Actions:
         self.action = ACTIONS[name]
         self.optimizer, self.dump, self.max_consecutive, self._param_fqn = optimizer, dump, max_consecutive, param_fqn
         self.skipped = 0
+        self.final_plan: Optional[Callable[[], Optional[dict]]] = None
         self._versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
 
     @property

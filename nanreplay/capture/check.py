@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -22,25 +22,33 @@ logger = logging.getLogger(__name__)
 __all__ = ["read_check", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
-def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None) -> tuple[Optional[float], Optional[float], Optional[bool]]:
-    """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
-    finiteness is ``None`` outside torch.distributed (``dist`` is ``None``); inside, the ranks'
-    flags are all-reduced on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`)."""
+def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None,
+               extra: Sequence[Optional[torch.Tensor]] = ()) -> tuple[Optional[float], Optional[float], Optional[bool], list]:
+    """(grad norm, loss, agreed finiteness, extra values) as host values from one host read. The
+    agreed finiteness is ``None`` outside torch.distributed (``dist`` is ``None``); inside, the
+    ranks' flags are all-reduced on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`).
+    ``extra``: more device scalars read in the same host read (the GradScaler's scale, the grad
+    norm before clipping), their host floats returned in order (``None`` for a ``None``); they
+    take no part in the ranks' agreement."""
     present = [t for t in (norm, loss) if t is not None]
-    if dist is None and not present:
-        return None, None, None
-    device = present[0].device if present else dist.device()
+    more = [t for t in extra if t is not None]
+    if dist is None and not present and not more:
+        return None, None, None, [None] * len(extra)
+    device = present[0].device if present else (more[0].device if more else dist.device())
     parts = [t.to(device, torch.float32).reshape(1) for t in present]
     flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
     n = len(parts)
     if dist is not None:
         flat = torch.cat([flat, dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])
+    if more:
+        flat = torch.cat([flat] + [t.detach().to(device, torch.float32).reshape(1) for t in more])
     vals = flat.tolist()  # the one host read
     it = iter(vals[:n])
     g = next(it) if norm is not None else None
     lo = next(it) if loss is not None else None
-    agreed = dist.decide(vals[n:]) if dist is not None else None
-    return g, lo, agreed
+    tail = iter(vals[len(vals) - len(more):])
+    agreed = dist.decide(vals[n:len(vals) - len(more)]) if dist is not None else None
+    return g, lo, agreed, [None if t is None else next(tail) for t in extra]
 
 
 def overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:

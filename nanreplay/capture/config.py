@@ -87,9 +87,17 @@ class RecorderConfig:
             :func:`nanreplay.capture.ddp.register_origin_hook` (each bucket checked before its
             all-reduce, so the rank where a non-finite gradient was born is known). Needs one extra
             copy of the gradients per step (the rank-local gradients, kept until the step ends).
-        min_scale: with a GradScaler, dump when a skipped step leaves the loss scale below this.
-        max_scaler_skips: with a GradScaler, dump when more than this many consecutive steps were
-            skipped for non-finite gradients (a healthy fp16 run skips a few in a row at most).
+        min_scale: with a GradScaler, the floor of the loss scale (default 1: at scale 1 nothing is
+            scaled): a skipped step whose gradients are still non-finite after unscaling at a scale
+            at or below it (or at or below the scaler's own minimum, when larger) is a failure
+            (``scaler_failure: "scale collapsed"``). Skips at a larger, falling scale are routine,
+            however many (:mod:`nanreplay.capture.amp`); a non-finite loss is a failure at once.
+        max_scaler_skips: with a GradScaler, consecutive skipped steps tolerated at a scale that
+            does not fall (a scaler at its own minimum, or with hysteresis that stopped backing
+            off); one more is a failure (``"scale stalled"``). Until this version it counted every
+            consecutive skip, which failed healthy runs whose scale starts high (Megatron-LM's
+            ``init_scale=2**32`` skips about 20 steps in a row); skips at a falling scale no longer
+            count, so the same value now only catches a stuck scale. Default 10.
         check_every: read the check's verdict on the host every N steps (1 = every step, one host
             sync per step). With N > 1 the check is sync-free in between: each step's grad norm
             (and loss) stays a device scalar, and a device-side latch copies the step's pre-step

@@ -205,6 +205,27 @@ class Dump:
         self._track(written, content, spike)
         return written
 
+    def amend(self, path: Path, reason: dict) -> bool:
+        """Rewrite the bundle at ``path`` with ``reason``'s keys replaced in its ``reason`` (and
+        ``reason["rollback"]`` in its stored diagnosis, and in :attr:`last_diagnosis` when that
+        is this bundle's): used to bring a bundle's rollback plan up to date with its episode.
+        Cost: one full rewrite (every tensor read and written again, atomically). Never raises:
+        a failure is logged and ``False`` returned."""
+        try:
+            with open_bundle(path) as b:
+                content = b.content()
+                content.reason = {**content.reason, **reason}
+                if "rollback" in reason and content.diagnosis is not None:
+                    content.diagnosis = {**content.diagnosis, "rollback": reason["rollback"]}
+                write_bundle(path, content)
+        except Exception:
+            logger.exception("nanreplay: could not bring %s's rollback plan up to date; it keeps the plan it was written with", path)
+            return False
+        if "rollback" in reason and self.last_diagnosis is not None and self.bundles and self.bundles[-1] == path:
+            self.last_diagnosis["rollback"] = reason["rollback"]
+        logger.info("nanreplay: %s's rollback plan now covers the episode", path)
+        return True
+
     def _track(self, path: Path, content: BundleContent, spike: bool) -> None:
         """Tell ``log_to``'s trackers of a bundle written (a spike bundle is told with its
         episode, by :meth:`nanreplay.capture.early.SpikeWatch.judge`). Never raises."""

@@ -80,9 +80,12 @@ class Recorder:
             without it, replay drives the backward pass with the recorded cotangent.
         model_factory: optional zero-argument callable (or import path) returning a fresh model
             of the same architecture, for ``nanreplay replay`` in another process.
-        scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients are
-            normal and only counted (:attr:`scaler_skips`); see :mod:`nanreplay.capture.amp` for
-            when they become a failure. Its state is saved in the bundle and restored by replay.
+        scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients while
+            its scale is large and falling are normal and only counted (:attr:`scaler_skips`); a
+            non-finite loss, gradients still non-finite at a scale at or below ``min_scale``, or a
+            scale that stopped falling are failures (:mod:`nanreplay.capture.amp`). Its scale is
+            followed per step (the scalar history) and its state saved in the bundle and
+            restored by replay.
         config: a :class:`RecorderConfig`; keyword ``options`` override its fields.
 
     Use as a context manager (``with Recorder(model, opt) as rec:``) or call :meth:`close`.
@@ -113,7 +116,9 @@ class Recorder:
         step: index of the step in progress (``step_offset`` plus the count of ``optimizer.step()`` calls seen).
         ring: the ring buffer, a sequence of :class:`~nanreplay.format.records.StepRecord`.
         bundles: paths of the bundles written so far.
-        nonfinite_steps: the steps found non-finite so far.
+        nonfinite_steps: the steps found non-finite so far (a GradScaler's routine skips are not).
+        episode: the current non-finite episode (:mod:`nanreplay.capture.episode`), else ``None``.
+        should_rollback, weights_corrupted: see below.
         last_diagnosis: the diagnosis dict of the last in-process diagnosis, else ``None``.
         extra_meta: JSON merged into every bundle's metadata (integrations put theirs here).
 
@@ -154,6 +159,8 @@ class Recorder:
         self.nonfinite_steps: list[int] = []
         self.extra_meta: dict[str, Any] = {}
         self.extra_meta["attach_scan"] = attach_scan(self.model, self.step)
+        self._pending_grad_norm: Any = None  # log_grad_norm: the norm before clipping, read with the check
+        self._loss_dtype: Any = None
         self._closed = False
 
         # hooks, each behind a handle this Recorder owns
@@ -168,7 +175,9 @@ class Recorder:
         self._actions = Actions(self.config.action, optimizer, dump=self._dump, max_consecutive=self.config.max_consecutive,
                                 param_fqn=self._param_fqn)
         # the early warning and rollback plan (capture.early), and the scalar history
-        self._watch = SpikeWatch(self.config.on_spike, ring=self.ring, extra_meta=self.extra_meta, actions=self._actions, dump=self._dump)
+        self._watch = SpikeWatch(self.config.on_spike, ring=self.ring, extra_meta=self.extra_meta, actions=self._actions, dump=self._dump,
+                                 attach_step=self.step, attach_clean=not self.extra_meta["attach_scan"]["count"])
+        self._actions.final_plan = self._watch.final_plan  # the plan a give-up (skip past max_consecutive) carries
         self._history = ScalarHistory(self.config.history_steps)
         self._dump.history = self._history
         self._amp = None
@@ -214,6 +223,23 @@ class Recorder:
         """Steps the GradScaler skipped for non-finite gradients so far (0 without a scaler)."""
         return self._amp.total_skips if self._amp is not None else 0
 
+    @property
+    def episode(self) -> Optional[dict]:
+        """The current non-finite episode, else ``None``: ``{"first_step", "last_step", "steps",
+        "consecutive", "runs": [{"first", "last", "nonfinite", "update"}], "weights_corrupted_at"}``
+        (``docs/report.md``, ``rollback.episode``): every non-finite step since the first, what
+        was non-finite and whether each update was ``"applied"`` (``action="warn"``),
+        ``"skipped"``, ``"skipped by the scaler"`` or ``"undone"`` (``check_update``)."""
+        ep = self._watch.log.episode_at(self.step - 1) or self._watch.log.episode_at(self.step)
+        return ep.to_json() if ep is not None else None
+
+    @property
+    def weights_corrupted(self) -> bool:
+        """Whether the live weights took an update with non-finite values (``action="warn"``, or
+        weights non-finite at attach) that nothing has undone since (:meth:`roll_back`, or a
+        checkpoint registered with finite weights)."""
+        return self._watch.log.weights_corrupted
+
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
         """Remove every hook this Recorder registered. Idempotent. With ``check_every > 1``, first
@@ -224,6 +250,11 @@ class Recorder:
                 self._check_pending(final=True)
             except Exception:  # close() runs from __exit__, often while another error propagates
                 logger.exception("nanreplay: the final check on close() failed")
+        if not self._closed:
+            try:
+                self._watch.final_plan()  # the bundle's plan covers the whole episode (one rewrite when it grew)
+            except Exception:
+                logger.exception("nanreplay: could not bring the bundle's rollback plan up to date on close()")
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -246,9 +277,55 @@ class Recorder:
 
     def log_loss(self, loss: torch.Tensor) -> None:
         """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
-        kept in the ring buffer. No sync: it is read together with the grad norm."""
+        kept in the ring buffer. No sync: it is read together with the grad norm. Its dtype sets
+        the precision of the early warning's floor (:mod:`nanreplay.capture.early`)."""
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._pending_loss = loss.detach().reshape(())
+            if loss.dtype is not self._loss_dtype:
+                self._loss_dtype = loss.dtype
+                if self._watch.early is not None and loss.is_floating_point():
+                    self._watch.early.eps["loss"] = torch.finfo(loss.dtype).eps
+
+    def log_grad_norm(self, norm: Any) -> None:
+        """Give the step's grad norm *before* gradient clipping (what
+        ``torch.nn.utils.clip_grad_norm_`` returns: a 0-dim tensor on the gradients' device, or a
+        float), for the early warning and the scalar history. Under clipping the gradients the
+        optimizer sees have a norm of at most the clip value, so the check's own norm carries no
+        signal of a divergence; this one does. No sync: a tensor is read in the check's one host
+        read (with ``check_every > 1`` only a float is used). The non-finite check still reads
+        the gradients themselves. Call it between the backward pass and ``optimizer.step()``::
+
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            rec.log_grad_norm(norm)
+        """
+        if isinstance(norm, torch.Tensor):
+            if norm.numel() == 1:
+                self._pending_grad_norm = norm.detach().reshape(())
+        elif isinstance(norm, (int, float)) and not isinstance(norm, bool):
+            self._pending_grad_norm = float(norm)
+
+    def note_checkpoint(self, step: Optional[int] = None, path: Any = None) -> dict:
+        """Register a checkpoint the loop saved, so the rollback plan can name it: ``step`` is the
+        step whose step-start weights it holds (default :attr:`step`: the weights as they are
+        now, between steps; the trainer's global step after that many updates), ``path`` where
+        it is. The Recorder checks whether the weights, the optimizer state and the buffers are
+        finite now (one fused ``_foreach_norm`` of their largest magnitude and one host read:
+        about one read of them, once per checkpoint) and never names a checkpoint that was not,
+        or that was saved after the first update with non-finite or abnormal values
+        (:mod:`nanreplay.capture.episode`). Also sets ``extra_meta["last_checkpoint_step"]``.
+        The Lightning and Hugging Face callbacks call it when the trainer saves.
+
+        Returns:
+            ``{"step", "path", "finite"}``.
+        """
+        step = self.step if step is None else int(step)
+        finite = UpdateCheck.finite(self.optimizer, self.model.buffers())
+        entry = self._watch.log.note_checkpoint(step, None if path is None else str(path), finite, now=self.step)
+        self.extra_meta["last_checkpoint_step"] = step
+        if not finite:
+            logger.warning("nanreplay: the checkpoint of step %d%s holds non-finite weights or optimizer state; the rollback plan "
+                           "will not name it", step, f" ({path})" if path is not None else "")
+        return entry
 
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
@@ -288,23 +365,27 @@ class Recorder:
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
-        loss = self._pending_loss if self.config.check_loss else None
+        loss = self._step_loss() if self.config.check_loss else None
         self._pending_loss = None
+        pre, self._pending_grad_norm = self._pending_grad_norm, None
         if self._lagged is not None:
+            rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
             if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
                 self._steps.seal(rec)
                 if self._lagged.due():
                     self._check_pending(final=False)
                 return None
             self._lagged_off()
-        rec.grad_norm, rec.loss, agreed = read_check(norm, loss, self.dist)
+        scale_t = self._amp.scale_tensor() if self._amp is not None else None
+        rec.grad_norm, rec.loss, agreed, (scale, pre_t) = read_check(norm, loss, self.dist, extra=(scale_t, pre if isinstance(pre, torch.Tensor) else None))
+        rec.grad_norm_pre_clip = pre if isinstance(pre, float) else pre_t
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         if bad_grad and explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
             bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._steps.seal(rec)
-        self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite)
+        self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite, scale, rec.grad_norm_pre_clip)
         if self._amp is not None:
             self._amp.on_checked(rec.finite)
         if rec.finite:
@@ -313,10 +394,17 @@ class Recorder:
                 self._dump.programs.early(rec, grads, self._live, verify=self.dist is None and self.scaler is None)
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
-            self._watch.judge(rec, grads, self._live)
+            self._watch.judge(rec, grads, self._live, grad_norm=rec.grad_norm_pre_clip)
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
         return False
+
+    def _step_loss(self) -> Optional[torch.Tensor]:
+        """The step's loss: the one given to :meth:`log_loss`, else the one the loop gave the
+        GradScaler's ``scale()``, else ``None``."""
+        if self._pending_loss is not None or self._amp is None:
+            return self._pending_loss
+        return self._amp.loss
 
     def end_step(self) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
@@ -327,12 +415,15 @@ class Recorder:
             for fw in rec.forwards:  # a replay runs the loss function: a finite step's cotangent is not needed
                 fw.cotangent = None
         self._actions.verify_skip(self.step)
+        if self._amp is not None:
+            self._amp.end_step()
         self.step += 1
         self.ring.end()
         self._pending_loss = None
         if pre is not None and rec is not None and check_update(rec, pre, model=self.model, optimizer=self.optimizer, actions=self._actions,
                                                               dump=self._dump, live_copy=lambda: self.snapshot_state(clone=True),
-                                                              grads=self._grads, nonfinite_steps=self.nonfinite_steps):
+                                                              grads=self._grads, nonfinite_steps=self.nonfinite_steps,
+                                                              on_nonfinite=self._update_episode):
             self._update.recycle(pre)
         self.ring.evict()  # after the release: the recycled slot counts against the budget too
         if self.ring.over_budget and self._lagged is not None and self._lagged.pending:
@@ -350,7 +441,7 @@ class Recorder:
         for r in pending:  # the values just read: the history and the early warning stay sync-free
             self._history.add(r.step, r.loss, r.grad_norm, r.lrs, r.finite)
             if r.finite:
-                self._watch.judge(r, None, self._live)
+                self._watch.judge(r, None, self._live, grad_norm=r.grad_norm_pre_clip)
         if first is None:
             self._actions.finite()
             return
@@ -381,27 +472,31 @@ class Recorder:
     # -- GradScaler ------------------------------------------------------------------------------
     def _on_scaler_skip(self, scale: float) -> None:
         """The GradScaler skipped the step in progress (``scaler.update()`` without an
-        ``optimizer.step()``): normal, unless the loss scale cannot fix it."""
+        ``optimizer.step()``): a routine skip while its scale is large and falling, a failure
+        when the loss is non-finite, the scale is at its floor, or it stopped falling
+        (:meth:`nanreplay.capture.amp.ScalerWatch.failure`)."""
         rec = self._current
         assert rec is not None and self._amp is not None
         rec.scaler_skipped = True
         rec.finite = False
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
-        loss = self._pending_loss
-        rec.loss = float(loss) if loss is not None else None
+        loss = self._step_loss()
+        rec.loss = float(loss) if loss is not None else None  # host read: skipped steps only
         self._steps.seal(rec)
-        self._history.add(rec.step, rec.loss, None, rec.lrs, False)
+        self._history.add(rec.step, rec.loss, None, rec.lrs, False, self._amp.scale_before)
         try:
-            failure = self._amp.failure(self.config.min_scale, self.config.max_scaler_skips)
-            if failure is not None:
-                why, kind = failure
-                grads = self._grads()
-                norm = fused_norm([g for _, g in grads])
-                rec.grad_norm = float(norm) if norm is not None else None
-                self._handle_nonfinite(
-                    rec, grads, bad_grad=True, bad_loss=rec.loss is not None and not math.isfinite(rec.loss),
-                    cause={"message": f"non-finite gradients that the loss scale cannot fix: {why}", "scaler_failure": kind},
-                )
+            failure = self._amp.failure(self.config.min_scale, self.config.max_scaler_skips, loss=rec.loss if self.config.check_loss else None)
+            if failure is None:
+                self._watch.log.routine_skip(rec.step)
+                return
+            why, kind = failure
+            grads = self._grads()
+            norm = fused_norm([g for _, g in grads])
+            rec.grad_norm = float(norm) if norm is not None else None
+            bad_loss = self.config.check_loss and rec.loss is not None and not math.isfinite(rec.loss)
+            self._handle_nonfinite(rec, grads, bad_grad=True, bad_loss=bad_loss,
+                                   cause={"message": (f"non-finite loss under the GradScaler: {why}" if kind == "nonfinite loss" else
+                                                      f"non-finite gradients that no loss scale fixes: {why}"), "scaler_failure": kind})
         finally:
             self.end_step()
 
@@ -422,25 +517,35 @@ class Recorder:
         opening words of the error message (used for GradScaler and cross-rank decisions).
         ``state``: the pre-step state to write when it is no longer in the model (sync-free mode)."""
         self.nonfinite_steps.append(rec.step)
-        self._watch.alarm(rec.step)
+        what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
+        update = "skipped by the scaler" if rec.scaler_skipped else ("skipped" if self._actions.restores else "applied")
+        self._watch.nonfinite(rec.step, what, update, corrupts=update == "applied" and what != "loss")
         first = self._dump.allowed and self._actions.dumps()
         cause = dict(cause or {})
-        cause.setdefault("rollback", self.rollback_plan(rec.step))
+        if first:  # the plan lists every step of the episode: made for a bundle only, never per step of a long episode
+            cause.setdefault("rollback", self.rollback_plan(rec.step))
         if self.dist is not None:
             info = self.dist.reason()
             self.extra_meta.update(self.dist.meta(info["distributed"]))
             cause = {**info, **cause}
         if self._amp is not None:
-            cause = {**self._amp.reason(bad_grad), **cause}
+            cause = {**self._amp.reason(bad_grad, self._history.scale_changes(rec.step)), **cause}
         path: Optional[Path] = None
         if first:
             path = self._dump(rec, grads, self._live if state is None else state, bad_grad=bad_grad, bad_loss=bad_loss, cause=cause)
-        what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
+            if path is not None:
+                self._watch.written = (path, cause["rollback"])
         head = cause.get("message") or f"non-finite {what}"
         msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
         if self._actions.restores and state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
             load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
         self._actions(Incident(rec.step, msg, path, self.last_diagnosis if first else None))
+
+    def _update_episode(self, step: int) -> None:
+        """``check_update`` found step ``step``'s update non-finite: it joins the episode (kept
+        under ``warn``: the weights are corrupted from it on; else undone)."""
+        applied = not self._actions.restores
+        self._watch.nonfinite(step, "update", "applied" if applied else "undone", corrupts=applied)
 
     # -- the early warning and the rollback plan (capture.early.SpikeWatch) ------------------------
     @property
@@ -453,26 +558,34 @@ class Recorder:
 
     @property
     def should_rollback(self) -> bool:
-        """Whether the last step checked was non-finite or out of band: then :meth:`rollback_plan`
-        says where to go back to and which steps to skip. For hand-written loops::
+        """Whether the consecutive non-finite steps reached ``max_consecutive`` (KempnerForge's
+        flag: training is not recovering by itself). Then :meth:`rollback_plan` says where to go
+        back to and which steps to skip; :attr:`weights_corrupted` says whether the live weights
+        took a non-finite update. For hand-written loops::
 
             if rec.should_rollback:
-                plan = rec.rollback_plan()   # {"restore_step": 120, "source": "snapshot", "skip_steps": [...]}
+                plan = rec.rollback_plan()   # {"restore_step": 120, "source": "snapshot", "skip_steps": [120, ...], ...}
+                rec.roll_back(plan)          # a snapshot: restored in place; a checkpoint: load plan["path"] yourself
         """
-        return self._watch.alert is not None and self._watch.alert >= self.step - 1
+        return self._watch.log.consecutive >= self.config.max_consecutive
 
     def rollback_plan(self, step: Optional[int] = None) -> dict:
         """The rollback plan for ``step`` (default: the last step found non-finite or out of band).
 
+        The restore point is the latest state, a weight snapshot held (``snapshot_every``) or a
+        checkpoint registered (:meth:`note_checkpoint`), known healthy: no later than the first
+        abnormal step, saved before any update with non-finite values not undone since, and, for
+        a checkpoint, finite when registered (:mod:`nanreplay.capture.episode`). A plan never
+        names a checkpoint saved after the first non-finite update; when nothing held is
+        healthy, ``restore_step`` is ``None`` and ``note`` says why.
+
         Returns:
-            ``{"step": the alarming step, "first_abnormal_step": the first step of its spike
-            episode (else ``step``), "restore_step": the last healthy step before it whose
-            step-start weights can be restored, or ``None``, "source": ``"snapshot"`` (a weight
-            snapshot the ring buffer holds, :meth:`snapshot_at`), ``"checkpoint"`` (the user's
-            last checkpoint step, ``extra_meta["last_checkpoint_step"]``, which the integrations
-            set), or ``None``, "skip_steps": the steps whose batches to skip (first abnormal
-            through ``step``), "data_position": ``extra_meta["data_position"]`` where an
-            integration knows it, else ``None``}``; JSON-able.
+            JSON-able, ``docs/report.md`` (``rollback``): ``{"step", "first_abnormal_step" (the
+            first step of the non-finite episode, of the spike episode before it, or of a
+            learning-rate jump still in force), "restore_step", "source" (``"snapshot"``:
+            :meth:`snapshot_at`; ``"checkpoint"``; ``None``), "path", "skip_steps" (every step from
+            the first abnormal one through ``step``), "data_position", "episode" (:attr:`episode`),
+            "lr_jump", "weights_corrupted", "rejected" (the newer states refused, with why), "note"}``.
         """
         return self._watch.plan(step)
 
@@ -487,7 +600,7 @@ class Recorder:
         ``source`` is ``"checkpoint"`` or ``None``, and loading it is the loop's job). Skipping
         the plan's ``skip_steps`` batches is the loop's job too; the learning rate schedule is
         left as it is."""
-        return self._watch.roll_back(self.model, self.optimizer, self.rollback_plan() if plan is None else plan)
+        return self._watch.roll_back(self.model, self.optimizer, self.rollback_plan() if plan is None else plan, now=self.step)
 
     def bundle_content(self, rec: StepRecord, grads: list, reason: dict, state: Optional[Snapshot] = None) -> BundleContent:
         """The content of the bundle for the failing step ``rec`` (references; nothing is copied).

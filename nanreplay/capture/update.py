@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -69,21 +69,25 @@ class UpdateCheck:
         self.ring.pool.release(copy)
 
     @staticmethod
-    def finite(optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the parameters and floating optimizer state are finite after the update: one
-        fused norm, one host read."""
+    def finite(optimizer: torch.optim.Optimizer, buffers: Iterable[torch.Tensor] = ()) -> bool:
+        """Whether the parameters, the floating optimizer state (and ``buffers``) are finite: one
+        fused norm of their largest magnitude (which, unlike a 2-norm, cannot overflow for finite
+        values), one host read. Used after the update, and by ``Recorder.note_checkpoint``."""
         state = [local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and is_float(v) and v.numel() > 1]
         params = [local(p).detach() for g in optimizer.param_groups for p in g["params"]]  # DTensor: this rank's shard
-        norm = fused_norm(params + state)
+        more = [local(b).detach() for b in buffers if is_float(b)]
+        norm = fused_norm([t for t in params + state + more if t.numel()], ord=math.inf)
         return norm is None or math.isfinite(norm.item())
 
 
 def check_update(rec: Any, pre: Snapshot, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, actions: Any, dump: Any,
-                 live_copy: Callable[[], Snapshot], grads: Callable[[], list], nonfinite_steps: list) -> bool:
+                 live_copy: Callable[[], Snapshot], grads: Callable[[], list], nonfinite_steps: list,
+                 on_nonfinite: Optional[Callable[[int], None]] = None) -> bool:
     """After ``optimizer.step()`` of the step ``rec``: :meth:`UpdateCheck.finite`; on a
     non-finite update, put back ``pre`` (the copy taken in the pre-hook), dump and diagnose
     (``dump``, a :class:`~nanreplay.capture.dump.Dump`), put the update back again when the
     action keeps the step (``live_copy``: a copy of the live state), then act (``actions``).
+    ``on_nonfinite(step)``: told of the non-finite update before the dump (the episode).
     Returns ``True`` when the update was finite."""
     from .actions import Incident
     from .snapshots import restore_into
@@ -94,6 +98,8 @@ def check_update(rec: Any, pre: Snapshot, *, model: torch.nn.Module, optimizer: 
     restore_into(model, optimizer, pre)
     found = grads()
     nonfinite_steps.append(rec.step)
+    if on_nonfinite is not None:
+        on_nonfinite(rec.step)
     path = dump(rec, found, pre, update=True) if dump.allowed else None
     msg = (f"non-finite weights or optimizer state after the update of step {rec.step} (the gradients were finite, grad "
            f"norm {rec.grad_norm})" + dump.outcome(path))

@@ -31,13 +31,14 @@ else:  # pragma: no cover - Python 3.10: typing.TypedDict does not know NotRequi
 __all__ = [
     "SCHEMA_VERSION", "JFloat", "Phase", "Mode", "Health", "Source", "Origin", "Fix", "Classification", "Reproduction", "ChainLink",
     "Birth", "Samples", "OptimizerReplay", "History", "HealthRow", "NonfiniteLeaf", "Counterfactuals", "ReplayFailure",
-    "CompileCheck", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
+    "CompileCheck", "CompiledReplay", "CompiledCulprit", "CompiledOperand", "CompiledRows", "TimelineStep", "ForwardModule", "BatchLeaf", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
+    "RollbackPlan", "Episode", "EpisodeRun", "RejectedState", "LrJump", "LossScale",
 ]
 
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
 #: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
 #: version when one is renamed, removed or changes type
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 
 #: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
 JFloat = Union[float, Literal["nan", "inf", "-inf"]]
@@ -208,8 +209,62 @@ class ReplayFailure(TypedDict):
     error: str
 
 
+class CompiledReplay(TypedDict):
+    """One compiled replay of the comparison (``compile.backends``)."""
+
+    backend: str
+    mode: Optional[str]
+    role: str
+    compiled: Optional[bool]
+    nonfinite: Optional[list[str]]
+    kinds: Optional[str]
+    reproduction: Optional[str]
+    max_abs_diff: Optional[JFloat]
+    error: Optional[str]
+
+
+class CompiledOperand(TypedDict):
+    """An operand of the compiled culprit, at its first non-finite element (``compile.culprit.operands``)."""
+
+    node: str
+    op: str
+    compiled: Optional[JFloat]
+    eager: NotRequired[Optional[JFloat]]
+
+
+class CompiledRows(TypedDict):
+    """The non-finite rows of the culprit's output (``engine.probes.nonfinite_rows``)."""
+
+    size: int
+    dim: int
+    count: int
+    indices: list[int]
+    rows_per_sample: NotRequired[int]
+
+
+class CompiledCulprit(TypedDict):
+    """Where inside the compiled region the non-finite value is born (``engine.compiled_nodes``)."""
+
+    node: str
+    op: str
+    aten: str
+    original_op: Optional[str]
+    module: Optional[str]
+    source: Optional[Source]
+    samples: Optional[CompiledRows]
+    kinds: Optional[str]
+    graph: str
+    call: int
+    calls: int
+    stage: Optional[str]
+    compilations: int
+    operands: list[CompiledOperand]
+    eager_value: NotRequired[Optional[JFloat]]
+    compiled_value: NotRequired[Optional[JFloat]]
+
+
 class CompileCheck(TypedDict):
-    """The eager against the compiled replay (``engine.compiled.compile_check``)."""
+    """The eager against the compiled replays (``engine.compiled.compile_check``)."""
 
     backend: str
     target: str
@@ -225,6 +280,17 @@ class CompileCheck(TypedDict):
     error: Optional[str]
     mode: Optional[str]
     automatic: bool
+    options: NotRequired[Optional[dict[str, Any]]]
+    dynamic: NotRequired[Optional[bool]]
+    fullgraph: NotRequired[bool]
+    backends: NotRequired[list[CompiledReplay]]
+    stage: NotRequired[Optional[str]]
+    stage_detail: NotRequired[Optional[str]]
+    stage_backend: NotRequired[Optional[str]]
+    culprit: NotRequired[Optional[CompiledCulprit]]
+    localize_error: NotRequired[Optional[str]]
+    replayed_as_recorded: NotRequired[Optional[bool]]
+    differs: NotRequired[list[str]]
 
 
 class TimelineStep(TypedDict):
@@ -256,6 +322,72 @@ class BatchLeaf(TypedDict):
     nan: int
     posinf: int
     neginf: int
+
+
+class EpisodeRun(TypedDict):
+    """Steps of a non-finite episode alike (``capture.episode``)."""
+
+    first: int
+    last: int
+    nonfinite: str
+    update: str
+
+
+class Episode(TypedDict):
+    """The non-finite episode of a rollback plan (``capture.episode.Episode``)."""
+
+    first_step: int
+    last_step: int
+    steps: int
+    consecutive: int
+    runs: list[EpisodeRun]
+    weights_corrupted_at: Optional[int]
+
+
+class RejectedState(TypedDict):
+    """A snapshot or checkpoint the rollback plan refused, and why."""
+
+    step: int
+    source: str
+    path: Optional[str]
+    why: str
+
+
+class LrJump(TypedDict):
+    """A learning-rate jump the early warning found (``capture.early``)."""
+
+    step: int
+    lr: float
+    previous: float
+
+
+class RollbackPlan(TypedDict):
+    """The Recorder's rollback plan (``Recorder.rollback_plan``, the bundle's ``reason.rollback``);
+    the keys after ``data_position`` are absent in a bundle written before they existed."""
+
+    step: Optional[int]
+    first_abnormal_step: Optional[int]
+    restore_step: Optional[int]
+    source: Optional[str]
+    skip_steps: list[int]
+    data_position: Any
+    path: NotRequired[Optional[str]]
+    episode: NotRequired[Optional[Episode]]
+    lr_jump: NotRequired[Optional[LrJump]]
+    weights_corrupted: NotRequired[bool]
+    rejected: NotRequired[list[RejectedState]]
+    note: NotRequired[Optional[str]]
+
+
+class LossScale(TypedDict):
+    """The GradScaler's part in the failing step (the bundle's ``reason.scaler``)."""
+
+    skipped: Optional[bool]
+    scale: Optional[JFloat]
+    scale_after: Optional[JFloat]
+    history: list[list[Any]]
+    consecutive_skips: Optional[int]
+    failure: Optional[str]
 
 
 class DiagnosisDict(TypedDict):
@@ -292,7 +424,8 @@ class DiagnosisDict(TypedDict):
     bundle: NotRequired[str]
     device: NotRequired[str]
     model_source: NotRequired[Optional[str]]
-    rollback: NotRequired[Any]
+    rollback: NotRequired[Optional[RollbackPlan]]
+    loss_scale: NotRequired[LossScale]
     schema_version: NotRequired[str]
 
 

@@ -30,7 +30,7 @@ from ..core.quiet import quietly
 from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Samples
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
-from ..engine.compiled import DEFAULT_BACKEND, compile_check, eager_modules, recorded_compile
+from ..engine.compiled import eager_modules
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
 from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
@@ -44,7 +44,7 @@ from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
 from ..format.records import scalar_history_records
 from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
-from .compiled import replay_as_recorded
+from .compiled import compile_requested, compiled_samples, replay_as_recorded
 from .evidence import grad_norm_history
 from .fix import propose_fix
 from .optimizer import replay_optimizer_update, weights_evidence
@@ -161,6 +161,8 @@ def diagnose(
     smp = None
     if found is not None:
         smp = samples_for(found, inp, result, model, device=device, search=samples and replayed, cause=cls["cause"], progress=say)
+    elif cls["cause"] == "compiler":  # the samples of the op found inside the compiled region
+        smp = compiled_samples(f.compiled, f.batch_size)
     if smp and smp.get("rows") and smp.get("reason"):  # an embedding origin: which lookups read its non-finite rows
         cls["evidence"].append(smp["reason"])
     cls["trigger"] = trigger(f, smp)
@@ -254,6 +256,7 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "optimizer": f.optimizer,
         "history": _with_weights_history(f),
         "rollback": inp.reason.get("rollback"),
+        **({"loss_scale": _loss_scale(inp.reason)} if isinstance(inp.reason.get("scaler"), dict) else {}),
         "health": health_table(result, origin),
         "nonfinite_inputs": [_event_json(x) for x in result.inputs[:8]],
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
@@ -265,6 +268,16 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "errors": list(f.errors),
         "compile": f.compiled,
     }
+
+
+def _loss_scale(reason: dict) -> dict:
+    """The GradScaler's part in the step (the bundle's ``reason.scaler``, ``docs/report.md``): the
+    scale the step ran with and after it, its history, the consecutive skips, the failure."""
+    s = reason["scaler"]
+    history = [list(p) for p in s.get("scale_history") or []]
+    scale = s.get("scale_before") if s.get("scale_before") is not None else (history[-1][1] if history else None)
+    return {"skipped": s.get("skipped"), "scale": scale, "scale_after": s.get("scale_after"), "history": history,
+            "consecutive_skips": s.get("consecutive_skips"), "failure": reason.get("scaler_failure")}
 
 
 def _note_rank(diag: dict, d: dict) -> None:
@@ -452,7 +465,7 @@ def replay(
     import_script: bool = False,
     trust: bool = False,
     batch_types: Types = None,
-    compile: Union[bool, str] = False,
+    compile: Union[bool, str, Sequence[str]] = False,
     sandbox: Optional[SandboxLimits] = None,
 ) -> Diagnosis:
     """Replay a bundle's failing step and diagnose it.
@@ -489,15 +502,20 @@ def replay(
             ``nanreplay inspect`` first.
         batch_types: dataclass types / namedtuple classes (or ``{"module:QualName": cls}``) to
             rebuild the recorded typed batch nodes as; a trusted bundle's own are imported.
-        compile: also replay the step with the model under ``torch.compile`` (``True``: the
-            recording's backend, mode and compiled modules (``meta["compile"]``), else inductor;
-            a string names the backend, e.g. ``"aot_eager"``), with
-            the same weights, batch and RNG states, and report whether the non-finite value
-            appears only under compile (the ``compile`` entry; the ``compiler`` cause). Two more
-            bare replays of the step plus the compile time. Without it, a step the eager replay
-            does not reproduce is replayed compiled all the same when the bundle says training
-            ran compiled, with a backend of ``engine.compiled.BUNDLE_BACKENDS``
-            (:mod:`nanreplay.diagnosis.compiled`; ``compile["automatic"]`` is then true).
+        compile: also replay the step under ``torch.compile`` (:mod:`nanreplay.diagnosis.compiled`):
+            ``True`` compiles what the recording compiled, as it did (``meta["compile"]``:
+            backend, mode, options, modules), else the model with inductor, and compares it with
+            the eager replay and ``aot_eager``; a backend name (or a list of them, e.g.
+            ``"aot_eager_decomp_partition"``) adds a column to that comparison (the recording's
+            backend stays the main one; without one, the first named is). Same weights, batch
+            and RNG states. Says whether the non-finite value appears only under compile (the
+            ``compile`` entry; the ``compiler`` cause), which compiler stage brings it, and the
+            op, source line and samples inside the compiled region (``compile.culprit``): a few
+            more bare replays plus the compile time, and for inductor's kernels about
+            ``log2(nodes)`` compilations of parts of a graph. Without it, a step the eager
+            replay does not reproduce is replayed compiled all the same when the bundle says
+            training ran compiled, with a backend of ``engine.compiled.BUNDLE_BACKENDS``
+            (``compile["automatic"]`` is then true).
         sandbox: the limits of the sandbox (:class:`~nanreplay.engine.sandbox.SandboxLimits`:
             wall-clock seconds, default 600, and address space). The embedded program of a bundle
             that is not trusted, replayed without your own model or factory, runs in a child
@@ -532,7 +550,7 @@ def replay(
 
 
 def _replay(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, progress: Progress, allow: Optional[Sequence[str]],
-            default_allow: bool, ops: bool, samples: bool, compile: Union[bool, str]) -> Diagnosis:
+            default_allow: bool, ops: bool, samples: bool, compile: Union[bool, str, Sequence[str]]) -> Diagnosis:
     """The body of :func:`replay`: in this process, or in the sandbox's child."""
     say = progress
     say("rebuilding the model")
@@ -542,13 +560,8 @@ def _replay(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, progres
         load_state(model, state)
         inp = bundle_step_inputs(b, state, lf, allow=allow, default_allow=default_allow)
         compiled = None
-        if compile:
-            # the recording's own backend, mode and compiled modules unless another backend is named
-            recorded = recorded_compile(inp.compile_state)[0] or {}
-            backend = compile if isinstance(compile, str) else (recorded.get("backend") or DEFAULT_BACKEND)
-            same = recorded if recorded.get("backend") == backend else {}
-            say(f"replaying step {inp.record.step} eagerly and under torch.compile (backend {backend})")
-            compiled = compile_check(model, inp, backend=backend, mode=same.get("mode"), modules=same.get("modules") or (), device=dev)
+        if compile:  # the recording's compile state (else inductor), and any backend named beside it
+            compiled = compile_requested(model, inp, compile, dev, say)
             load_state(model, state)
         diag = replay_step(model, inp, ops=ops, device=dev, samples=samples, progress=say, compiled=compiled)
         diag["bundle"] = str(b.path)

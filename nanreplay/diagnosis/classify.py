@@ -20,13 +20,15 @@ condition holds decides. Causes:
   duplicate pair, a silent clip's magnitude 0): the fix is in the formula (an eps, a clamp);
 * ``compiler``: the eager replay is finite and the replay under ``torch.compile`` is not (with
   ``replay(..., compile=True)`` / ``nanreplay replay --compile``, or on its own when the bundle
-  says the recording ran compiled and the eager replay does not reproduce it);
+  says the recording ran compiled and the eager replay does not reproduce it); the detail names
+  the compiler stage and the op, source line and module inside the compiled region
+  (:func:`nanreplay.diagnosis.compiled.compiler_verdict`);
 * ``nondeterminism``: no birth in the monitored replay, and repeated plain replays of the step on
   the same device disagree (some finite, some not);
 * ``transient``: "not reproduced: suspected hardware fault", only when everything checked agrees
   on finite: the model's recorded forward inputs are finite (no code between ``record`` and the
-  model made them non-finite), the step replayed compiled as recorded is finite (when the
-  recording ran compiled), every repeat replay is finite, and the step replayed in float64
+  model made them non-finite), the recording ran eagerly (a compiled recording whose compiled
+  replay is finite is not reproduced, with what differs), every repeat replay is finite, and the step replayed in float64
   is finite too (as Megatron-LM's rerun state machine classifies); where a check did not run or
   disagrees, the verdict is ``unknown`` and says which;
 * ``unknown``: nothing above can be shown.
@@ -43,7 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from ..core.numerics import kinds
-from .compiled import compile_agrees, compile_evidence, compile_facts
+from .compiled import compile_agrees, compile_evidence, compiler_verdict
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
 __all__ = ["CAUSES", "Features", "RULES", "classify", "trigger", "needs_data_perturbed_replay"]
@@ -209,16 +211,7 @@ def _nondeterminism(f: Features) -> tuple[str, list[str]]:
 
 
 def _compiler(f: Features) -> tuple[str, list[str]]:
-    c = f.compiled or {}
-    ev = [f"the step replayed eagerly is finite; under torch.compile (backend {c.get('backend')}) its "
-          f"{' and '.join(c.get('compiled_nonfinite') or [])} hold {c.get('compiled_kinds') or 'non-finite values'}"]
-    if c.get("compiled_reproduction"):
-        ev.append(f"the compiled replay against the recorded gradients: {c['compiled_reproduction']}")
-    if c.get("automatic"):
-        ev.append(f"{compile_facts(f.compile_state)}: the eager replay did not reproduce the step, so it was replayed compiled the same way")
-    return ("the non-finite value appears only in compiled code: a compiler bug or a numerics difference of the compiled "
-            "kernels (fusion, reordered reductions, lower-precision intermediates); replay with --compile-backend aot_eager "
-            "or eager to tell the graph capture from the code generation"), ev
+    return compiler_verdict(f)
 
 
 def _unknown(f: Features) -> tuple[str, list[str]]:

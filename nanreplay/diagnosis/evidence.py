@@ -171,11 +171,21 @@ def describe_sources(src: dict) -> str:
 LR_WINDOW = 16
 
 
+def _norm(s: Any) -> Optional[float]:
+    """A step's grad norm as the evidence reads it: the norm before clipping when the loop gave it
+    (``Recorder.log_grad_norm``: under clipping the norm the optimizer sees stays at the clip
+    value), else the check's norm."""
+    v = getattr(s, "grad_norm_pre_clip", None)
+    v = s.grad_norm if v is None else v
+    return None if v is None else float(v)
+
+
 def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float = 10.0) -> Optional[dict]:
     """Explosion evidence from the scalar history and the ring buffer (``steps``: the merged
     records, :meth:`~nanreplay.engine.run.StepInputs.long_history`): the grad norms of the steps before the failing one
-    (finite ones; a step whose float32 2-norm overflowed keeps its float64 norm), whether the
-    latest is at least ``ratio`` times the median of the earlier ones, the losses, and whether the
+    (finite ones; a step whose float32 2-norm overflowed keeps its float64 norm; the norm before
+    clipping where the loop gave it), whether the latest is at least ``ratio`` times the median of
+    the earlier ones (a median of 0 gives no growth: nothing is exploding), the losses, and whether the
     learning rate jumped by ``ratio`` within the last ``LR_WINDOW`` steps or was non-finite.
 
     Args:
@@ -185,8 +195,8 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
         ``{"grad_norms": [[step, norm]], "losses": [[step, loss]], "lrs": [[step, max lr]],
         "growth", "exploding", "lr_spike", "nonfinite_lr"}``.
     """
-    prior = [s for s in steps if s.step < failing_step]
-    norms = [(s.step, float(s.grad_norm)) for s in prior if s.grad_norm is not None and math.isfinite(float(s.grad_norm))]
+    prior = [(s.step, _norm(s)) for s in steps if s.step < failing_step]
+    norms = [(k, v) for k, v in prior if v is not None and math.isfinite(v)]
     losses = [[s.step, fnum(s.loss)] for s in steps if s.loss is not None]
     lrs = [(s.step, max(s.lrs, key=lambda v: v if math.isfinite(v) else math.inf)) for s in steps if s.lrs]
     bad_lr = next(([k, fnum(v)] for k, v in lrs if not math.isfinite(v)), None)
@@ -194,8 +204,9 @@ def grad_norm_history(steps: Sequence[Any], failing_step: int, *, ratio: float =
                  "lr_spike": None, "nonfinite_lr": bad_lr}
     if len(norms) >= 2:
         base = statistics.median(v for _, v in norms[:-1])
-        out["growth"] = norms[-1][1] / base if base > 0 else math.inf
-        out["exploding"] = bool(out["growth"] >= ratio)
+        if base > 0:  # growth needs a scale to grow from: a zero norm (or zeros before it) is not exploding
+            out["growth"] = norms[-1][1] / base
+            out["exploding"] = bool(out["growth"] >= ratio)
     recent = lrs[-LR_WINDOW:]
     if len(recent) >= 2:
         finite = [v for _, v in recent if math.isfinite(v)]

@@ -234,12 +234,15 @@ CAUSE_GROUPS: dict[str, tuple[str, ...]] = {
 ADVICE: dict[str, str] = {
     "explosion": ("lower the learning rate or clip the gradient norm (torch.nn.utils.clip_grad_norm_); values grew over earlier "
                   "steps, so one step's replay cannot verify it: nanreplay bisect --over steps finds where they left the range"),
-    "overflow": ("the values pass the range of the op's own dtype (float32's largest is 3.4e38): make them smaller where they "
+    "overflow": ("the values pass the range of the op's own dtype ({range}): make them smaller where they "
                  "grow (normalise or clip the op's inputs, or what feeds them); nanreplay bisect --over steps finds the step where "
                  "they left the range"),
     "optimizer update": ("check the optimizer's hyperparameters and state (an eps > 0 in Adam-style optimizers, a finite learning "
                          "rate); nanreplay replay shows the update's replay"),
-    "compiler": "replay with --compile-backend aot_eager or eager to tell graph capture from code generation; report it upstream",
+    "compiler": ("the compiled code rounds differently from eager code where the op named reads its operands: write the formula "
+                 "so that rounding cannot reach the op's singular point (clamp the operand into the op's domain, an eps larger than "
+                 "the rounding, a two-pass statistic instead of a one-pass one), or keep that code out of the compiled region "
+                 "(torch.compiler.disable); report it upstream with the graph (TORCHDYNAMO_REPRO_AFTER=aot writes a minified reproducer)"),
     "nondeterminism": "torch.use_deterministic_algorithms(True) makes the step reproducible; then replay it again",
     "transient": "run the step again on another device and check this one (ECC counters, memory test)",
 }
@@ -278,13 +281,29 @@ def _where(birth: dict) -> str:
     return f" at {os.path.basename(src['file'])}:{src['line']}" if src and src.get("file") else ""
 
 
-def _dtype(birth: dict) -> torch.dtype:
-    """The dtype of the birth op's first floating operand (float32 when none is known)."""
-    for o in (birth.get("operands") or {}).get("tensors") or []:
-        dt = getattr(torch, str(o.get("dtype")), None)
+def _known_dtype(birth: dict) -> Optional[torch.dtype]:
+    """The dtype of the birth op's first floating operand, else of its output, else ``None``."""
+    out = birth.get("output")
+    names = [o.get("dtype") for o in (birth.get("operands") or {}).get("tensors") or []]
+    names.append(out.get("dtype") if isinstance(out, dict) else getattr(out, "dtype", None))
+    for name in names:
+        dt = getattr(torch, str(name), None)
         if isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex):
             return dt.to_real() if dt.is_complex else dt
-    return torch.float32
+    return None
+
+
+def _dtype(birth: dict) -> torch.dtype:
+    """The dtype of the birth op's first floating operand, else of its output (float32 when
+    none is known)."""
+    return _known_dtype(birth) or torch.float32
+
+
+def _range_phrase(birth: dict) -> str:
+    """``float16's largest is 6.55e+04`` for the birth op's dtype (:func:`_known_dtype`), never
+    another dtype's; ``its largest finite value`` when none is recorded."""
+    dt = _known_dtype(birth)
+    return f"{str(dt).replace('torch.', '')}'s largest is {torch.finfo(dt).max:.3g}" if dt is not None else "its largest finite value"
 
 
 def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None,
@@ -312,7 +331,8 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
         advice = ADVICE.get(cause) or PHASE_ADVICE.get(f.phase)
         if advice is None:
             return None
-        return {"description": advice, "verified": None, "loss": None, "op": None, "detail": "no op rewrite verifies this cause"}
+        return {"description": advice.replace("{range}", _range_phrase(b)), "verified": None, "loss": None, "op": None,
+                "detail": "no op rewrite verifies this cause"}
     eps = eps_for(dtype)
     text = row.say(eps, offending_operand(b))
     fix: Fix = {"description": text + _where(b), "verified": None, "loss": None, "op": None, "detail": None}

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 from ..errors import DiagnosisTimeout
 
-__all__ = ["deadline", "check_deadline", "replay_error"]
+__all__ = ["deadline", "check_deadline", "seconds_left", "replay_error"]
 
 _DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("nanreplay_deadline", default=None)
 
@@ -34,6 +34,13 @@ def check_deadline() -> None:
     if d is not None and time.monotonic() > d[0]:
         raise DiagnosisTimeout(f"the diagnosis ran past its limit of {d[1]:g} s (diagnose_timeout); the bundle holds everything "
                                "needed to run it again: nanreplay replay BUNDLE")
+
+
+def seconds_left() -> Optional[float]:
+    """Seconds until the current :func:`deadline` (``None``: no deadline), for work that can stop
+    early with a partial answer rather than run into it (the compiled region's bisection)."""
+    d = _DEADLINE.get()
+    return None if d is None else d[0] - time.monotonic()
 
 
 def replay_error(e: BaseException) -> str:

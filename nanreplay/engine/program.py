@@ -78,6 +78,7 @@ __all__ = [
     "program_loss",
     "program_content",
     "program_accepts",
+    "model_fqn",
     "build_from_program",
     "PROGRAM_META_KEY",
     "PROGRAM_PREFIX",
@@ -538,24 +539,43 @@ class ProgramModel(torch.nn.Module):
 
 
 class _Runner(torch.fx.Interpreter):
-    """Runs the export root's graph; its call of ``model`` goes to the :class:`ProgramModel`."""
+    """Runs the export root's graph; its call of ``model`` goes to the :class:`ProgramModel`,
+    outside the size guard where the model (or a module of it) is compiled: Dynamo does not
+    trace under a dispatch mode, so the compiled code would run eagerly."""
 
-    def __init__(self, pm: ProgramModel, direct: bool) -> None:
+    def __init__(self, pm: ProgramModel, direct: bool, guard: Any = None) -> None:
         super().__init__(pm._root, graph=pm._root.graph)
-        self.pm, self.direct = pm, direct
+        self.pm, self.direct, self.guard = pm, direct, guard
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target != _CHILD:
             return super().call_module(target, args, kwargs)
         pm = self.pm
-        if self.direct:  # the caller already went through pm.__call__ (hooks ran once)
-            return pm._inner.forward(*args, **kwargs)
-        prev = pm._internal
-        object.__setattr__(pm, "_internal", True)
-        try:
-            return pm(*args, **kwargs)
-        finally:
-            object.__setattr__(pm, "_internal", prev)
+        with self.guard.suspended() if self.guard is not None and _compiled_inside(pm) else contextlib.nullcontext():
+            if self.direct:  # the caller already went through pm.__call__ (hooks ran once)
+                return pm._inner.forward(*args, **kwargs)
+            prev = pm._internal
+            object.__setattr__(pm, "_internal", True)
+            try:
+                return pm(*args, **kwargs)
+            finally:
+                object.__setattr__(pm, "_internal", prev)
+
+
+def model_fqn(path: str) -> str:
+    """A module path ``torch.export`` recorded inside the program (a node's ``nn_module_stack``:
+    ``model.blocks.0``, from the export root) as the model's own FQN (``blocks.0``; ``""`` for
+    the model itself)."""
+    parts = path.split(".") if path else []
+    return ".".join(parts[1:] if parts and parts[0] == _CHILD else parts)
+
+
+def _compiled_inside(pm: ProgramModel) -> bool:
+    """Whether the program's model runs compiled: the model's forward replaced by a compiled one
+    (:mod:`nanreplay.engine.compiled` compiles ``pm._inner.forward``), or a module of it compiled
+    as ``module.compile()`` does (``_compiled_call_impl``)."""
+    mods = [pm, pm._inner, *pm.modules()]
+    return any("forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None for m in mods)
 
 
 def _run_root(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
@@ -579,8 +599,8 @@ def _run_root_unchecked(pm: ProgramModel, leaves: list, *, direct: bool) -> Any:
     # every op's allocation by the bundle's own tensors (not under torch.compile)
     limit = getattr(pm._root, "_nanreplay_per_tensor", None)
     guard = SizeGuard(limit) if limit is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
-    with torch.fx.traceback.preserve_node_meta(), guard:
-        out = _Runner(pm, direct).run(*leaves, enable_io_processing=False)
+    with torch.fx.traceback.preserve_node_meta(), guard as active:
+        out = _Runner(pm, direct, active).run(*leaves, enable_io_processing=False)
     spec = pm._root.module_call_graph[0].signature.out_spec
     return pytree.tree_unflatten(list(out), spec)
 

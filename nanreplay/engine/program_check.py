@@ -23,6 +23,7 @@ operator and the reason, with ``--model-factory`` as the way forward.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Iterator, Optional
 
@@ -286,6 +287,19 @@ class SizeGuard:
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The guard off for the block when it is the innermost dispatch mode (taken off the
+        stack, put back after): around a compiled part of the program, which Dynamo would
+        otherwise run eagerly. Another mode above it stays, and so does the guard."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+        if _get_current_dispatch_mode() is not self._mode:
+            yield
+            return
+        with _pop_mode_temporarily():
+            yield
 
     def _over(self, func: Any, n: int, what: str) -> ProgramRefused:
         return _refuse("at run time", str(func), f"{what} {n:,} elements, more than the bundle's tensors justify ({self.per_tensor:,})")

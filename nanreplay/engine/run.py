@@ -159,7 +159,7 @@ def nonfinite_leaves(tree: Any, root: str) -> list[dict]:
             h = tensor_health([leaf])
             if h is not None and not h.finite:
                 rows = rows_of(~torch.isfinite(leaf.detach()), size) if size is not None and leaf.dim() else None
-                out.append({"leaf": path, "health": h, "samples": (rows or [])[:16]})
+                out.append({"leaf": path, "health": h, "samples": rows or []})  # every row: at most the batch size
     return out
 
 

@@ -270,6 +270,7 @@ class _Checker:
             self.fnum(lr, f"{where}.lrs[{i}]")
         self.fnum(m.get("loss"), f"{where}.loss")
         self.fnum(m.get("grad_norm"), f"{where}.grad_norm")
+        self.fnum(m.get("grad_norm_pre_clip"), f"{where}.grad_norm_pre_clip")
         self.boolean(m.get("finite"), f"{where}.finite")
         self.boolean(m.get("stale_inputs", False), f"{where}.stale_inputs")
         self.boolean(m.get("scaler_skipped"), f"{where}.scaler_skipped")
@@ -344,10 +345,12 @@ def _check_sharded(c: "_Checker", d: dict, where: str) -> None:
 
 
 def _scalar_history(c: "_Checker", v: Any) -> None:
-    """``meta.scalar_history``: five lists of one length, oldest first (docs/bundle-format.md)."""
+    """``meta.scalar_history``: five lists of one length, and the optional ``scale`` and
+    ``grad_norm_pre_clip``, oldest first (docs/bundle-format.md)."""
     where = "meta.scalar_history"
     h = c.obj(v, where, ("step", "loss", "grad_norm", "lrs", "finite"))
-    cols = {k: c.array(h[k], f"{where}.{k}") for k in ("step", "loss", "grad_norm", "lrs", "finite")}
+    optional = [k for k in ("scale", "grad_norm_pre_clip") if h.get(k) is not None]
+    cols = {k: c.array(h[k], f"{where}.{k}") for k in ("step", "loss", "grad_norm", "lrs", "finite", *optional)}
     n = len(cols["step"])
     for k, col in cols.items():
         if len(col) != n:
@@ -360,6 +363,8 @@ def _scalar_history(c: "_Checker", v: Any) -> None:
         last = s
         c.fnum(cols["loss"][i], f"{where}.loss[{i}]")
         c.fnum(cols["grad_norm"][i], f"{where}.grad_norm[{i}]")
+        for k in optional:
+            c.fnum(cols[k][i], f"{where}.{k}[{i}]")
         lrs = c.array(cols["lrs"][i], f"{where}.lrs[{i}]", 1_000_000)
         for j, lr in enumerate(lrs):
             if lr is None:
@@ -378,6 +383,19 @@ def _compile_state(c: "_Checker", v: Any) -> None:
     c.string(st["backend"], f"{where}.backend", null=True, max_len=512)
     c.string(st["mode"], f"{where}.mode", null=True, max_len=64)
     c.names(st["modules"], f"{where}.modules", 256)
+    # optional (older bundles lack them): torch.compile's dynamic and fullgraph, the inductor options
+    c.boolean(st.get("dynamic"), f"{where}.dynamic")
+    c.boolean(st.get("fullgraph"), f"{where}.fullgraph")
+    if st.get("options") is not None:
+        opts = c.obj(st["options"], f"{where}.options")
+        if len(opts) > 512:
+            raise MetaError(f"{where}.options", "at most 512 options", f"{len(opts)}")
+        for k, val in opts.items():
+            c.string(k, f"{where}.options", max_len=128)
+            if isinstance(val, str):
+                c.string(val, f"{where}.options[{k!r}]", max_len=512)
+            elif not (isinstance(val, (bool, int)) or (isinstance(val, float) and math.isfinite(val))):
+                raise MetaError(f"{where}.options[{k!r}]", "a boolean, a number or a string", _show(val))
 
 
 def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
@@ -429,7 +447,14 @@ def _check_reason(c: _Checker, m: dict) -> None:
             c.boolean(s.get(name), f"meta.reason.scaler.{name}")
         for name in ("consecutive_skips", "total_skips"):
             c.integer(s.get(name), f"meta.reason.scaler.{name}", null=True)
-        c.fnum(s.get("scale_after"), "meta.reason.scaler.scale_after")
+        for name in ("scale_before", "scale_after"):
+            c.fnum(s.get(name), f"meta.reason.scaler.{name}")
+        for i, pair in enumerate(c.array(s.get("scale_history") or [], "meta.reason.scaler.scale_history")):
+            pair = c.array(pair, f"meta.reason.scaler.scale_history[{i}]", 2)
+            if len(pair) != 2:
+                raise MetaError(f"meta.reason.scaler.scale_history[{i}]", "[step, scale]", _show(pair))
+            c.integer(pair[0], f"meta.reason.scaler.scale_history[{i}][0]")
+            c.fnum(pair[1], f"meta.reason.scaler.scale_history[{i}][1]")
     for where, d in (("meta.reason.distributed", reason.get("distributed")), ("meta.distributed", m.get("distributed"))):
         if d is not None:
             d = c.obj(d, where)

@@ -73,6 +73,8 @@ class StepRecord:
         lrs: learning rate of each optimizer param group (floats).
         loss: the loss as a host float when known (``Recorder.log_loss``), else ``None``.
         grad_norm: the 2-norm over all gradients computed by the check (float32), else ``None``.
+        grad_norm_pre_clip: the grad norm before clipping the loop gave
+            ``Recorder.log_grad_norm``, else ``None``.
         finite: ``True``/``False`` once checked, ``None`` before.
         buffers: step-start buffers (FQN -> tensor) when kept for this step.
         snapshot: step-start weights and optimizer state, when ``snapshot_every`` chose this step.
@@ -92,6 +94,7 @@ class StepRecord:
     lrs: list[float] = field(default_factory=list)
     loss: Optional[float] = None
     grad_norm: Optional[float] = None
+    grad_norm_pre_clip: Optional[float] = None
     finite: Optional[bool] = None
     buffers: Optional[dict[str, torch.Tensor]] = None
     snapshot: Optional[Snapshot] = None
@@ -132,7 +135,8 @@ class BundleContent:
 def scalar_history_records(meta: Optional[dict]) -> list:
     """The rows of a bundle's ``meta["scalar_history"]`` (schema-checked by
     :mod:`nanreplay.format.meta`) as light records with ``step``, ``loss``, ``grad_norm``,
-    ``lrs`` and ``finite``, oldest first; ``[]`` for a bundle written before the field existed."""
+    ``lrs``, ``finite``, ``scale`` and ``grad_norm_pre_clip`` (``None`` where the bundle has no such
+    column), oldest first; ``[]`` for a bundle written before the field existed."""
     if not meta:
         return []
     from types import SimpleNamespace
@@ -140,5 +144,8 @@ def scalar_history_records(meta: Optional[dict]) -> list:
     def num(v: Any) -> Optional[float]:
         return None if v is None else float(v)
 
-    return [SimpleNamespace(step=int(s), loss=num(lo), grad_norm=num(g), lrs=[float(x) for x in lr], finite=f)
-            for s, lo, g, lr, f in zip(meta["step"], meta["loss"], meta["grad_norm"], meta["lrs"], meta["finite"])]
+    n = len(meta["step"])
+    scale, pre = meta.get("scale") or [None] * n, meta.get("grad_norm_pre_clip") or [None] * n
+    return [SimpleNamespace(step=int(s), loss=num(lo), grad_norm=num(g), lrs=[float(x) for x in lr], finite=f, scale=num(sc),
+                            grad_norm_pre_clip=num(p))
+            for s, lo, g, lr, f, sc, p in zip(meta["step"], meta["loss"], meta["grad_norm"], meta["lrs"], meta["finite"], scale, pre)]

@@ -175,9 +175,11 @@ class NanReplayCallback(Callback, RecorderCallbackState):
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         """A checkpoint is being saved: it holds the step-start weights of the Recorder's next
-        step, which the rollback plan names when no snapshot is newer (``source="checkpoint"``)."""
+        step; registered with :meth:`~nanreplay.capture.recorder.Recorder.note_checkpoint` (which
+        checks that its weights are finite), so the rollback plan can name it
+        (``source="checkpoint"``) when it is healthy."""
         if self.recorder is not None:
-            self.recorder.extra_meta["last_checkpoint_step"] = self.recorder.step
+            self.recorder.note_checkpoint()
             self.recorder.extra_meta["last_checkpoint_global_step"] = int(trainer.global_step)
 
     # -- per batch -------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -329,10 +330,15 @@ class NanReplayCallback(TrainerCallback, RecorderCallbackState):
         return None
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """A checkpoint was saved: it holds the step-start weights of the Recorder's next step,
-        which the rollback plan names when no snapshot is newer (``source="checkpoint"``)."""
+        """A checkpoint was saved (``{output_dir}/checkpoint-{global_step}``): it holds the
+        step-start weights of the Recorder's next step; registered with
+        :meth:`~nanreplay.capture.recorder.Recorder.note_checkpoint` (which checks that its
+        weights are finite), so the rollback plan can name it (``source="checkpoint"``, with its
+        path) when it is healthy."""
         if self.recorder is not None:
-            self.recorder.extra_meta["last_checkpoint_step"] = self.recorder.step
+            out = getattr(args, "output_dir", None)
+            path = os.path.join(str(out), f"checkpoint-{int(state.global_step)}") if out else None
+            self.recorder.note_checkpoint(path=path)
             self.recorder.extra_meta["last_checkpoint_global_step"] = int(state.global_step)
 
     # -- per optimizer step ---------------------------------------------------------------------

@@ -23,7 +23,8 @@ from ..core.inert import inert
 from ..core.results import BisectResult, DiagnosisDict, ForwardModule, TimelineStep
 from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotlib, samples_svg, timeline_svg, trials_svg, moves_svg
 from .summary import difference_phrase, fix_sentence, verdict_phrase
-from .text import fmt_health
+from ..core.rollback import episode_phrase, restore_phrase, span
+from .text import fmt_health, fmt_indices
 
 __all__ = ["render_html", "render_inline_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
 
@@ -233,8 +234,8 @@ def _birth_extra(b: dict) -> list[str]:
     rows = b.get("rows") or {}
     if rows.get("indices"):
         per = rows.get("rows_per_sample")  # dimension 0 merges the batch: the indices are samples
-        extra.append(f"non-finite samples {rows['indices'][:16]} of {rows.get('size')} ({per} rows each)" if per else
-                     f"non-finite rows {rows['indices'][:16]} of {rows.get('size')}")
+        listed = fmt_indices(rows["indices"], rows.get("size"), rows.get("count"), unit="samples" if per else "rows")
+        extra.append((f"{listed} non-finite" if listed.startswith("all ") else f"non-finite {listed}") + (f" ({per} rows each)" if per else ""))
     return extra
 
 
@@ -313,6 +314,47 @@ def _fmt(x: Any) -> str:
     return f"{v:.5g}"
 
 
+def _plan_html(diag: DiagnosisDict) -> Optional[Markup]:
+    """The rollback plan (``rollback``: restore point, batches to skip, the episode step by step,
+    the states refused) and the loss scale (``loss_scale``) as a section, else ``None``."""
+    plan = diag.get("rollback") or {}
+    ls = diag.get("loss_scale")
+    if plan.get("step") is None and not ls:
+        return None
+    body: list = []
+    if plan.get("step") is not None:
+        first, last = plan["first_abnormal_step"], plan["step"]
+        jump = plan.get("lr_jump")
+        body.append(_kv([
+            ("restore", restore_phrase(plan)),
+            ("skip", f"the batches of steps {span(first, last)}" + (f" ({len(plan.get('skip_steps') or [])} steps)" if last > first else "")),
+            ("episode", episode_phrase(plan["episode"]) if plan.get("episode") else ""),
+            ("learning rate", f"jumped to {jump['lr']:.4g} at step {jump['step']} (from {jump['previous']:.4g}): restart below it" if jump else ""),
+            ("weights", "corrupted: they took an update with non-finite values" if plan.get("weights_corrupted") else ""),
+            ("data position", plan.get("data_position")),
+        ]))
+        runs = (plan.get("episode") or {}).get("runs") or []
+        if runs:
+            rows = join(h('<tr><td class="num">{}</td><td>{}</td><td>{}</td></tr>', span(r["first"], r["last"]), r["nonfinite"], r["update"])
+                        for r in runs)
+            body.append(h("<table><tr><th>steps</th><th>non-finite</th><th>update</th></tr>{}</table>", rows))
+        refused = plan.get("rejected") or []
+        if refused:
+            rows = join(h("<tr><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>", r.get("source"), r.get("step"),
+                          r.get("path") or "", r.get("why")) for r in refused)
+            body.append(h("<p>Not a restore point:</p><table><tr><th>state</th><th>step</th><th>path</th><th>why</th></tr>{}</table>", rows))
+    if ls:
+        hist = " \u2192 ".join(f"{_fmt(sc)} (step {st})" for st, sc in ls.get("history") or [])
+        body.append(_kv([("loss scale", _fmt(ls.get("scale")) + (f", {_fmt(ls['scale_after'])} after the step" if ls.get("scale_after") is not None else "")),
+                         ("scaler", ("skipped the step" + (f", {ls['consecutive_skips']} in a row" if ls.get("consecutive_skips") else ""))
+                          if ls.get("skipped") else "did not skip the step"),
+                         ("failure", ls.get("failure") or ""), ("scale history", hist)]))
+    return h('<section id="rollback"><h2>Rollback plan and loss scale</h2>'
+             '<p class="muted">What the Recorder knew when it wrote the bundle: the first abnormal step, every step and batch to skip, '
+             "and the latest state known healthy (a snapshot it holds, or a checkpoint registered finite before the first "
+             "non-finite update).</p>{}</section>", join(body))
+
+
 def _module_table(mods: Sequence[ForwardModule]) -> Markup:
     body = []
     for m in mods:
@@ -325,22 +367,39 @@ def _module_table(mods: Sequence[ForwardModule]) -> Markup:
              "<th>gradient at output</th><th>allowlisted births</th></tr>{}</table>", join(body))
 
 
-def _samples_html(diag: DiagnosisDict) -> Markup:
+def _samples_html(diag: DiagnosisDict, charted: bool = False) -> Markup:
+    """The samples' verdict, in the same terms as the list it comes from (every sample, or the
+    batch as a whole); ``charted``: the section's chart shows rows already (then its absence of a
+    verdict is said as such, not as an absence of information)."""
     smp = diag.get("samples")
+    size = (smp or {}).get("batch_size")
     parts = []
     if smp:
         if smp.get("batch_level"):
             why = smp.get("reason") or next(iter(smp.get("warnings") or []), None)
             verdict = "the failure belongs to the batch as a whole (or to the loss, or the weights), not to particular samples" + (f": {why}" if why else "")
         elif smp.get("indices"):
-            verdict = f"samples {smp['indices']} carry the non-finite values"
+            verdict = fmt_indices(smp["indices"], size, smp.get("count"), unit="samples") + " carry the non-finite values"
         else:
             verdict = "no sample could be blamed"
-        parts.append(_kv([("verdict", verdict), ("method", smp.get("method")), ("batch size", smp.get("batch_size")),
+        parts.append(_kv([("verdict", verdict), ("method", smp.get("method")), ("batch size", size),
                           ("micro-batch", smp.get("micro_batch")), ("replays", smp.get("runs"))]))
     for x in diag.get("nonfinite_inputs") or []:
-        parts.append(h("<p>non-finite input <code>{}</code>: {}, rows {}</p>", x.get("leaf"), fmt_health(x.get("health")), x.get("samples")))
-    return join(parts) or Markup('<p class="muted">No per-sample information (the replay ran with --no-samples, or the step has no batch).</p>')
+        h_ = x.get("health") or {}
+        parts.append(h("<p>non-finite input <code>{}</code>: {}, {}</p>", x.get("leaf"), fmt_health(h_),
+                       fmt_indices(x.get("samples"), size or _leading(h_))))
+    if parts:
+        return join(parts)
+    if charted:
+        return Markup('<p class="muted">No samples were blamed (the per-sample analysis did not run, or found no sample); the chart '
+                      "shows the rows each non-finite value occupies.</p>")
+    return Markup('<p class="muted">No per-sample information (the replay ran with --no-samples, or the step has no batch).</p>')
+
+
+def _leading(health: dict) -> Optional[int]:
+    """Dimension 0 of a health record's shape, else ``None``."""
+    shape = health.get("shape") if isinstance(health, dict) else None
+    return shape[0] if shape else None
 
 
 def render_html(diag: DiagnosisDict, *, meta: Optional[dict] = None, bundle_name: Optional[str] = None) -> str:
@@ -443,6 +502,9 @@ def _report_sections(diag: DiagnosisDict, *, meta: Optional[dict], bundle_name: 
             "An explosion shows as a grad norm climbing over several steps; a learning-rate spike as a jump in the bottom curve.</p>"
             "{}<details><summary>values</summary>{}</details></section>",
             _svg(timeline_svg(tl, history=diag.get("history"))), _timeline_table(tl)))
+    plan = _plan_html(diag)
+    if plan:
+        sections.append(plan)
     mods = diag.get("forward_modules")
     partial = mods is None
     mods = mods if mods is not None else list(diag.get("health") or [])
@@ -457,7 +519,8 @@ def _report_sections(diag: DiagnosisDict, *, meta: Optional[dict], bundle_name: 
             _svg(modules_svg(mods, origin=diag.get("origin"), phase=diag.get("phase", ""), loss=losses or [])),
             _module_table(mods)))
     sections.append(h('<section id="chain"><h2>Causal chain: where non-finite values were born, in execution order</h2>{}</section>', _births_html(diag)))
-    sections.append(h('<section id="samples"><h2>Samples</h2>{}{}</section>', _svg(samples_svg(diag)), _samples_html(diag)))
+    chart = samples_svg(diag)
+    sections.append(h('<section id="samples"><h2>Samples</h2>{}{}</section>', _svg(chart), _samples_html(diag, charted=bool(chart))))
     opt = diag.get("optimizer")
     if opt:
         sections.append(h('<section id="optimizer"><h2>Optimizer update</h2>{}</section>', _kv([

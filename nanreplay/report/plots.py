@@ -452,7 +452,9 @@ def _birth_rows(diag: dict, size: int, bad: tuple, ok: tuple) -> list[tuple[str,
         r = b.get("rows") or {}
         if r.get("size") == size and b.get("phase") != "backward":
             idx = set(r.get("indices") or [])
-            rows.append((f"{b['phase']} op {b['op']} output" + (f" in {b['module']}" if b.get("module") else ""), [bad if i in idx else ok for i in range(size)]))
+            cut = isinstance(r.get("count"), int) and r["count"] > len(idx)  # the birth lists only its first non-finite rows
+            rows.append((f"{b['phase']} op {b['op']} output" + (f" in {b['module']}" if b.get("module") else "")
+                         + (f" (first {len(idx)} of {r['count']} rows)" if cut else ""), [bad if i in idx else ok for i in range(size)]))
     return rows
 
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 
 from ..core.results import DiagnosisDict, Fix, Origin, Reproduction, Source
 
-__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "difference_phrase", "HEADS", "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
+__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "difference_phrase", "culprit_phrase", "HEADS", "HEAD_KINDS", "TAILS",
+           "COMPILE_PHRASES"]
 
 
 def _where_src(src: Optional[Source]) -> str:
@@ -44,8 +45,8 @@ HEADS: dict[tuple[str, Optional[str]], str] = {
     ("loss", "outside the model"): "{kinds} born in the loss, outside the model, which was not replayed (no loss function)",
     ("loss", None): "{kinds} born in the loss{outside}{op}{at}{in_module}",
     ("forward", None): "{kinds} born in the forward pass{op}{at}{in_module}",
-    ("none", "compiled only"): ("step {step}: {compiled_kinds} only under torch.compile (backend {backend}): the step replayed eagerly "
-                                "is finite, replayed compiled its {compiled_parts} are not{compiled_vs_recording}"),
+    ("none", "compiled only"): ("step {step}: {compiled_kinds} only under torch.compile (backend {backend}){compiled_culprit}: the step "
+                                "replayed eagerly is finite, replayed compiled its {compiled_parts} are not{compiled_vs_recording}"),
     ("none", "transient"): "step {step}: the recorded gradients are non-finite, but {repeats} replays of the step are finite",
     ("none", "nondeterminism"): "step {step}: the recorded gradients are non-finite, and the replays of the step disagree ({repeats} of 3 finite)",
     ("none", "replay failed"): "step {step}: the {failed_replay} replay failed, so the origin is unknown",
@@ -150,9 +151,33 @@ def _diagnosis_fields(diag: DiagnosisDict) -> dict:
     }
 
 
+def culprit_phrase(comp: Any) -> str:
+    """``rsqrt at model.py:14 in module norm (inductor's kernels (code generation), forward graph)``:
+    the op inside the compiled region where the non-finite value is born (``compile.culprit``);
+    ``""`` without one."""
+    c = (comp or {}).get("culprit")
+    if not c:
+        return ""
+    op = str(c.get("op")) + (f" (from {c['original_op']})" if c.get("original_op") else "")
+    mod = c.get("module")
+    return (f"{op}{_where_src(c.get('source'))}" + (f" in module {mod or '(root module)'}" if mod is not None else "")
+            + f" ({comp.get('stage_detail') or c.get('stage')}, {c.get('graph')} graph)")
+
+
+def _culprit_head(diag: DiagnosisDict) -> str:
+    """``, born in op rsqrt at model.py:14 (...), samples [5]`` for the compiled-only head."""
+    said = culprit_phrase(diag.get("compile"))
+    if not said:
+        return ""
+    smp = diag.get("samples") or {}
+    rows = (", every sample" if smp.get("batch_level") else f", samples {smp['indices']}" if smp.get("indices") else "")
+    return f", born in op {said}{rows}"
+
+
 def _compile_fields(diag: DiagnosisDict) -> dict:
     comp = diag.get("compile") or {}
     return {
+        "compiled_culprit": _culprit_head(diag),
         "compiled_only": bool(comp.get("only_under_compile")) and diag.get("phase") in (None, "none"),
         "backend": comp.get("backend"),
         "compiled_kinds": comp.get("compiled_kinds") or "non-finite values",

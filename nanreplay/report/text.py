@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
+from ..core.rollback import episode_phrase, restore_phrase, span
 from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
-from .summary import difference_phrase, fix_sentence
+from .summary import culprit_phrase, difference_phrase, fix_sentence
 
-__all__ = ["render_report", "fmt_health", "styler"]
+__all__ = ["render_report", "fmt_health", "fmt_indices", "styler"]
 
 #: the colour of each reproduction verdict
 _VERDICT_COLOR = {"reproduced exactly": "green", "reproduced": "yellow", "not reproduced": "red"}
@@ -55,6 +56,26 @@ def fmt_health(h: Optional[Health]) -> str:
     return (", ".join(bad) + f" of {h['numel']}") if bad else "finite"
 
 
+def fmt_indices(indices: Any, size: Optional[int] = None, count: Optional[int] = None, unit: str = "rows") -> str:
+    """Row (or sample) indices as the reports show them, never silently cut: ``all 32 rows`` when
+    every one of ``size`` is listed or counted, else ``rows [0..15, 20] of 32`` (runs of three or
+    more as ``a..b``), with ``and N more`` when ``count`` says the list holds only the first ones."""
+    idx = sorted({int(i) for i in indices or [] if isinstance(i, (int, float)) and not isinstance(i, bool)})
+    total = max(int(count), len(idx)) if isinstance(count, int) else len(idx)
+    if size and total >= size:
+        return f"all {size} {unit}"
+    runs: list[str] = []
+    i = 0
+    while i < len(idx):
+        j = i
+        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
+            j += 1
+        runs += [f"{idx[i]}..{idx[j]}"] if j - i >= 2 else [str(v) for v in idx[i:j + 1]]
+        i = j + 1
+    more = f" and {total - len(idx)} more" if total > len(idx) else ""
+    return f"{unit} [{', '.join(runs)}{more}]" + (f" of {size}" if size else "")
+
+
 def _origin_details(o: Origin, st: Callable[..., str]) -> list[str]:
     """Source line, autograd node, dtype/shape, health and optimizer fields of the origin."""
     out = []
@@ -88,6 +109,30 @@ def _compile_line(c: CompileCheck, st: Callable[..., str]) -> str:
         out += f"; compiled replay vs recording: {c['compiled_reproduction']}"
     if c.get("max_abs_diff") is not None:
         out += f"; max |eager - compiled| gradient {_num(c['max_abs_diff'])}"
+    return out
+
+
+def _compiled_lines(c: CompileCheck, diag: DiagnosisDict, st: Callable[..., str]) -> list[str]:
+    """The comparison's columns, the compiler stage, and the op found inside the compiled region
+    with its source line and samples."""
+    out = []
+    rows = c.get("backends") or []
+    if len(rows) > 1 or c.get("stage"):
+        cols = ", ".join(f"{r['backend']} " + ("failed" if r.get("compiled") is None else
+                                                 f"{r.get('kinds') or 'non-finite'}" if r.get("compiled") else "finite") for r in rows)
+        stage = f": {st(str(c['stage']), bold=True)} ({c.get('stage_detail')})" if c.get("stage") else ""
+        out.append(f"  compiler:      by backend: {cols}{stage}")
+    cul = c.get("culprit")
+    if cul:
+        smp = diag.get("samples") or {}
+        rows_said = "every sample" if smp.get("batch_level") else (f"samples {smp['indices']}" if smp.get("indices") else "")
+        out.append(f"  compiled op:   {st(culprit_phrase(c), fg='red')}" + (f"; {rows_said}" if rows_said else ""))
+        src = cul.get("source")
+        if src:
+            out.append(f"                 {st(str(src['file']) + ':' + str(src['line']), fg='cyan')} in {src.get('function')}"
+                       + (f": {st(src['code'], bold=True)}" if src.get("code") else ""))
+    elif c.get("localize_error"):
+        out.append(f"  compiled op:   not found ({c['localize_error']})")
     return out
 
 
@@ -143,11 +188,36 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))
     if diag.get("compile"):
         lines.append(f"  torch.compile: {_compile_line(diag['compile'], st)}")
+        lines.extend(_compiled_lines(diag["compile"], diag, st))
+    lines.extend(_plan_lines(diag))
     for w in diag.get("warnings", []):
         lines.append(f"  {st('warning:', fg='yellow')}       {w}")
     lines.extend(_births_lines(diag.get("births") or [], rows, st))
     lines.extend(_health_lines(diag.get("health") or [], rows, st))
     return "\n".join(lines)
+
+
+def _plan_lines(diag: DiagnosisDict) -> list[str]:
+    """The rollback plan (restore point, batches to skip, the episode, states refused) and the loss
+    scale, one line each (``docs/report.md``, ``rollback`` and ``loss_scale``)."""
+    out = []
+    plan = diag.get("rollback") or {}
+    if plan.get("step") is not None:
+        first, last = plan["first_abnormal_step"], plan["step"]
+        out.append(f"  rollback:      {restore_phrase(plan)}, skip the batches of steps {span(first, last)}")
+        if plan.get("episode"):
+            out.append(f"  episode:       {episode_phrase(plan['episode'])}")
+        jump = plan.get("lr_jump")
+        if jump:
+            out.append(f"  lr jump:       {jump['previous']:.4g} -> {jump['lr']:.4g} at step {jump['step']}: restart below it")
+        for r in plan.get("rejected") or []:
+            out.append(f"  not restored:  {r['source']} of step {r['step']}" + (f" ({r['path']})" if r.get("path") else "") + f": {r['why']}")
+    ls = diag.get("loss_scale")
+    if ls:
+        hist = " -> ".join(f"{_num(sc)} (step {stp})" for stp, sc in ls.get("history") or [])
+        out.append(f"  loss scale:    {_num(ls.get('scale'))}" + (f" ({_num(ls['scale_after'])} after the step)" if ls.get("scale_after") is not None else "")
+                   + (f"; failure: {ls['failure']}" if ls.get("failure") else "") + (f"; history {hist}" if hist else ""))
+    return out
 
 
 def _chain_lines(chain: list) -> list[str]:

@@ -127,8 +127,10 @@ def test_on_spike_raise_raises_before_the_update_with_the_rollback_plan(tmp_path
 
 
 def test_should_rollback_and_the_plan_for_a_hand_written_loop(tmp_path):
-    rec, first_bad, _ = _run({"out_dir": tmp_path, "snapshot_every": 4, "capacity": 16, "max_dumps": 0}, steps=200, ramp_from=40)
-    assert rec.should_rollback  # the loop stopped at the non-finite step
+    rec, first_bad, _ = _run({"out_dir": tmp_path, "snapshot_every": 4, "capacity": 16, "max_dumps": 0, "max_consecutive": 1}, steps=200,
+                             ramp_from=40)
+    assert rec.should_rollback  # one non-finite step reaches max_consecutive=1
+    assert rec.weights_corrupted  # action="warn" let the non-finite update through
     plan = rec.rollback_plan()
     assert plan["step"] == first_bad
     assert plan["first_abnormal_step"] == rec.spikes[0]["step"]

@@ -27,12 +27,17 @@ REPORT_MD = ROOT / "docs" / "report.md"
 TABLES = {
     "Top level": R.DiagnosisDict, "`classification`": R.Classification, "`reproduction`": R.Reproduction, "`samples`": R.Samples,
     "`history`": R.History, "`origin`": R.Origin, "`compile`": R.CompileCheck, "`classification.fix`": R.Fix,
+    "`rollback`": R.RollbackPlan, "`loss_scale`": R.LossScale,
 }
 PROSE = {"A birth (`births[i]`)": R.Birth, "`optimizer`": R.OptimizerReplay}
 BULLETS = {
     "`chain[i]`": R.ChainLink, "`health[i]`": R.HealthRow, "`nonfinite_inputs[i]`, `nonfinite_weights[i]`": R.NonfiniteLeaf,
     "`errors[i]`": R.ReplayFailure, "`counterfactuals`": R.Counterfactuals, "a health object": R.Health, "`source`": R.Source,
     "`timeline[i]`": R.TimelineStep, "`forward_modules[i]`": R.ForwardModule, "`batch_leaves[i]`": R.BatchLeaf,
+    "`backends[i]`": R.CompiledReplay, "`culprit`": R.CompiledCulprit, "`culprit.operands[i]`": R.CompiledOperand,
+    "`culprit.samples`": R.CompiledRows,
+    "`rollback.episode`": R.Episode, "`rollback.episode.runs[i]`": R.EpisodeRun, "`rollback.rejected[i]`": R.RejectedState,
+    "`rollback.lr_jump`": R.LrJump,
 }
 
 #: keys declared for work merged in parallel; documented when the code that writes them lands

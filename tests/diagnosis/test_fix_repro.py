@@ -202,8 +202,8 @@ def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
 def test_a_float32_overflow_gets_advice_not_the_op_computed_in_float32_again(tmp_path):
     diag = replay(_record(make_overflow, torch.tensor([[2.0, -2.0]] * 4), tmp_path))
     assert diag["classification"]["cause"] == "overflow" and diag["origin"]["op"] == "addmm"
-    assert diag["classification"]["fix"] == {"description": ADVICE["overflow"], "verified": None, "loss": None, "op": None,
-                                             "detail": "no op rewrite verifies this cause"}
+    assert diag["classification"]["fix"] == {"description": ADVICE["overflow"].replace("{range}", "float32's largest is 3.4e+38"),
+                                             "verified": None, "loss": None, "op": None, "detail": "no op rewrite verifies this cause"}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
@@ -216,8 +216,9 @@ def test_only_a_half_precision_overflow_is_fixed_by_computing_the_op_in_float32(
         a = torch.tensor([[6e4, 6e4, -6e4, -6e4]], dtype=getattr(torch, dtype))  # the partial sums pass float16's largest value
         out = FIXES["range"]["*"].rewrite(torch.ops.aten.mm.default, (a, torch.ones(4, 1, dtype=a.dtype)), {}, 0.0)
         assert out.dtype == a.dtype and out.tolist() == [[0.0]]
-    else:
-        assert fix["description"] == ADVICE["overflow"] and fix["verified"] is None
+    else:  # the advice names the op's own dtype's range, never another's
+        largest = {"float32": "3.4e+38", "float64": "1.8e+308"}[dtype]
+        assert fix["description"] == ADVICE["overflow"].replace("{range}", f"{dtype}'s largest is {largest}") and fix["verified"] is None
 
 
 def test_causes_no_rewrite_verifies_get_the_standard_advice_unverified():
@@ -279,3 +280,12 @@ def test_export_repro_without_an_op_origin_exits_5(unreproducible_bundle, tmp_pa
     assert res.exit_code == 5, res.output
     assert "expected an op to give birth to the non-finite value, found none (the replay produced no non-finite value)" in res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_an_overflow_whose_operands_are_unknown_is_judged_in_its_output_dtype():
+    """No float32 advice for a float16 op: without recorded operands, the birth's output dtype
+    decides (the scaler's fp16 overflows)."""
+    birth = {"op": "mm", "phase": "backward", "output": {"dtype": "float16", "nan": 0, "posinf": 1, "neginf": 0, "numel": 4}}
+    fix = propose_fix(Features(phase="backward", origin={}, birth=birth), "overflow", nn.Linear(2, 2), None, verify=False)  # type: ignore[arg-type]
+    assert fix is not None and fix["description"].startswith("the op computed in float32 (upcast its inputs, cast the result back)")
+    assert "float32's largest" not in fix["description"]

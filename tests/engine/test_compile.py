@@ -146,6 +146,14 @@ def test_recorder_adds_no_graph_break_and_records_plain_names(order, out_dir):
         assert b.failing_step == 3
 
 
+def _source_line(fn, code: str) -> int:
+    """The line number of the line of ``fn``'s source that holds ``code``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, text in enumerate(lines) if code in text)
+
+
 def _printed_command(err: NonFiniteGradientError) -> list[str]:
     m = re.search(r"replay it with: (nanreplay replay .+?)(?:;|$)", str(err))
     assert m, str(err)
@@ -241,7 +249,7 @@ def test_replay_compile_when_both_replays_are_nonfinite(out_dir):
     diag = replay(err.bundle_path, samples=False, compile="aot_eager")
     c = diag["compile"]
     assert (c["backend"], c["eager"], c["compiled"], c["only_under_compile"]) == ("aot_eager", True, True, False)
-    assert c["target"] == "loss function"  # the embedded program runs its forward inside the loss: that is compiled
+    assert c["target"] == "model"  # the embedded program's model part is compiled, its loss stays eager, as in training
     assert c["eager_nonfinite"] == c["compiled_nonfinite"] == ["loss", "gradients"]
     assert c["compiled_kinds"] == "NaN" and c["compiled_reproduction"].startswith("reproduced") and c["error"] is None
     # the eager diagnosis is unchanged; the sentence adds what compile did
@@ -266,8 +274,18 @@ def test_replay_compile_names_a_nan_only_under_compile(out_dir):
     assert (c["eager"], c["compiled"], c["only_under_compile"]) == (False, True, True)
     assert c["compiled_reproduction"] == "reproduced exactly"
     assert diag["phase"] == "none" and diag["classification"]["cause"] == "compiler"
+    # the first stage non-finite is Dynamo's own (backend eager: no AOTAutograd), and inside its
+    # graph the birth is the sqrt of the branch taken only while tracing, every row of it
+    assert (c["stage"], c["stage_backend"]) == ("graph capture", "eager")
+    assert [(r["backend"], r["compiled"]) for r in c["backends"]] == [("eager", True), ("aot_eager", True)]
+    line = _source_line(models.CompiledOnlyNaN.forward, "torch.sqrt(h - 100.0)")
+    cul = c["culprit"]
+    assert (cul["op"], cul["module"], cul["graph"], cul["source"]["line"], cul["source"]["code"]) == (
+        "sqrt", "", "forward", line, "h = torch.sqrt(h - 100.0)")
+    assert diag["samples"]["batch_level"] and diag["samples"]["method"] == "non-finite rows of the compiled op's output"
     assert diag["summary"].startswith(
-        "step 0: NaN only under torch.compile (backend eager): the step replayed eagerly is finite, replayed compiled its "
+        f"step 0: NaN only under torch.compile (backend eager), born in op sqrt at models.py:{line} in module (root module) (Dynamo's "
+        "graph capture, forward graph), every sample: the step replayed eagerly is finite, replayed compiled its "
         "loss and gradients are not (the compiled replay against the recording: reproduced exactly); cause: compiler ("
     ), diag["summary"]
     assert diag["summary"].endswith("; not reproduced eagerly.")
@@ -297,7 +315,8 @@ def test_the_bundle_records_the_compile_state(order, out_dir):
         with pytest.raises(NonFiniteGradientError) as info:
             _train(run, opt, [_bad_batch()])
     with open_bundle(info.value.bundle_path) as b:
-        assert b.meta["compile"] == {"compiled": True, "backend": "aot_eager", "mode": None, "modules": [""]}
+        assert b.meta["compile"] == {"compiled": True, "backend": "aot_eager", "mode": None, "modules": [""], "options": None, "dynamic": None,
+                                     "fullgraph": False}
 
 
 def test_the_bundle_records_an_eager_model_and_a_compiled_submodule(out_dir):
@@ -305,12 +324,14 @@ def test_the_bundle_records_an_eager_model_and_a_compiled_submodule(out_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with Recorder(model, opt, out_dir=out_dir, diagnose=False, embed_program=False) as rec:
         _train(model, opt, _clean_batches(1))
-        assert rec._dump.compile_state() == {"compiled": False, "backend": None, "mode": None, "modules": []}
+        assert rec._dump.compile_state() == {"compiled": False, "backend": None, "mode": None, "modules": [], "options": None, "dynamic": None,
+                                             "fullgraph": None}
         model.fc2.compile(backend="eager")
         with pytest.raises(NonFiniteGradientError) as info:
             _train(model, opt, [_bad_batch()])
     with open_bundle(info.value.bundle_path) as b:
-        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["fc2"]}
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["fc2"], "options": None, "dynamic": None,
+                                     "fullgraph": False}
 
 
 def test_a_bundle_with_a_malformed_compile_state_is_refused(sqrt_bundle, tmp_path):
@@ -392,8 +413,195 @@ def test_a_compiled_submodule_is_replayed_compiled_alone(out_dir):
     model.inner.compile(backend="eager")
     err = _bundle(model, model, out_dir, _clean_batches(1), embed_program=False)
     with open_bundle(err.bundle_path) as b:
-        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["inner"]}
+        assert b.meta["compile"] == {"compiled": True, "backend": "eager", "mode": None, "modules": ["inner"], "options": None,
+                                     "dynamic": None, "fullgraph": False}
     c = err.diagnosis["compile"]
     assert (c["automatic"], c["target"], c["eager"], c["only_under_compile"]) == (True, "modules inner", False, True)
     assert err.diagnosis["classification"]["cause"] == "compiler"
     assert model.inner.__dict__["_compiled_call_impl"] is not None  # the user's compiled call is back in place
+
+
+# -- what the compiled replays compare, and where inside the compiled region ----------------------
+
+def _rows_inductor_makes_nan(model, run, n: int = 8) -> torch.Tensor:
+    """A [64] row (near an offset, tiny spread) whose one-pass variance only the compiled model
+    (the training graph, a batch of ``n``) makes NaN on this machine: the CPU's vector width
+    decides the order of inductor's partial sums, so the row is found here, not hard-coded."""
+    for seed in range(256):
+        g = torch.Generator().manual_seed(seed)
+        offset = 1 + 9 * torch.rand(n, 1, generator=g)
+        cand = offset + 1e-4 * offset * torch.randn(n, 64, generator=g)
+        bad_compiled = ~torch.isfinite(run(cand)).all(-1)
+        with torch.no_grad():
+            bad_eager = ~torch.isfinite(model(cand)).all(-1)
+        hit = (bad_compiled & ~bad_eager).nonzero().flatten()
+        if len(hit):
+            return cand[int(hit[0])].clone()
+    pytest.skip("no row rounds differently enough in inductor's kernel on this machine")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _inductor_works(), reason="torch inductor or a C++ compiler is not available")
+def test_an_inductor_only_nan_is_named_by_plain_replay(out_dir):
+    """Training compiled the model with inductor; a one-pass variance rounds below zero in
+    inductor's kernel only, for sample 5. Plain `nanreplay replay` (out of process, from the
+    program embedded with its loss: the model part compiled, the loss eager, as in training)
+    says what the in-process diagnosis says: cause compiler, stage code generation, the aten op
+    and source line inside the compiled region, sample 5, exit 0. --compile-backend adds a
+    column; the recorded backend stays the main one."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nanreplay.cli import main
+
+    model = models.make_one_pass_norm()
+    run = torch.compile(model)
+    g = torch.Generator().manual_seed(1)
+    clean = 1 + torch.randn(8, 64, generator=g)
+    bad = clean.clone()
+    bad[5] = _rows_inductor_makes_nan(model, run)
+    err = _bundle(model, run, out_dir, [clean, bad], model_factory=models.make_one_pass_norm)
+    line = _source_line(models.OnePassNorm.forward, "torch.rsqrt(")
+
+    def facts(diag: dict) -> tuple:
+        c = diag["compile"]
+        cul = c["culprit"]
+        return (diag["classification"]["cause"], c["stage"], c["backend"], c["target"], cul["op"], cul["module"],
+                cul["source"]["line"], cul["graph"], diag["samples"]["indices"])
+
+    want = ("compiler", "code generation", "inductor", "model", "rsqrt", "norm", line, "forward", [5])
+    assert facts(err.diagnosis) == want, err.diagnosis["summary"]
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output  # reproduced as compiled
+    diag = json.loads(res.output)
+    assert facts(diag) == want, diag["summary"]
+    c = diag["compile"]
+    assert c["automatic"] and c["replayed_as_recorded"] and c["compiled_reproduction"] == "reproduced exactly"
+    # the columns: aot_eager (Dynamo + AOTAutograd) and the graphs inductor receives run with eager
+    # kernels are finite, inductor's kernels are not
+    assert [(r["backend"], r["role"], r["compiled"]) for r in c["backends"]] == [
+        ("aot_eager", "reference", False), ("aot_eager_decomp_partition", "capture", False), ("inductor", "main", True)]
+    op = c["culprit"]["operands"][0]  # rsqrt's operand, var + eps: negative compiled, not eagerly
+    assert float(op["compiled"]) < 0 <= float(op["eager"])
+    assert f"born in op rsqrt at models.py:{line} in module norm (inductor's kernels (code generation), forward graph), samples [5]" \
+        in diag["summary"]
+    assert "hardware" not in json.dumps(diag["classification"])
+
+    res = CliRunner().invoke(main, ["replay", err.bundle_path, "--compile-backend", "eager"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert ("  compiler:      by backend: eager finite, aot_eager finite, aot_eager_decomp_partition finite, inductor NaN: code generation"
+            in res.output)
+    assert f"  compiled op:   rsqrt at models.py:{line} in module norm" in res.output and "; samples [5]" in res.output
+
+
+def test_the_bisection_names_the_first_node_a_compiler_gets_wrong():
+    """The node bisection on its own, with a stand-in compiler that computes one node of the
+    graph wrongly (rsqrt made NaN where its operand is large, as a miscompiled kernel would), on
+    a step of two micro-batches of which only the second has such a row (row 3): it names that
+    node, its source line and module, the call and the row, and its operand's compiled and eager
+    values; a correct stand-in gives no culprit; under a time limit it stops before a
+    compilation that would run past it."""
+    import time
+
+    from nanreplay.engine.compiled_nodes import GraphCapture, OutOfTime, bisect_kernels
+    from nanreplay.engine.deadline import deadline
+
+    model = models.make_one_pass_norm()
+    cap = GraphCapture()
+    model.forward = torch.compile(model.forward, backend=cap.backend(decompose=True))
+    g = torch.Generator().manual_seed(0)
+    x0, x1 = 1 + torch.randn(8, 64, generator=g), 1 + torch.randn(8, 64, generator=g)
+    x1[3] *= 100  # its variance is ~1e4, the others' ~1
+    for x in (x0, x1):  # two micro-batches: each graph is called twice
+        model(x).sum().backward()
+    assert [(g.kind, len(g.calls)) for g in cap.graphs] == [("forward", 2), ("backward", 2)]
+
+    class Miscompiled(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_function" and str(n.target) == "aten.rsqrt.default":
+                out = torch.where(self.env[n.args[0]] > 100, float("nan"), out)
+            return out
+
+    compiled = []
+
+    def wrong(gm, args):
+        compiled.append(len(gm.graph.nodes))
+        return lambda *a: Miscompiled(gm).run(*a)
+
+    cul, n = bisect_kernels(cap.graphs, wrong, batch=8)
+    line = _source_line(models.OnePassNorm.forward, "torch.rsqrt(")
+    assert (cul["op"], cul["graph"], cul["call"], cul["calls"], cul["module"], cul["source"]["line"], cul["samples"]["indices"]) == (
+        "rsqrt", "forward", 1, 2, "norm", line, [3])
+    assert cul["compiled_value"] == "nan" and isinstance(cul["eager_value"], float)
+    assert [o["op"] for o in cul["operands"]] == ["add"] and cul["operands"][0]["compiled"] == cul["operands"][0]["eager"] > 100
+    assert n == len(compiled) and n <= 1 + len([m for m in cap.graphs[0].gm.graph.nodes if m.op == "call_function"]).bit_length()
+    assert bisect_kernels(cap.graphs, lambda gm, args: gm, batch=8) == (None, 2)  # a correct compiler: no node to blame
+
+    def slow(gm, args):
+        time.sleep(0.5)
+        return wrong(gm, args)
+
+    with deadline(1.0), pytest.raises(OutOfTime, match="with the culprit among nodes"):
+        bisect_kernels(cap.graphs, slow, batch=8)
+
+
+def test_a_finite_compiled_replay_of_a_compiled_recording_is_not_called_hardware(out_dir):
+    """The recording ran compiled and its gradients hold a NaN the step does not produce (written
+    after backward). The eager and the compiled replays, as recorded, are finite: the verdict is
+    not a device fault; the compile entry says it replayed as recorded and what may still differ."""
+    from nanreplay import replay
+
+    model = models.make_root_mlp()
+    run = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(run, opt, loss_fn=models.root_mean_loss, model_factory=models.make_root_mlp, out_dir=out_dir, diagnose=False,
+                  embed_program=False) as rec:
+        x = _clean_batches(1)[0]
+        rec.record((x,))
+        loss = models.root_mean_loss(run, (x,))
+        rec.log_loss(loss)
+        loss.backward()
+        model.fc1.weight.grad[0, 0] = float("nan")  # not made by the step: no replay can reproduce it
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    diag = replay(info.value.bundle_path, samples=False)
+    c = diag["compile"]
+    assert (c["automatic"], c["eager"], c["compiled"], c["replayed_as_recorded"]) == (True, False, False, True)
+    assert any("replayed compiled as recorded is finite" in d for d in c["differs"])
+    assert diag["classification"]["cause"] != "transient"
+    assert "suspected hardware" not in diag["summary"] and "ECC" not in json_text(diag["classification"])
+    assert any("what differs from the recording" in e for e in diag["classification"]["evidence"])
+
+
+def json_text(obj) -> str:
+    import json
+
+    return json.dumps(obj, default=str)
+
+
+def test_the_compile_state_keeps_options_dynamic_and_fullgraph_and_a_replay_sets_only_safe_options(sqrt_bundle, tmp_path):
+    from nanreplay.capture.compiled import compile_state
+    from nanreplay.errors import BundleFormatError
+    from nanreplay.engine.compiled import recorded_compile
+    from nanreplay.format.bundle import write_bundle
+
+    m = models.make_root_mlp()
+    st = compile_state(torch.compile(m, options={"epilogue_fusion": False, "cpp.simdlen": 8}, dynamic=False, fullgraph=True), m)
+    assert st == {"compiled": True, "backend": "inductor", "mode": None, "modules": [""], "options": {"epilogue_fusion": False, "cpp.simdlen": 8},
+                  "dynamic": False, "fullgraph": True}
+    assert compile_state(torch.compile(m, mode="max-autotune-no-cudagraphs"), m)["options"] == {}  # a named mode says it all
+    opts, _ = recorded_compile(dict(st, options={"epilogue_fusion": False, "trace.enabled": True, "cpp.cxx": "/tmp/evil", "max_fusion_size": "64",
+                                                 "no_such_option": 1}))
+    assert opts["options"] == {"epilogue_fusion": False}
+    assert sorted(opts["skipped_options"]) == ["cpp.cxx", "max_fusion_size", "no_such_option", "trace.enabled"]
+    assert (opts["dynamic"], opts["fullgraph"]) == (False, True)
+    # an older bundle's state (no options, dynamic, fullgraph) still reads; a malformed option does not
+    assert recorded_compile({"compiled": True, "backend": "inductor", "mode": None, "modules": [""]})[0]["options"] is None
+    with open_bundle(sqrt_bundle) as b:
+        content = b.content()
+    content.extra_meta["compile"] = dict(st, options={"epilogue_fusion": [1, 2]})
+    path = write_bundle(tmp_path / "bad.h5", content)
+    with pytest.raises(BundleFormatError, match=r"expected a boolean, a number or a string at meta\.compile\.options\['epilogue_fusion'\]"):
+        open_bundle(path)
