@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -517,6 +518,269 @@ def mutate(seed: Path, index: int, base_seed: int, tmp: Path) -> tuple[bytes, st
     return out, f"st: {what}"
 
 
+# ------------------------------------------------------------------------------------ hostile arguments
+#: values an argument of each kind is set to (besides a valid one)
+_HOSTILE_INTS = [0, -1, -2, 1, 7, 2**31, -2**31, 2**40, -2**40, 2**62, -2**63]
+_HOSTILE_INT_LISTS = [[], [0], [-1], [0, 0], [2**40], [2**31, 2**31], [-3, 4], [1] * 40, [5, 4, 3, 2, 1, 1], [2**62, 1], [3, -1]]
+_HOSTILE_FLOATS = [0.0, -0.0, 1e308, -1e308, 5e-324, 1e-45, 3.5, -7.25]
+#: argument names whose tensor holds indices, lengths or targets: given an int64 tensor (in or out of range)
+_INDEX_ARGS = frozenset({"index", "indices", "target", "targets", "offsets", "lengths", "input_lengths", "target_lengths", "repeats",
+                         "weights", "minlength", "sorter", "boundaries"})
+#: what an index tensor is made of: (sizes, fill value)
+_INDEX_TENSORS = [([5], 1), ([5], 3), ([5], 4), ([5], 5), ([5], -1), ([5], -7), ([5], 2**40), ([5], -2**62), ([0], 0), ([], 2**31),
+                  ([5, 4], 2), ([2**10], 2**33)]
+_STRINGS = ["none", "mean", "sum", "tanh", "reflect", "constant", "ij->ij", "i,i->", "backward", "ortho", "floor", "trunc"]
+
+
+def _ops() -> list[str]:
+    """The allowlisted aten overloads whose every output is a tensor or a list of tensors, sorted."""
+    import torch
+
+    from nanreplay.engine.opset import OPS
+
+    out = []
+    for name in sorted(OPS):
+        packet, overload = name.rsplit(".", 1)
+        rets = [str(r.type) for r in getattr(getattr(torch.ops.aten, packet), overload)._schema.returns]
+        if rets and all(r in ("Tensor", "List[Tensor]") for r in rets):
+            out.append(name)
+    return out
+
+
+class _ArgMutant:
+    """One node calling an allowlisted op, inserted at the head of a seed's program graph, with
+    valid arguments built from the op's schema and the graph's own tensors, then some of them set
+    to hostile values (:data:`_HOSTILE_INTS` ...; index tensors out of range; dtype changes; empty
+    tensors). Tensors it needs beyond the graph's are made by ``aten.full`` nodes inserted before it."""
+
+    def __init__(self, prog: dict, rng: random.Random) -> None:
+        import torch
+        from torch._export.serde import serialize as serde
+
+        self.torch, self.serde, self.rng = torch, serde, rng
+        self.graph = prog["program"]["graph_module"]["graph"]
+        self.values = self.graph["tensor_values"]
+        sig = prog["program"]["graph_module"]["signature"]["input_specs"]
+        self.inputs = [s.get("user_input", {}).get("arg", {}).get("as_tensor", {}).get("name") for s in sig]
+        self.inputs = [n for n in self.inputs if n] + [s[k]["arg"]["name"] for s in sig for k in ("parameter", "buffer") if k in s]
+        self.nodes: list[dict] = []
+        self.count = 0
+        first = self.graph["nodes"][0].get("metadata") or {} if self.graph["nodes"] else {}
+        # the module the inserted nodes sit in (unflatten places each node by its nn_module_stack)
+        self.meta = {k: v for k, v in first.items() if k in ("nn_module_stack", "stack_trace")}
+
+    def _dtype_code(self, dtype) -> int:
+        return self.serde._TORCH_TO_SERIALIZE_DTYPE[dtype].value
+
+    def _declare(self, name: str, meta) -> None:
+        t = meta if isinstance(meta, self.torch.Tensor) else self.torch.empty(1, device="meta")
+        self.values[name] = {"dtype": self._dtype_code(t.dtype), "sizes": [{"as_int": int(s)} for s in t.shape], "requires_grad": False,
+                             "device": {"type": "cpu", "index": None}, "strides": [{"as_int": int(s)} for s in t.stride()],
+                             "storage_offset": {"as_int": int(t.storage_offset())}, "layout": 7}
+
+    def _meta_of(self, name: str):
+        v = self.values[name]
+        dtype = self.serde._SERIALIZE_TO_TORCH_DTYPE[self.serde.ScalarType(v["dtype"])]
+        sizes = [s.get("as_int", 2) for s in v["sizes"]]
+        return self.torch.empty(sizes, dtype=dtype, device="meta")
+
+    def made(self, sizes: list, value: Any, dtype) -> dict:
+        """An ``aten.full`` node of ``sizes`` filled with ``value``: its output as an argument."""
+        self.count += 1
+        name = f"fuzz_full{self.count}"
+        scalar = {"as_float": float(value)} if isinstance(value, float) else {"as_bool": value} if isinstance(value, bool) else {"as_int": int(value)}
+        self.nodes.append({"target": "torch.ops.aten.full.default", "inputs": [
+            {"name": "size", "arg": {"as_ints": list(sizes)}, "kind": 1}, {"name": "fill_value", "arg": scalar, "kind": 1},
+            {"name": "dtype", "arg": {"as_scalar_type": self._dtype_code(dtype)}, "kind": 2}], "outputs": [{"as_tensor": {"name": name}}],
+            "metadata": dict(self.meta)})
+        try:
+            meta = self.torch.full([min(int(s), 1 << 20) if int(s) >= 0 else 1 for s in sizes], 0, dtype=dtype, device="meta")
+        except Exception:  # noqa: BLE001 - a hostile size: declared as given where torch can say it, else [1]
+            meta = None
+        self._declare(name, meta)
+        return {"as_tensor": {"name": name}}
+
+    def tensor(self, name: str, hostile: bool) -> dict:
+        torch = self.torch
+        if name in _INDEX_ARGS:
+            sizes, value = self.rng.choice(_INDEX_TENSORS) if hostile else ([5], 1)
+            return self.made(sizes, value, torch.int64)
+        if hostile:
+            kind = self.rng.randrange(4)
+            if kind == 0:
+                return self.made(self.rng.choice([[0], [5, 0], [0, 4], []]), 1.5, torch.float32)  # empty or 0-d
+            if kind == 1:  # a dtype change
+                return self.made([5, 4], self.rng.choice([1, 0, True]), self.rng.choice([torch.int64, torch.bool, torch.float16, torch.int8, torch.complex64]))
+        return {"as_tensor": {"name": self.rng.choice(self.inputs)}}
+
+    def value(self, arg, hostile: bool) -> Optional[dict]:
+        """The serialized value of one schema argument (``None``: leave it out, its default)."""
+        torch, rng = self.torch, self.rng
+        t, name = str(arg.type), arg.name
+        optional = t.startswith("Optional[")
+        base = t[len("Optional["):-1] if optional else t
+        if not hostile and arg.has_default_value() and base not in ("Tensor",):
+            return None
+        if optional and hostile and rng.random() < 0.2:
+            return {"as_none": True}
+        if name == "dtype":
+            codes = [c.value for c in self.serde._TORCH_TO_SERIALIZE_DTYPE.values()]
+            return {"as_scalar_type": rng.choice(codes + [999]) if hostile else self._dtype_code(torch.float32)}
+        if name == "layout":
+            return {"as_layout": rng.choice([0, 1, 2, 7, 99]) if hostile else 7}
+        if name == "memory_format":
+            return {"as_memory_format": rng.choice([0, 1, 2, 3, 4, 77]) if hostile else 1}
+        if base == "Device":
+            return {"as_device": rng.choice([{"type": "cuda", "index": 0}, {"type": "meta", "index": None}, {"type": "cpu", "index": 7}])
+                    if hostile else {"type": "cpu", "index": None}}
+        if base == "Tensor":
+            return self.tensor(name, hostile)
+        if base == "List[Tensor]":
+            return {"as_tensors": [self.tensor(name, hostile and rng.random() < 0.5)["as_tensor"] for _ in range(rng.choice([1, 2, 3] if not hostile else [0, 1, 2, 5]))]}
+        if base == "List[Optional[Tensor]]":
+            return {"as_optional_tensors": [self.tensor("index", hostile)] if rng.random() < 0.8 else [{"as_none": True}]}
+        if base == "int":
+            return {"as_int": rng.choice(_HOSTILE_INTS) if hostile else rng.choice([0, 1, -1, 2])}
+        if base == "List[int]":
+            return {"as_ints": rng.choice(_HOSTILE_INT_LISTS) if hostile else rng.choice([[5, 4], [1], [0], [20], [4, 5]])}
+        if base == "float":
+            return {"as_float": rng.choice(_HOSTILE_FLOATS) if hostile else 0.5}
+        if base == "List[float]":
+            return {"as_floats": [rng.choice(_HOSTILE_FLOATS) for _ in range(rng.randrange(4))] if hostile else [0.5, 0.5]}
+        if base == "bool":
+            return {"as_bool": rng.random() < 0.5}
+        if base == "number":
+            return rng.choice([{"as_int": rng.choice(_HOSTILE_INTS)}, {"as_float": rng.choice(_HOSTILE_FLOATS)}, {"as_bool": True}]) if hostile else {"as_float": 2.0}
+        if base == "str":
+            return {"as_string": rng.choice(_STRINGS)}
+        return {"as_none": True}  # a Generator: never given
+
+    def node(self, op: str, hostile: int) -> str:
+        """Insert the call of ``op`` with ``hostile`` of its arguments set to hostile values; a description."""
+        torch = self.torch
+        packet, overload = op.rsplit(".", 1)
+        fn = getattr(getattr(torch.ops.aten, packet), overload)
+        args = list(fn._schema.arguments)
+        chosen = set(self.rng.sample(range(len(args)), min(hostile, len(args)))) if args else set()
+        inputs, changed = [], []
+        for i, a in enumerate(args):
+            v = self.value(a, i in chosen)
+            if v is None:
+                continue
+            inputs.append({"name": a.name, "arg": v, "kind": 2 if a.kwarg_only else 1})
+            if i in chosen:
+                changed.append(f"{a.name}={json.dumps(v, separators=(',', ':'))[:50]}")
+        outs = self._outputs(fn, inputs)
+        self.nodes.append({"target": f"torch.ops.aten.{op}", "inputs": inputs, "outputs": outs, "metadata": dict(self.meta)})
+        self._sink(outs[0])
+        self.graph["nodes"][0:0] = self.nodes
+        return f"{op}({'; '.join(changed) or 'valid arguments'})"
+
+    def _sink(self, out: dict) -> None:
+        """Use the op's first output (``sum`` of it added in place into a tensor the graph makes), so
+        that no pass drops the node as dead code: an unused pure node would never run."""
+        first = out["as_tensor"] if "as_tensor" in out else out["as_tensors"][0]
+        sink = self.made([], 0.0, self.torch.float32)
+        self.count += 1
+        total, done = f"fuzz_sum{self.count}", f"fuzz_sink{self.count}"
+        self.nodes.append({"target": "torch.ops.aten.sum.default", "inputs": [{"name": "self", "arg": {"as_tensor": first}, "kind": 1}],
+                           "outputs": [{"as_tensor": {"name": total}}], "metadata": dict(self.meta)})
+        self.nodes.append({"target": "torch.ops.aten.add_.Tensor", "inputs": [{"name": "self", "arg": sink, "kind": 1},
+                                                                            {"name": "other", "arg": {"as_tensor": {"name": total}}, "kind": 1}],
+                           "outputs": [{"as_tensor": {"name": done}}], "metadata": dict(self.meta)})
+        try:
+            meta = self._meta_of(first["name"]).sum()
+        except Exception:  # noqa: BLE001
+            meta = None
+        self._declare(total, meta)
+        self._declare(done, self.torch.empty([], device="meta"))
+
+    def _outputs(self, fn, inputs: list[dict]) -> list[dict]:
+        """The node's outputs, declared with the sizes a run on meta tensors gives (``[1]`` where it raises)."""
+        torch = self.torch
+        try:
+            def real(v):
+                if "as_tensor" in v:
+                    return self._meta_of(v["as_tensor"]["name"])
+                if "as_tensors" in v:
+                    return [self._meta_of(t["name"]) for t in v["as_tensors"]]
+                if "as_scalar_type" in v:
+                    return self.serde._SERIALIZE_TO_TORCH_DTYPE[self.serde.ScalarType(v["as_scalar_type"])]
+                if "as_device" in v:
+                    return torch.device("meta")
+                if "as_none" in v or "as_optional_tensors" in v or "as_layout" in v or "as_memory_format" in v:
+                    return None
+                return next(iter(v.values()))
+            pos = [real(i["arg"]) for i in inputs if i["kind"] == 1]
+            kw = {i["name"]: real(i["arg"]) for i in inputs if i["kind"] == 2}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = fn(*pos, **kw)
+        except Exception:  # noqa: BLE001 - hostile arguments: the declaration is a guess
+            got = None
+        rets = [str(r.type) for r in fn._schema.returns]
+        got = list(got) if isinstance(got, tuple) else [got]
+        out = []
+        for i, r in enumerate(rets):
+            g = got[i] if i < len(got) else None
+            self.count += 1
+            if r == "List[Tensor]":
+                items = g if isinstance(g, list) and g else [None]
+                names = []
+                for t in items:
+                    self.count += 1
+                    names.append({"name": f"fuzz_out{self.count}"})
+                    self._declare(names[-1]["name"], t)
+                out.append({"as_tensors": names})
+            else:
+                name = f"fuzz_out{self.count}"
+                self._declare(name, g)
+                out.append({"as_tensor": {"name": name}})
+        return out
+
+
+def mutate_args(seed: Path, index: int, base_seed: int, tmp: Path) -> tuple[bytes, str]:
+    """Mutant ``index`` of the argument mutator: a program seed with one node calling allowlisted
+    op ``index % len(ops)`` (every op in turn), 1 in 8 with valid arguments only, the others with
+    1 to 3 hostile ones."""
+    rng = random.Random(base_seed * 1_000_003 + index)
+    ops = _ops()
+    op = ops[index % len(ops)]
+    manifest, fmt = _manifest(seed)
+    prog = manifest["meta"]["program"]
+    hostile = 0 if rng.random() < 0.125 else rng.randint(1, 3)
+    what = _ArgMutant(prog, rng).node(op, hostile)
+    return _write_manifest(seed.read_bytes(), fmt, manifest, tmp, rng), f"args: {what}"
+
+
+#: the outcomes a stranger's replay may have: reproduced or not (exit 0 / 3), refused (4, 5, 7)
+_STRANGER_OK = ("ok", "exit 4", "exit 5", "exit 7")
+
+
+def check_stranger(path: Path, timeout: float) -> dict:
+    """``nanreplay replay --no-samples BUNDLE`` as a stranger (the mutant is in no trust store):
+    the outcome as ``ok`` (exit 0 or 3), ``exit 4``, ``exit 5``, ``exit 7``, or the exit code and
+    the last line; ``sandbox`` says whether an exit 5 was a crash or a limit the sandbox contained."""
+    from click.testing import CliRunner
+
+    from nanreplay.cli import main
+
+    r = CliRunner().invoke(main, ["replay", "--no-samples", "--timeout", str(timeout), str(path)])
+    sandbox_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the sandboxed replay: this process's only child
+    code = r.exit_code
+    last = r.output.strip().splitlines()[-1] if r.output.strip() else ""
+    out = {"replay": "ok" if code in (0, 3) else f"exit {code}"}
+    if code not in (0, 3, 4, 5, 7) or "Traceback" in r.output:
+        exc = r.exception if r.exception is not None and not isinstance(r.exception, SystemExit) else None
+        out["replay"] = _signature("replay", exc) if exc is not None else f"replay: exit {code}: {re.sub(r'[0-9]+', 'N', last)[:90]}"
+    out["sandbox_rss_kb"] = sandbox_kb
+    if code == 5 and "crashed the sandboxed replay" in r.output:
+        out["contained"] = re.sub(r".*\(signal (\w+).*", r"signal \1", last)[:40]
+    elif code == 5 and ("time limit" in r.output or "out of memory" in r.output):
+        out["contained"] = "time limit" if "time limit" in r.output else "memory limit"
+    return out
+
+
 # ------------------------------------------------------------------------------------ checking
 def _signature(stage: str, e: BaseException) -> str:
     msg = re.sub(r"\d+", "N", str(e).splitlines()[0] if str(e) else "")
@@ -589,10 +853,11 @@ def _vm_bytes() -> int:
     return 0
 
 
-def run_one(seed: Path, index: int, base_seed: int, work: Path, timeout: float, mem: int, keep: Optional[Path], same_name: bool = False) -> dict:
+def run_one(seed: Path, index: int, base_seed: int, work: Path, timeout: float, mem: int, keep: Optional[Path], same_name: bool = False,
+            args_mode: bool = False) -> dict:
     tmp = work / f"scratch{index}.h5"
     try:
-        data, what = mutate(seed, index, base_seed, tmp)
+        data, what = (mutate_args if args_mode else mutate)(seed, index, base_seed, tmp)
     except Exception as e:  # noqa: BLE001 - a mutation the editing library refused: flip a bit of the seed instead
         data = bytearray(seed.read_bytes())
         bit = random.Random(index).randrange(len(data) * 8)
@@ -610,7 +875,7 @@ def run_one(seed: Path, index: int, base_seed: int, work: Path, timeout: float, 
         os.close(r)
         try:
             resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + mem, resource.RLIM_INFINITY))
-            result = check(path, seed.parent.name)
+            result = check_stranger(path, timeout=max(5.0, timeout / 2)) if args_mode else check(path, seed.parent.name)
             os.write(w, json.dumps(result).encode())
         except BaseException as e:  # noqa: BLE001
             os.write(w, json.dumps({"child": _signature("child", e)}).encode())
@@ -644,14 +909,15 @@ def run_one(seed: Path, index: int, base_seed: int, work: Path, timeout: float, 
             stages = json.loads(raw or b"{}") or {"all": "child: no result"}
         except ValueError:
             stages = {"all": "child: unreadable result"}
-    bad = [v for v in stages.values() if v not in _EXPECTED]
+    bad = [v for k, v in stages.items() if k not in ("contained", "sandbox_rss_kb") and v not in (_STRANGER_OK if args_mode else _EXPECTED)]
     if bad and keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
         (keep / path.name).write_bytes(data)
         (keep / (path.name + ".txt")).write_text(json.dumps({"seed": str(seed), "index": index, "mutation": what, "stages": stages}, indent=1))
     path.unlink()
     tmp.with_suffix(".raw").unlink(missing_ok=True)
-    return {"index": index, "seed": seed.parent.name, "mutation": what.split(" ")[0] + (" " + what.split(" ")[1] if what.startswith(("h5:", "st:", "json:", "program:")) else ""),
+    return {"index": index, "seed": seed.parent.name, "what": what[:200],
+            "mutation": what.split(" ")[0] + (" " + what.split(" ")[1] if what.startswith(("h5:", "st:", "json:", "program:")) else ""),
             "stages": stages, "peak_rss_kb": usage.ru_maxrss if usage else 0, "seconds": elapsed,
             "file_bytes": len(data), "marker": MARKER.exists()}
 
@@ -675,14 +941,18 @@ def worker(args: argparse.Namespace) -> None:
     # so the children do not each pay torch's and nanreplay's lazy initialisation (seconds).
     torch.set_num_threads(1)
     seeds = [Path(p) for p in args.seeds.split(",")]
+    if args.args:  # hostile arguments: only the seeds that carry a program
+        seeds = [p for p in seeds if p.parent.name.startswith("a")]
     for seed in seeds:
-        assert set(check(seed, seed.parent.name).values()) == {"ok"}, f"the seed {seed} does not read and replay cleanly"
+        got = {"replay": check_stranger(seed, args.timeout)["replay"]} if args.args else check(seed, seed.parent.name)
+        assert set(got.values()) == {"ok"}, f"the seed {seed} does not read and replay cleanly: {got}"
     base = _baseline_kb()
     work = Path(tempfile.mkdtemp(prefix="nanreplay-fuzz-"))
     for line in sys.stdin:
         index = int(line)
         seed = seeds[index % len(seeds)]
-        res = run_one(seed, index, args.seed, work, args.timeout, args.memory << 20, Path(args.keep) if args.keep else None, args.same_name)
+        res = run_one(seed, index, args.seed, work, args.timeout, args.memory << 20, Path(args.keep) if args.keep else None, args.same_name,
+                      args_mode=args.args)
         res["base_rss_kb"] = base
         sys.stdout.write(json.dumps(res) + "\n")
         sys.stdout.flush()
@@ -780,6 +1050,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--same-name", action="store_true", help="give every mutant its seed's extension (by default names vary: .h5, .safetensors, .txt, none)")
     ap.add_argument("--report", nargs="+", metavar="JSONL", help="print the report of earlier runs' --json files (one campaign resumed with --start) instead of fuzzing; --seconds gives their summed wall time")
     ap.add_argument("--seconds", type=float, default=0.0, help="with --report: the campaign's wall time in seconds (the sum of its runs')")
+    ap.add_argument("--args", action="store_true", help="hostile arguments instead of damaged files: each mutant calls one allowlisted "
+                    "op (every op in turn) with hostile sizes, indices, dtypes or empty tensors, replayed as a stranger's bundle "
+                    "(the sandbox); outcomes must be ok / exit 4 / exit 5 / exit 7")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--make-seeds", help=argparse.SUPPRESS)
     ap.add_argument("--seeds", help=argparse.SUPPRESS)
@@ -808,6 +1081,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"seeds: {', '.join(f'{p.parent.name}/{p.name} ({p.stat().st_size} B)' for p in seeds)}", flush=True)
     procs = [subprocess.Popen([sys.executable, str(HERE), "--worker", "--seeds", ",".join(map(str, seeds)), "--seed", str(args.seed),
                                "--timeout", str(args.timeout), "--memory", str(args.memory)] + (["--keep", args.keep] if args.keep else [])
+                              + (["--args"] if args.args else [])
                               + (["--same-name"] if args.same_name else []),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1) for _ in range(args.workers)]
     t0 = time.monotonic()
@@ -846,7 +1120,40 @@ def main(argv: Optional[list[str]] = None) -> int:
     return report(results, time.monotonic() - t0, args)
 
 
+def report_args(results: list[dict], seconds: float, args: argparse.Namespace) -> int:
+    """The argument mutator's figures: outcomes of the stranger's replays, what the sandbox
+    contained, the ops covered, time and memory."""
+    outcomes = collections.Counter(r["stages"].get("replay", r["stages"].get("all", "?")) for r in results)
+    contained = collections.Counter(r["stages"]["contained"] for r in results if "contained" in r["stages"])
+    others = {k: v for k, v in outcomes.items() if k not in _STRANGER_OK}
+    ops = collections.Counter(r["what"].split("(")[0].removeprefix("args: ") for r in results)
+    valid = [r for r in results if r["what"].endswith("(valid arguments)")]
+    print(f"\n{len(results)} argument mutants over {len(ops)} allowlisted ops in {seconds:.0f} s ({args.workers} workers), seed {args.seed}")
+    print("outcomes of `nanreplay replay` as a stranger: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    print(f"  of the exit 5s, contained by the sandbox: {sum(contained.values())}" + (" (" + ", ".join(f"{k} {v}" for k, v in contained.most_common()) + ")" if contained else ""))
+    print(f"  mutants with valid arguments only: {len(valid)}, of which replayed ok {sum(r['stages'].get('replay') == 'ok' for r in valid)}")
+    print(f"other outcomes (not ok / exit 4 / exit 5 / exit 7, a signal or a timeout of the outer process): {sum(others.values())}")
+    for sig, n in sorted(others.items(), key=lambda kv: -kv[1])[:40]:
+        print(f"  {n:5d}  {sig}")
+    extra = [(r["peak_rss_kb"] - r["base_rss_kb"]) / 1024 for r in results]
+    worst = max(results, key=lambda r: r["peak_rss_kb"] - r["base_rss_kb"])
+    slow = max(results, key=lambda r: r["seconds"])
+    print(f"peak RSS of the outer child above an idle one: max {max(extra):.1f} MiB ({worst['what'][:80]}), median {sorted(extra)[len(extra) // 2]:.1f} MiB")
+    boxed = [r for r in results if "sandbox_rss_kb" in r["stages"]]
+    if boxed:
+        big = max(boxed, key=lambda r: r["stages"]["sandbox_rss_kb"])
+        kb = sorted(r["stages"]["sandbox_rss_kb"] for r in boxed)
+        print(f"peak RSS of the sandboxed replay (a child of its own, whole): max {kb[-1] / 1024:.0f} MiB ({big['what'][:80]}), "
+              f"median {kb[len(kb) // 2] / 1024:.0f} MiB")
+    print(f"slowest mutant: {slow['seconds']:.1f} s ({slow['what'][:100]}); median {sorted(r['seconds'] for r in results)[len(results) // 2]:.1f} s")
+    markers = sum(r["marker"] for r in results)
+    print(f"marker files created: {markers}")
+    return 0 if not others and not markers else 1
+
+
 def report(results: list[dict], seconds: float, args: argparse.Namespace) -> int:
+    if getattr(args, "args", False) or (results and results[0].get("what", "").startswith("args:")):
+        return report_args(results, seconds, args)
     per_mutant = collections.Counter()
     per_stage = collections.Counter()
     others = collections.Counter()

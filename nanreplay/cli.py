@@ -18,13 +18,18 @@ library's exceptions to them, and ``tests/cli/test_cli.py`` checks this table ag
 5     the model, loss function or factory does not fit the bundle, or replay cannot run
       (for ``bisect``: the bundle lacks what the search needs, e.g. a weight snapshot); for ``export --repro``: the
       origin is not an op (the batch, the weights, the optimizer update, no birth), or the op is
-      not on the reviewed allowlist (``engine/opset.py``)
+      not on the reviewed allowlist (``engine/opset.py``); the sandboxed replay of an untrusted
+      bundle's program died (a signal, out of memory), ran past ``--timeout`` or
+      ``--memory-limit``, or sent back something that is not a result (one sentence; nothing
+      outside the sandbox was touched)
 6     ``bisect``: the search named no culprit (the failure did not reproduce, the cause is
       outside what the search varies, or ``--max-replays`` ran out)
 7     refused: the bundle is not trusted and names code the command would run (its model
       factory, model class, loss function, optimizer class or batch types); nothing was run.
       Review ``nanreplay inspect BUNDLE``, then ``nanreplay trust BUNDLE`` or ``--trust``, or
-      name your own code with ``--model-factory``, ``--loss-fn`` and ``--batch-type``
+      name your own code with ``--model-factory``, ``--loss-fn`` and ``--batch-type``; also:
+      the bundle's embedded program may run only in the sandbox, and this machine cannot run
+      it (no seccomp): ``--trust`` runs it in-process
 ====  =========================================================================
 
 A bundle is data: ``inspect`` and ``trust`` never run code from it, and ``replay`` / ``bisect``
@@ -239,6 +244,9 @@ def _sharded_run(value: tuple[Path, ...]) -> Optional[Path]:
 
     path = _guard(lambda: merged_bundle(value))
     if path is not None:
+        from .engine.sandbox import computed
+
+        computed()  # the merge copied tensors (OpenMP's pool may exist): a sandboxed child runs one thread
         atexit.register(_drop_merged, path)  # a temporary file: gone, with its trust entry, when the command ends
     return path
 
@@ -307,6 +315,23 @@ def _replay_options(fn: Callable) -> Callable:
     ]):
         fn = opt(fn)
     return fn
+
+
+def _sandbox_options(fn: Callable) -> Callable:
+    """``--timeout`` and ``--memory-limit``: the limits of the sandbox an untrusted bundle's
+    embedded program replays in (``docs/security.md``, "The sandbox")."""
+    fn = click.option("--memory-limit", type=click.FloatRange(min=0.25), metavar="GIB",
+                      help="Address space the sandboxed replay may add, in GiB (default: 1.5 GiB + 8 x the bundle's size).")(fn)
+    return click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS",
+                        help="Wall-clock limit of the sandboxed replay: an untrusted bundle's program runs in a child process "
+                             "(seccomp, no file writes, no network) that is killed past it (exit 5).")(fn)
+
+
+def _limits(timeout: float, memory_limit: Optional[float]) -> Any:
+    """The :class:`~nanreplay.engine.sandbox.SandboxLimits` of ``--timeout`` / ``--memory-limit``."""
+    from .engine.sandbox import SandboxLimits
+
+    return SandboxLimits(timeout=timeout, memory=None if memory_limit is None else int(memory_limit * 2**30))
 
 
 _bundle_arg = click.argument("bundle", nargs=-1, required=True, metavar="BUNDLE", callback=_one_bundle,
@@ -424,23 +449,28 @@ class _InertFormatter(logging.Formatter):
 @click.option("--compile-backend", multiple=True, metavar="BACKEND", help="Add BACKEND (inductor, aot_eager, aot_eager_decomp_partition, eager, ...) to the --compile comparison as one more column; the recording's backend stays the main one. Repeatable; implies --compile.")
 @_trust_opt
 @_batch_type_opt
+@_sandbox_options
 @_color_option
 def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str], no_ops: bool,
            allow: tuple, no_default_allow: bool, no_samples: bool, rows: int, as_json: bool, import_script: bool, compile_: bool, compile_backend: tuple,
-           trust: bool, batch_types: tuple, color: Optional[bool]) -> None:
+           trust: bool, batch_types: tuple, timeout: float, memory_limit: Optional[float], color: Optional[bool]) -> None:
     """Re-execute the failing step of BUNDLE and name where the non-finite value was born.
 
     The program embedded in BUNDLE is data and replays without trust; the code BUNDLE names
     (model factory, loss function, classes) runs only when the bundle is trusted: written by
-    your Recorder on this machine, `nanreplay trust BUNDLE`, or --trust.
-    Exit code 0 when the failure reproduced, 3 when it did not, 7 when refused as untrusted.
+    your Recorder on this machine, `nanreplay trust BUNDLE`, or --trust. An untrusted bundle's
+    program replays in a sandbox: a child process that may not write files, run programs or open
+    sockets, within --timeout and --memory-limit.
+    Exit code 0 when the failure reproduced, 3 when it did not, 5 when the sandboxed replay died
+    or ran past a limit, 7 when refused as untrusted.
     """
     from .report.summary import reproduced
     from .report.text import render_report
 
     diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
                                allow=list(allow), default_allow=not no_default_allow, samples=not no_samples, import_script=import_script,
-                               trust=trust, batch_types=_import_types(batch_types), compile=list(compile_backend) or compile_)
+                               trust=trust, batch_types=_import_types(batch_types), compile=list(compile_backend) or compile_,
+                               sandbox=_limits(timeout, memory_limit))
     if as_json:
         click.echo(_dump_json(_versioned(diag)), color=False)
     else:
@@ -458,17 +488,21 @@ def replay(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], n
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_trust_opt
+@_sandbox_options
 def check(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str], import_script: bool, as_json: bool,
-          trust: bool) -> None:
+          trust: bool, timeout: float, memory_limit: Optional[float]) -> None:
     """Replay the recorded failing step of BUNDLE on the code as it is now (a regression test).
 
     Exit code 0 when the step now replays finite, 3 when it is still non-finite.
     """
     from .testing import check_finite
 
-    out = _guard(lambda: check_finite(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, import_script=import_script))
+    out = _guard(lambda: check_finite(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, import_script=import_script,
+                                      sandbox=_limits(timeout, memory_limit)))
     if as_json:
-        click.echo(_dump_json(out))
+        from .core.jsonable import jsonable
+
+        click.echo(_dump_json(jsonable(out)))  # a non-finite loss as "nan" / "-inf": JSON has no NaN
     elif out["finite"]:
         loss = f" (loss {out['loss']:.4g})" if isinstance(out["loss"], float) else ""
         click.echo(f"step {out['step']} replays finite{loss}: the fix holds")
@@ -492,8 +526,9 @@ def check(bundle: Path, model_factory: Optional[str], loss_fn: Optional[str], de
 @click.option("--import-script", is_flag=True, help="Allow importing the factory or loss function from a script that runs code at import.")
 @_trust_opt
 @_batch_type_opt
+@_sandbox_options
 def export(bundle: Path, repro: Path, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool, device: Optional[str],
-           import_script: bool, trust: bool, batch_types: tuple) -> None:
+           import_script: bool, trust: bool, batch_types: tuple, timeout: float, memory_limit: Optional[float]) -> None:
     """Write a reproducer of BUNDLE's failing step anyone can run: the origin op alone, with its inputs.
 
     Replays the step (under the trust rule of `replay`), finds the aten op that gave birth to the
@@ -506,7 +541,7 @@ def export(bundle: Path, repro: Path, model_factory: Optional[str], loss_fn: Opt
     with _Status(enabled=sys.stderr.isatty()) as status:
         out = _guard(lambda: export_repro(bundle, repro, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=not no_loss_fn,
                                           device=device, trust=trust, batch_types=_import_types(batch_types), import_script=import_script,
-                                          progress=status))
+                                          progress=status, sandbox=_limits(timeout, memory_limit)))
     what = f"aten {out['op']}" + (" and its derivative (with the recorded output gradient)" if out["backward"] else "") + " on its recorded inputs"
     where = f", {out['where']}" if out.get("where") else ""
     click.echo(inert(f"wrote {out['script']} and {out['tensors']} ({out['bytes']} bytes): {what} (step {out['step']}{where})"))
@@ -604,7 +639,9 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
 
     st = styler(color is not False)
     review = _code_listing(info.get("code") or {})
+    names = {k: inert_name(info[k]) for k in ("model_class", "model_factory", "loss_fn", "optimizer") if info.get(k) is not None}
     info = inert_tree(info, one_line=True)  # every string from the bundle shows, escaped, and acts on nothing
+    info.update(names)  # names of code: every character outside printable ASCII escaped (no look-alike)
 
     def echo(line: str) -> None:
         click.echo(line, color=color)
@@ -660,9 +697,11 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
                    "pip install 'nanreplay[report]'.")
 @_trust_opt
 @_batch_type_opt
+@_sandbox_options
 @_color_option
 def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str],
-           as_json: bool, html: Optional[str], trust: bool, batch_types: tuple, color: Optional[bool]) -> None:
+           as_json: bool, html: Optional[str], trust: bool, batch_types: tuple, timeout: float, memory_limit: Optional[float],
+           color: Optional[bool]) -> None:
     """Search BUNDLE for the cause of its non-finite step by replaying variations of it:
     the layers whose weight change makes it non-finite, the first layer that must run in float32,
     the first step that left the healthy range, or the smallest bad subset of the batch.
@@ -680,7 +719,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
     show = err.isatty()
     with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
         res: BisectResult = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None,
-                                 trust=trust, batch_types=types))
+                                 trust=trust, batch_types=types, sandbox=_limits(timeout, memory_limit)))
     if as_json:
         click.echo(_dump_json(_versioned(res)))
     else:
@@ -760,10 +799,11 @@ def _write_page(out: Path, page: str) -> None:
 @_replay_options
 @_trust_opt
 @_batch_type_opt
+@_sandbox_options
 @_color_option
 def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: bool, model_factory: Optional[str], loss_fn: Optional[str], no_loss_fn: bool,
            device: Optional[str], no_ops: bool, allow: tuple, no_default_allow: bool, no_samples: bool, trust: bool, batch_types: tuple,
-           color: Optional[bool]) -> None:
+           timeout: float, memory_limit: Optional[float], color: Optional[bool]) -> None:
     """Replay the failing step of BUNDLE and write the diagnosis as one self-contained HTML file:
     the loss and grad-norm curves before the failure, the forward pass module by module, the
     causal chain of births, the samples, the environment. The file loads nothing from the
@@ -788,7 +828,7 @@ def report(bundle: Path, output: Optional[Path], open_browser: bool, no_replay: 
     else:
         diag = _replay_with_status(bundle, model_factory=model_factory, loss_fn=loss_fn, device=device, ops=not no_ops, use_loss_fn=not no_loss_fn,
                                    allow=list(allow), default_allow=not no_default_allow, samples=not no_samples,
-                                   trust=trust, batch_types=_import_types(batch_types))
+                                   trust=trust, batch_types=_import_types(batch_types), sandbox=_limits(timeout, memory_limit))
         meta = _guard(lambda: _bundle_meta(bundle))
     out = output if output is not None else bundle.with_suffix(".html")
     try:
@@ -877,8 +917,10 @@ def entry() -> None:
     process: ``main`` called in-process (tests, ``CliRunner``) leaves the caller's allocator and
     exit alone."""
     from .core.allocator import keep_freed_memory
+    from .engine.sandbox import fresh_process
 
     keep_freed_memory()
+    fresh_process()  # nothing has computed yet: a sandboxed replay's child may keep torch's intra-op threads
     try:
         main()
         code: Any = 0

@@ -18,6 +18,8 @@ __all__ = [
     "DiagnosisTimeout",
     "MissingExtraError",
     "UntrustedBundleError",
+    "SandboxError",
+    "SandboxUnavailableError",
     "SpikeError",
 ]
 
@@ -101,8 +103,9 @@ class UntrustedBundleError(NanReplayError):
         super().__init__(self.describe(cli=False))
 
     def listing(self) -> str:
-        """The names, as ``model factory 'a:b'; loss function 'c:d'``."""
-        return "; ".join(f"{kind} " + ", ".join(repr(n) for n in names) for kind, names in self.names.items())
+        """The names, as ``model factory 'a:b'; loss function 'c:d'``: each by ``ascii()``, so a
+        look-alike or invisible character shows as its escape (``'model\\u2024py:make'``)."""
+        return "; ".join(f"{kind} " + ", ".join(ascii(n) for n in names) for kind, names in self.names.items())
 
     def describe(self, *, cli: bool) -> str:
         """The message in the caller's terms: CLI flags (``cli=True``) or Python keywords."""
@@ -119,6 +122,35 @@ class UntrustedBundleError(NanReplayError):
             "review the names above, then pass trust=True (or call nanreplay.trust_bundle(path) once), "
             "or pass your own model= / model_factory=, loss_fn= (or use_loss_fn=False) and batch_types="
         )
+
+
+class SandboxError(ReplayError):
+    """The sandboxed replay of an untrusted bundle's embedded program (``docs/security.md``, "The
+    sandbox") ended without a result: the child process died of a signal or a resource limit, ran
+    past its time limit, or sent something other than a result. The message is one sentence;
+    nothing outside the sandbox was touched."""
+
+
+class SandboxUnavailableError(UntrustedBundleError):
+    """An untrusted bundle's embedded program may run only inside nanreplay's sandbox, and this
+    machine cannot run it (not Linux, no ``pyseccomp`` or libseccomp, a kernel without seccomp).
+    Nothing was run; trusting the bundle (after review) runs the program in this process.
+
+    Attributes:
+        path: the bundle file. reason: why the sandbox is unavailable.
+    """
+
+    def __init__(self, path: Any, reason: str) -> None:
+        self.reason = reason
+        super().__init__(path, {})
+
+    def describe(self, *, cli: bool) -> str:
+        head = (f"{self.path}: refused: the bundle is not trusted, and its embedded program runs only inside nanreplay's sandbox, "
+                f"which this machine cannot run ({self.reason}); ")
+        if cli:
+            return head + (f"review `nanreplay inspect {self.path}`, then pass --trust to run the program in this process, "
+                           "or replay with your own code: --model-factory")
+        return head + "review nanreplay.open_bundle(path), then pass trust=True to run it in this process, or pass your own model_factory="
 
 
 class NonFiniteGradientError(NanReplayError):

@@ -22,6 +22,8 @@ import torch
 from .core.allowlist import Allowlist
 from .core.numerics import any_nonfinite, kinds
 from .engine.run import StepInputs, run_step
+from .core.jsonable import unfnum
+from .engine.sandbox import SandboxLimits, conforming, sandbox_plan
 from .engine.state import ReplayRequest, load_state, opened_subject
 from .format.bundle import Bundle
 
@@ -30,10 +32,13 @@ __all__ = ["check_finite", "assert_replays_finite"]
 
 def check_finite(bundle: Union[str, Path, Bundle], *, model: Optional[torch.nn.Module] = None, model_factory: Union[str, Callable, None] = None,
                  loss_fn: Union[str, Callable, None] = None, device: Union[str, torch.device, None] = None, trust: bool = False,
-                 import_script: bool = False) -> dict:
+                 import_script: bool = False, sandbox: Optional[SandboxLimits] = None) -> dict:
     """Replay the bundle's failing step once, bare (no monitors), with the recorded weights,
     batch and RNG states, on ``model`` / ``model_factory`` (the fixed code; default: the
     recorded model under the trust rule of :func:`nanreplay.replay`).
+
+    An untrusted bundle's embedded program replays in the sandbox (``sandbox``: its limits), as
+    for :func:`nanreplay.replay`.
 
     Returns:
         ``{"step", "finite" (bool), "loss" (float or None: the first replayed loss),
@@ -41,6 +46,25 @@ def check_finite(bundle: Union[str, Path, Bundle], *, model: Optional[torch.nn.M
     """
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=True, device=device, trust=trust,
                             import_script=import_script)
+    with sandbox_plan(bundle, request) as (b, plan):
+        if plan is None:
+            return _check(b, request)
+        out, _ = plan.run(lambda req, relay: _check(b, req), limits=sandbox)
+    out = conforming(out, _CHECK_SCHEMA, plan.path)
+    out["loss"] = unfnum(out["loss"])  # "nan" / "inf" as JSON carries them, a float again
+    return out
+
+
+_FLOAT = {"anyOf": [{"type": "number"}, {"enum": ["nan", "inf", "-inf"]}, {"type": "null"}]}
+#: the result of :func:`check_finite`, as a sandboxed replay sends it
+_CHECK_SCHEMA = {"type": "object", "required": ["step", "finite", "loss", "nonfinite", "kinds"], "additionalProperties": False,
+                 "properties": {"step": {"type": "integer"}, "finite": {"type": "boolean"}, "loss": _FLOAT,
+                                "nonfinite": {"type": "array", "items": {"enum": ["loss", "outputs", "gradients"]}},
+                                "kinds": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
+
+
+def _check(bundle: Union[str, Path, Bundle], request: ReplayRequest) -> dict:
+    """The body of :func:`check_finite`: in this process, or in the sandbox's child."""
     with opened_subject(bundle, request) as (b, subject, dev):
         state = b.state()
         load_state(subject.model, state)

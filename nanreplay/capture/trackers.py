@@ -33,6 +33,10 @@ goes with it when matplotlib (the ``report`` extra) is installed and the event h
 rendering it takes about 1 s on 2 CPU cores, nearly all of an event's cost (``bench/trackers.py``). A tracker that fails logs one warning and never stops
 training (:meth:`Trackers.emit`); the command line (``nanreplay log``) asks for the failures
 instead, to exit with them.
+
+Every string a tracker gets is escaped for Markdown and HTML (:func:`_text`,
+:func:`nanreplay.core.inert.inert_markdown`): a bundle's text is untrusted and TensorBoard, W&B and
+MLflow render Markdown, so a stored image or link shows as text. A callable gets the raw event.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from ..core.inert import inert_markdown
 
 __all__ = ["TrackerEvent", "Tracker", "Trackers", "TensorBoardTracker", "WandbTracker", "MlflowTracker", "CallableTracker", "LazyTracker",
            "resolve", "event_for_bundle", "event_for_spike", "event_from_meta", "parse_spec", "open_tracker", "ARTIFACT_MAX_BYTES",
@@ -94,15 +100,18 @@ class TrackerEvent:
         return f"nanreplay-{'spike-' if self.kind == 'spike' else ''}step{self.step}"
 
     def markdown(self) -> str:
-        """The sentence and the tags as Markdown lines (TensorBoard's text plugin renders it)."""
-        lines = [_clip(self.sentence), ""]
-        lines += [f"* {k}: {_clip(v)}" for k, v in self.tags.items() if k != "event" and v]
+        """The sentence and the tags as Markdown lines (TensorBoard's text plugin renders it),
+        every value escaped (:func:`_text`)."""
+        lines = [_text(self.sentence), ""]
+        lines += [f"* {_text(k)}: {_text(v)}" for k, v in self.tags.items() if k != "event" and v]
         return "\n".join(lines)
 
 
-def _clip(s: Any) -> str:
-    s = str(s)
-    return s if len(s) <= TEXT_MAX_CHARS else s[: TEXT_MAX_CHARS - 1] + "…"
+def _text(s: Any) -> str:
+    """A string for a tracker: the bundle's text is untrusted and trackers render Markdown and
+    HTML, so it is escaped for both (:func:`nanreplay.core.inert.inert_markdown`: no link, no
+    image, no markup, no control or invisible character), at most :data:`TEXT_MAX_CHARS`."""
+    return inert_markdown(s, limit=TEXT_MAX_CHARS)
 
 
 def _field(d: Any, key: str) -> Any:
@@ -214,11 +223,11 @@ class WandbTracker(Tracker):
     def log(self, event: TrackerEvent, files: list[Path]) -> None:
         run = self.run
         run.log({f"nanreplay/{k}": v for k, v in event.scalars.items()})
-        run.summary.update({f"nanreplay/{event.kind}": _clip(event.sentence), **{f"nanreplay/{k}": _clip(v) for k, v in event.tags.items()}})
+        run.summary.update({f"nanreplay/{event.kind}": _text(event.sentence), **{f"nanreplay/{k}": _text(v) for k, v in event.tags.items()}})
         if files:
             wandb = sys.modules.get("wandb") or __import__("wandb")
-            art = wandb.Artifact(event.name, type="nanreplay-bundle", description=_clip(event.sentence),
-                                 metadata={"step": event.step, **event.tags})
+            art = wandb.Artifact(event.name, type="nanreplay-bundle", description=_text(event.sentence),
+                                 metadata={"step": event.step, **{k: _text(v) for k, v in event.tags.items()}})
             for f in files:
                 art.add_file(str(f), name=f.name)
             run.log_artifact(art)
@@ -252,7 +261,7 @@ class MlflowTracker(Tracker):
         for k, v in event.scalars.items():
             client.log_metric(run_id, f"nanreplay.{k}", v, step=max(event.step, 0))
         for k, v in event.tags.items():
-            client.set_tag(run_id, f"nanreplay.{k}", _clip(v))
+            client.set_tag(run_id, f"nanreplay.{k}", _text(v))
         client.log_text(run_id, event.markdown(), f"nanreplay/{event.name}.md")
         for f in files:
             client.log_artifact(run_id, str(f), "nanreplay")

@@ -18,7 +18,7 @@ import logging
 import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["replay_quiet", "quietly", "NOISY_MESSAGES", "NOISY_MODULES", "NOISY_LOGGERS"]
+__all__ = ["replay_quiet", "quietly", "quiet_loggers", "NOISY_MESSAGES", "NOISY_MODULES", "NOISY_LOGGERS"]
 
 #: warning messages (regular expressions, matched at the start) that a replay provokes
 NOISY_MESSAGES: tuple[str, ...] = (
@@ -69,6 +69,30 @@ def replay_quiet() -> Iterator[None]:
         finally:
             for lg, level in zip(loggers, levels):
                 lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_loggers(names: tuple[str, ...]) -> Iterator[None]:
+    """The loggers ``names`` and every logger below them say nothing inside the block (their
+    levels, and those of the descendants that set one, are put back on exit). For code whose
+    failure nanreplay reports itself in one sentence (torch's deserializer reading a bundle's
+    program: its warnings and ``log.exception`` tracebacks would reach the user's stderr). A no-op
+    when the ``nanreplay`` logger is enabled for DEBUG."""
+    if logging.getLogger("nanreplay").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger(n) for n in names]
+    loggers += [lg for key, lg in list(manager.loggerDict.items())
+                if isinstance(lg, logging.Logger) and lg.level != logging.NOTSET and any(key.startswith(n + ".") for n in names)]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import results
 
-__all__ = ["schema_for", "SCHEMAS", "schema_path", "shipped_schema", "schema_text", "write_schemas"]
+__all__ = ["schema_for", "SCHEMAS", "schema_path", "shipped_schema", "schema_text", "write_schemas", "conforms"]
 
 #: the shipped schemas: file stem -> (result type, title)
 SCHEMAS: dict[str, tuple[Any, str]] = {
@@ -111,6 +111,85 @@ def shipped_schema(name: str) -> dict:
     """The shipped JSON Schema of ``name`` (``"diagnosis"``: ``replay --json``; ``"bisect"``:
     ``bisect --json``), for tools that validate nanreplay's output."""
     return json.loads(schema_path(name).read_text(encoding="utf-8"))
+
+
+_JSON_TYPES: dict[str, Any] = {
+    "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list), "string": lambda v: isinstance(v, str),
+    "integer": lambda v: type(v) is int, "number": lambda v: type(v) in (int, float), "boolean": lambda v: type(v) is bool,
+    "null": lambda v: v is None,
+}
+
+
+def conforms(value: Any, schema: dict, *, limit: int = 8) -> list[str]:
+    """Where ``value`` (parsed JSON) breaks ``schema``, as ``"$.origin.op: expected ..."`` lines
+    (at most ``limit``); an empty list when it conforms. Knows what :func:`schema_for` writes:
+    ``type``, ``enum``, ``anyOf``, ``properties``, ``required``, ``additionalProperties``, ``items``
+    and ``$ref`` into ``$defs``; the parent of a sandboxed replay checks its result with it
+    (:mod:`nanreplay.engine.sandbox`), so a result is data of the documented shape before
+    anything reads it. Recursion follows the value, whose depth the JSON parser bounded.
+
+    >>> conforms({"a": 1}, {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    ['$.a: expected string, found int']
+    """
+    errors: list[str] = []
+    _conforms(value, schema, schema, "$", errors, limit)
+    return errors
+
+
+def _conforms(value: Any, node: dict, root: dict, path: str, errors: list[str], limit: int) -> bool:
+    if len(errors) >= limit:
+        return False
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        return _conforms(value, root["$defs"][name], root, path, errors, limit)
+    if "anyOf" in node:
+        for alt in node["anyOf"]:
+            if not _conforms(value, alt, root, path, [], limit):
+                continue
+            return True
+        errors.append(f"{path}: expected {' or '.join(_describe(a, root) for a in node['anyOf'])}, found {_found(value)}")
+        return False
+    if "enum" in node and value not in node["enum"]:
+        errors.append(f"{path}: expected one of {node['enum'][:8]}, found {_found(value)}")
+        return False
+    kind = node.get("type")
+    if kind is not None and not _JSON_TYPES[kind](value):
+        errors.append(f"{path}: expected {kind}, found {_found(value)}")
+        return False
+    ok = True
+    if isinstance(value, dict):
+        props = node.get("properties", {})
+        missing = [k for k in node.get("required", []) if k not in value]
+        if missing:
+            errors.append(f"{path}: expected the keys {missing[:8]}, found none")
+            ok = False
+        extra = node.get("additionalProperties", True)
+        for k, v in value.items():
+            if k in props:
+                ok = _conforms(v, props[k], root, f"{path}.{k}", errors, limit) and ok
+            elif extra is False:
+                errors.append(f"{path}: unexpected key {k[:60]!r}")
+                ok = False
+            elif isinstance(extra, dict):
+                ok = _conforms(v, extra, root, f"{path}.{k[:60]}", errors, limit) and ok
+    elif isinstance(value, list) and "items" in node:
+        for i, v in enumerate(value):
+            ok = _conforms(v, node["items"], root, f"{path}[{i}]", errors, limit) and ok
+            if len(errors) >= limit:
+                break
+    return ok
+
+
+def _describe(node: dict, root: dict) -> str:
+    if "$ref" in node:
+        return node["$ref"].rsplit("/", 1)[-1]
+    if "enum" in node:
+        return " or ".join(repr(v) for v in node["enum"][:4])
+    return str(node.get("type", "any value"))
+
+
+def _found(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def write_schemas(docs: Path | None = None) -> list[Path]:

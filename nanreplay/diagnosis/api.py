@@ -33,6 +33,7 @@ from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import eager_modules
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
+from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
 from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, nonfinite_state, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
 from ..engine.state import ReplayRequest, load_state, opened_subject, recorded_device
@@ -491,6 +492,7 @@ def replay(
     trust: bool = False,
     batch_types: Types = None,
     compile: Union[bool, str, Sequence[str]] = False,
+    sandbox: Optional[SandboxLimits] = None,
 ) -> Diagnosis:
     """Replay a bundle's failing step and diagnose it.
 
@@ -540,6 +542,12 @@ def replay(
             replay does not reproduce is replayed compiled all the same when the bundle says
             training ran compiled, with a backend of ``engine.compiled.BUNDLE_BACKENDS``
             (``compile["automatic"]`` is then true).
+        sandbox: the limits of the sandbox (:class:`~nanreplay.engine.sandbox.SandboxLimits`:
+            wall-clock seconds, default 600, and address space). The embedded program of a bundle
+            that is not trusted, replayed without your own model or factory, runs in a child
+            process under seccomp and these limits (``docs/security.md``, "The sandbox"), on the
+            CPU, and only the validated diagnosis comes back; a trusted bundle, ``trust=True`` or
+            your own code replays in this process, as before.
 
     Returns:
         the diagnosis (``docs/report.md``), with ``bundle``, ``device`` and ``model_source``
@@ -552,11 +560,26 @@ def replay(
             (nothing was run; the message lists it).
         ReplayError: no model could be built, or the loss function failed.
         ModelMismatchError: the model does not match the recorded one.
+        SandboxError: the sandboxed replay died, or ran past a limit.
+        SandboxUnavailableError: the program needs the sandbox and this machine has none.
     """
     say = progress or _silent
-    say("rebuilding the model")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
                             batch_types=batch_types, import_script=import_script)
+    options = dict(allow=allow, default_allow=default_allow, ops=ops, samples=samples, compile=compile)
+    with sandbox_plan(bundle, request) as (b, plan):
+        if plan is None:
+            return _replay(b, request, progress=say, **options)
+        say("starting the sandboxed replay (the bundle is not trusted)")
+        diag, _ = plan.run(lambda req, relay: dict(_replay(b, req, progress=relay, **options)), progress=say, limits=sandbox)
+        return Diagnosis(conforming(diag, "diagnosis", plan.path), meta=plan.meta)
+
+
+def _replay(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, progress: Progress, allow: Optional[Sequence[str]],
+            default_allow: bool, ops: bool, samples: bool, compile: Union[bool, str, Sequence[str]]) -> Diagnosis:
+    """The body of :func:`replay`: in this process, or in the sandbox's child."""
+    say = progress
+    say("rebuilding the model")
     with opened_subject(bundle, request) as (b, subject, dev), eager_modules(subject.model):
         model, lf = subject.model, subject.loss_fn
         state = b.state(lazy_optimizer=True)  # read only if the diagnosis replays the optimizer update

@@ -31,12 +31,13 @@ import torch
 from ..core.state import load_buffers
 from ..engine.opset import allowed
 from ..engine.rewrite import OpCall, OpTarget, capture, locate
+from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
 from ..engine.state import ReplayRequest, load_state, opened_subject
-from ..errors import ReplayError
+from ..errors import ReplayError, SandboxError
 from ..format.bundle import Bundle, Types
 from .api import Progress, bundle_step_inputs, replay_step
 
-__all__ = ["export_repro", "write_repro", "SCRIPT", "TENSORS"]
+__all__ = ["export_repro", "write_repro", "call_payload", "call_from_payload", "SCRIPT", "TENSORS"]
 
 #: the names of the files :func:`write_repro` writes
 SCRIPT, TENSORS = "repro.py", "op_inputs.safetensors"
@@ -276,9 +277,12 @@ def export_repro(bundle: Union[str, Path, Bundle], out_dir: Union[str, Path], *,
                  model_factory: Union[str, Callable, None] = None, loss_fn: Union[str, Callable, None] = None,
                  use_loss_fn: bool = True, device: Union[str, torch.device, None] = None, allow: Optional[Sequence[str]] = None,
                  trust: bool = False, batch_types: Types = None, import_script: bool = False,
-                 progress: Optional[Progress] = None) -> dict:
+                 progress: Optional[Progress] = None, sandbox: Optional[SandboxLimits] = None) -> dict:
     """Replay the bundle's failing step, find its origin op and write its reproducer into
-    ``out_dir`` (:func:`write_repro`). Options and the trust rule as :func:`nanreplay.replay`.
+    ``out_dir`` (:func:`write_repro`). Options, the trust rule and the sandbox as
+    :func:`nanreplay.replay`: an untrusted bundle's program replays in the sandbox, which sends
+    back the captured call as data (:func:`call_payload`); this process checks it (the op on the
+    allowlist, each argument a plain value or a tensor of the file it sent) and writes the files.
 
     Returns:
         :func:`write_repro`'s dict, with ``summary`` (the diagnosis's sentence), ``step`` and ``where``.
@@ -289,9 +293,40 @@ def export_repro(bundle: Union[str, Path, Bundle], out_dir: Union[str, Path], *,
             (:func:`write_repro`); as :func:`nanreplay.replay` otherwise.
     """
     say = progress or _silent
-    say("rebuilding the model")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, use_loss_fn=use_loss_fn, device=device, trust=trust,
                             batch_types=batch_types, import_script=import_script)
+    with sandbox_plan(bundle, request) as (b, plan):
+        if plan is None:
+            got, facts = _captured(b, request, allow=allow, progress=say)
+        else:
+            say("starting the sandboxed replay (the bundle is not trusted)")
+
+            def work(req: ReplayRequest, relay: Progress) -> tuple[dict, dict[str, bytes]]:
+                call, info = _captured(b, req, allow=allow, progress=relay)
+                data, tensors = call_payload(call)
+                return {"call": data, **info}, {TENSORS: tensors}
+
+            data, blobs = plan.run(work, progress=say, limits=sandbox, encode=lambda v: v)
+            facts = conforming(data, _FACTS_SCHEMA, plan.path)
+            got = call_from_payload(facts.pop("call"), blobs.get(TENSORS, b""))
+    out = write_repro(got, out_dir, step=facts["step"], where=facts["where"])
+    out.update(facts)
+    return out
+
+
+#: what a sandboxed export sends beside the call (checked by the parent before use)
+_FACTS_SCHEMA = {"type": "object", "required": ["call", "summary", "step", "where"], "additionalProperties": False,
+                 "properties": {"call": {"type": "object"}, "summary": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                                "step": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                                "where": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
+
+
+def _captured(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, allow: Optional[Sequence[str]], progress: Progress
+              ) -> tuple[OpCall, dict]:
+    """The origin op's call with its inputs captured, and ``{"summary", "step", "where"}``: the
+    replay part of :func:`export_repro` (in this process or in the sandbox's child)."""
+    say = progress
+    say("rebuilding the model")
     with opened_subject(bundle, request) as (b, subject, dev):
         state = b.state()
         load_state(subject.model, state)
@@ -317,6 +352,105 @@ def export_repro(bundle: Union[str, Path, Bundle], out_dir: Union[str, Path], *,
             raise ReplayError(f"expected to capture the inputs of {call.overload}, found no such call; no reproducer is written")
         src = o.get("source") or {}
         where = f"{Path(str(src['file'])).name}:{src.get('line')}" if src.get("file") else None
-        out = write_repro(got, out_dir, step=b.failing_step, where=where)
-        out.update(summary=diag.get("summary"), step=b.failing_step, where=where)
-        return out
+        return got, {"summary": diag.get("summary"), "step": b.failing_step, "where": where}
+
+
+# ------------------------------------------------------------------------------ the call as data
+
+def call_payload(call: OpCall) -> tuple[dict, bytes]:
+    """A captured call as JSON data and the bytes of a safetensors file of its tensors: what the
+    sandbox's child sends (:func:`call_from_payload` reads it back). Values are tagged:
+    ``{"tensor": "arg0"}``, ``{"tuple": [...]}``, ``{"float": "nan"}``, ``{"dtype": "float32"}``,
+    ``{"torch": "contiguous_format"}`` (a memory format or layout), ``{"device": "cpu"}``."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(x: Any, prefix: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            name = f"{prefix}{len([k for k in tensors if k.startswith(prefix)])}"
+            tensors[name] = x.detach().to("cpu").contiguous()
+            return {"tensor": name}
+        if x is None or isinstance(x, (bool, int, str)):
+            return x
+        if isinstance(x, float):
+            return x if math.isfinite(x) else {"float": repr(x)}
+        if isinstance(x, (list, tuple)):
+            items = [enc(v, prefix) for v in x]
+            return items if isinstance(x, list) else {"tuple": items}
+        if isinstance(x, torch.dtype):
+            return {"dtype": str(x).replace("torch.", "")}
+        if isinstance(x, torch.device):
+            return {"device": "cpu"}
+        if isinstance(x, (torch.memory_format, torch.layout)):
+            return {"torch": str(x).replace("torch.", "")}
+        raise ReplayError(f"expected the op's arguments to be tensors or plain values, found {type(x).__name__}; the reproducer is not written")
+
+    packet, overload = _checked_op(call)
+    data = {"op": packet, "overload": overload, "backward": bool(call.backward_birth), "name": call.name, "occurrence": int(call.occurrence),
+            "args": enc(list(call.args or ()), "arg"), "kwargs": {str(k): enc(v, "arg") for k, v in (call.kwargs or {}).items()},
+            "grad_outputs": None if call.grad_outputs is None else [enc(g, "grad_output") for g in call.grad_outputs]}
+    complex_ = [k for k, t in tensors.items() if t.is_complex()]
+    data["complex"] = complex_
+    return data, save({k: torch.view_as_real(t).contiguous() if t.is_complex() else t for k, t in tensors.items()})
+
+
+def call_from_payload(data: Any, raw: bytes) -> OpCall:
+    """The :class:`~nanreplay.engine.rewrite.OpCall` of :func:`call_payload`'s data and tensors,
+    checked as untrusted input: the op's exact overload on the allowlist (resolved through
+    ``torch.ops.aten``, never by a name the data gives otherwise), every value of a tagged kind,
+    every tensor name one the file holds, dtypes and memory formats named torch attributes.
+
+    Raises:
+        SandboxError: anything else (a damaged or hostile bundle's child).
+    """
+    from safetensors.torch import load
+
+    def bad(what: str) -> SandboxError:
+        return SandboxError(f"the sandboxed replay sent a reproducer call that does not check ({what}); a damaged or hostile bundle; "
+                            "nothing was written")
+
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("op", "overload", "name")):
+        raise bad("no op named")
+    packet, overload = data["op"], data["overload"]
+    if not allowed(f"{packet}.{overload}") or set(packet) - _SAFE_NAME_CHARS or set(overload) - _SAFE_NAME_CHARS:
+        raise bad(f"{packet[:60]}.{overload[:60]} is not on the allowlist")
+    try:
+        tensors = load(raw) if raw else {}
+    except Exception as e:  # noqa: BLE001 - safetensors' own parser refused the bytes
+        raise bad(f"its tensors do not read: {type(e).__name__}") from None
+    for name in data.get("complex") or []:
+        if name not in tensors or not isinstance(name, str):
+            raise bad("an unknown complex tensor")
+        tensors[name] = torch.view_as_complex(tensors[name])
+
+    def dec(x: Any, depth: int = 0) -> Any:
+        if depth > 32:
+            raise bad("arguments nested too deeply")
+        if x is None or isinstance(x, (bool, int, str, float)):
+            return x
+        if isinstance(x, list):
+            return [dec(v, depth + 1) for v in x]
+        if isinstance(x, dict) and len(x) == 1:
+            (tag, v), = x.items()
+            if tag == "tensor" and isinstance(v, str) and v in tensors:
+                return tensors[v]
+            if tag == "tuple" and isinstance(v, list):
+                return tuple(dec(i, depth + 1) for i in v)
+            if tag == "float" and v in ("nan", "inf", "-inf"):
+                return float(v)
+            if tag == "device" and v == "cpu":
+                return torch.device("cpu")
+            if tag in ("dtype", "torch") and isinstance(v, str) and not set(v) - _SAFE_NAME_CHARS and v:
+                value = getattr(torch, v, None)
+                if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+                    return value
+        raise bad(f"an argument of an unknown kind {str(x)[:60]!r}")
+
+    args, kwargs, grads = data.get("args"), data.get("kwargs"), data.get("grad_outputs")
+    if not isinstance(args, list) or not isinstance(kwargs, dict) or not (grads is None or isinstance(grads, list)):
+        raise bad("arguments of the wrong shape")
+    occurrence = data.get("occurrence")
+    return OpCall(name=packet, occurrence=occurrence if type(occurrence) is int else 1, func=getattr(getattr(torch.ops.aten, packet), overload),
+                  backward_birth=data.get("backward") is True, args=tuple(dec(a) for a in args),
+                  kwargs={str(k): dec(v) for k, v in kwargs.items()}, grad_outputs=None if grads is None else [dec(g) for g in grads])

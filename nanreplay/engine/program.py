@@ -61,6 +61,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.batch import batch_dim, batch_size
+from ..core.quiet import quiet_loggers
 from ..core.tree import decode_value, encode_value, flatten_typed, TypedNode, unflatten_batch
 from ..errors import BundleFormatError, NanReplayError, ReplayError
 from ..format.meta import MetaError
@@ -871,18 +872,29 @@ def load_program(meta: dict, get_tensor: Callable[[str], torch.Tensor], *, devic
 
     Raises:
         ReplayError: not a program record, another format or export schema version, an
-            operator that is not a torch operator, or a program torch cannot deserialize here.
-            On a call of an untrusted program: ``ProgramRefused`` (a ``ReplayError``), an op out
-            of bounds, over its budget, writing into a tensor it did not create, or indexing out
-            of range; ``BundleFormatError``, metadata that contradicts the program's own ops.
+            operator that is not a torch operator, or a program torch cannot deserialize here;
+            any other exception of the checks, the deserializer or ``unflatten`` on the record
+            becomes one too (a damaged or hostile record is exit 5 with one sentence, never a
+            traceback), and torch's own log output is held back meanwhile. On a call of an
+            untrusted program: ``ProgramRefused`` (a ``ReplayError``), an op out of bounds, over its
+            budget, writing into a tensor it did not create, or indexing out of range.
+        BundleFormatError: a tensor the record names cannot be read; metadata that contradicts
+            the program's own ops (on a call of an untrusted program).
     """
-    root, inner = _load(meta, get_tensor, device, keep_graph=not trusted)
-    names = meta.get("modules", {})
-    for fqn, mod in inner.named_modules():
-        if fqn:
-            _relabel(mod, names.get(fqn, ""))
-    pm = ProgramModel(root, inner, meta)
-    _relabel(pm, names.get("", ""))
+    try:
+        with quiet_loggers(("torch",)):
+            root, inner = _load(meta, get_tensor, device, keep_graph=not trusted)
+            names = meta.get("modules", {})
+            for fqn, mod in inner.named_modules():
+                if fqn:
+                    _relabel(mod, names.get(fqn, ""))
+            pm = ProgramModel(root, inner, meta)
+            _relabel(pm, names.get("", ""))
+    except NanReplayError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a record torch's code trips over: the bundle's fault, said in one sentence
+        raise ReplayError(f"the embedded program could not be loaded ({_first_line(e)}): a damaged or hostile record; "
+                          "replay with --model-factory") from None
     return pm
 
 

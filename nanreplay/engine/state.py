@@ -26,7 +26,7 @@ from .gate import bundle_types, recorded_callable, require_trust, resolve_optimi
 logger = logging.getLogger(__name__)
 
 __all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler",
-           "Subject", "replay_subject", "deterministic_cublas", "DETERMINISTIC_CUBLAS"]
+           "Subject", "replay_subject", "runs_untrusted_program", "deterministic_cublas", "DETERMINISTIC_CUBLAS"]
 
 #: ``CUBLAS_WORKSPACE_CONFIG`` as torch's deterministic mode asks for it: 8 cuBLAS workspaces of 4096 KiB (32 MiB)
 DETERMINISTIC_CUBLAS = ":4096:8"
@@ -304,13 +304,8 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
     wants_loss = use_loss_fn
     user_loss = loss_fn if use_loss_fn else None
     program = b.meta.get(PROGRAM_META_KEY) or {}
-    own_model = model is not None or model_factory is not None
-    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
-    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
-    uses_program = (not own_model and bool(program.get("kind"))
-                    and not (program.get("kind") == "loss" and (user_loss is not None or not wants_loss)))
-    require_trust(b, model=own_model or uses_program, types=types, optimizer=optimizer,
-                  loss=user_loss is not None or not wants_loss or (uses_program and program.get("kind") == "loss"))
+    uses_program = _checked_choice(b, own_model=model is not None or model_factory is not None, user_loss=user_loss is not None,
+                                   wants_loss=wants_loss, types=types, optimizer=optimizer)
 
     def resolve_loss(recorded_ok: bool) -> Optional[Callable]:
         if user_loss is not None:
@@ -341,6 +336,42 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
                      "the recorded model factory rebuilds the model")
     return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters",
                    notes, loss_code=loss_code)
+
+
+def _checked_choice(b: Bundle, *, own_model: bool, user_loss: bool, wants_loss: bool, types: Types, optimizer: bool) -> bool:
+    """Whether the replay of ``b`` runs its embedded program (:func:`replay_subject`'s order),
+    after the trust rule (:func:`nanreplay.engine.gate.require_trust`) is checked for exactly the
+    code that choice would import.
+
+    Args:
+        own_model: the caller brings a model or a factory. user_loss: the caller brings a loss
+            function. wants_loss: a loss function drives backward (not ``--no-loss-fn``).
+    """
+    from .program import PROGRAM_META_KEY
+
+    program = b.meta.get(PROGRAM_META_KEY) or {}
+    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
+    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
+    uses_program = (not own_model and bool(program.get("kind"))
+                    and not (program.get("kind") == "loss" and (user_loss or not wants_loss)))
+    require_trust(b, model=own_model or uses_program, types=types, optimizer=optimizer,
+                  loss=user_loss or not wants_loss or (uses_program and program.get("kind") == "loss"))
+    return uses_program
+
+
+def runs_untrusted_program(b: Bundle, request: "ReplayRequest", *, optimizer: bool = False) -> bool:
+    """Whether a replay of ``b`` with ``request`` would run the embedded program of a bundle that
+    is not trusted: the case :mod:`nanreplay.engine.sandbox` contains. Checks the trust rule
+    first, as :func:`replay_subject` does (``optimizer``: the caller rebuilds the recorded
+    optimizer).
+
+    Raises:
+        UntrustedBundleError: the replay would import code the untrusted bundle names.
+    """
+    uses = _checked_choice(b, own_model=request.model is not None or request.model_factory is not None,
+                           user_loss=request.use_loss_fn and request.loss_fn is not None, wants_loss=request.use_loss_fn,
+                           types=request.batch_types, optimizer=optimizer)
+    return uses and not b.trusted
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,9 @@ _EXPR_CONSTANTS = frozenset({"true", "false", "True", "False", "BooleanTrue", "B
 _ASSUMPTIONS = frozenset({"positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite", "nonzero",
                           "zero", "even", "odd", "precision"})
 _SYMBOL = re.compile(r"[a-z]{1,8}\d{1,9}")
+#: the largest ``precision`` (bits) of a ``Float``: a double's 53, what ``sympy.srepr`` writes for
+#: the floats of torch's symbolic sizes
+_FLOAT_PRECISION = 53
 _NUMBER = re.compile(r"-?\d{1,30}(?:\.\d{1,30})?(?:[eE][-+]?\d{1,4})?")
 
 
@@ -92,7 +95,8 @@ def parse_sym_expr(text: Any) -> tuple:
 
     The grammar: ``Name(arg, ..., key=value)`` calls of the functions torch's deserializer knows,
     ``Symbol('s12', <assumption>=True|False ...)`` with a shape-symbol name, ``Integer(n)`` with
-    ``|n| < 2**63``, ``Rational(p, q)``, ``Float('1.5', precision=53)``, and the constants
+    ``|n| < 2**63``, ``Rational(p, q)``, ``Float('1.5', precision=53)`` (at most 53 bits: sympy computes a Float
+    in its precision, so ``precision=10**9`` would never finish), and the constants
     ``true``/``false``/``oo``. ``Pow`` and ``PowByNatural`` take a constant exponent of at most
     8 in magnitude and a base without a power inside, so the value of an expression stays within
     a few thousand bits (``9**9**9**9`` and ``2**2**40`` are refused). At most :data:`MAX_EXPR`
@@ -179,6 +183,10 @@ def _check_expr(node: tuple, *, inside_pow: bool) -> None:
     if name == "Float":
         if not args or args[0][0] != "str" or not _NUMBER.fullmatch(args[0][1]) or len(args) > 1:
             raise SymExprError("Float takes one number in quotes")
+        precision = kwargs.get("precision", ("int", _FLOAT_PRECISION))
+        if set(kwargs) - {"precision"} or precision[0] != "int" or not 1 <= precision[1] <= _FLOAT_PRECISION:
+            # sympy computes in `precision` bits: Float('0.1', precision=10**9) never finishes
+            raise SymExprError(f"Float takes at most precision={_FLOAT_PRECISION} (the binary digits of a double, what torch writes)")
         return
     if kwargs:
         raise SymExprError(f"{name} takes no keyword arguments")

@@ -26,6 +26,7 @@ import torch
 
 from ..core.quiet import quietly
 from ..core.results import BisectResult
+from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
 from ..engine.state import ReplayRequest, opened_subject
 from ..format.bundle import Bundle, Types
 from .common import STATUSES, Runner, Search
@@ -64,6 +65,7 @@ def bisect(
     progress: Optional[Callable[[int], None]] = None,
     trust: bool = False,
     batch_types: Types = None,
+    sandbox: Optional[SandboxLimits] = None,
 ) -> BisectResult:
     """Search a bundle for the cause of its non-finite step by replaying variations of it.
 
@@ -93,6 +95,9 @@ def bisect(
         progress: called with ``1`` after each replay (the CLI's progress bar).
         trust: trust this bundle for this call (run the code it names).
         batch_types: dataclass types / namedtuple classes to rebuild typed batch nodes as.
+        sandbox: the sandbox's limits (:class:`~nanreplay.engine.sandbox.SandboxLimits`): the
+            embedded program of an untrusted bundle searches inside it, on the CPU, as for
+            :func:`nanreplay.replay`.
 
     Returns:
         a JSON-able dict: ``over``, ``bundle``, ``step`` (failing step), ``status`` (one of
@@ -118,6 +123,17 @@ def bisect(
     if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a multiple of the median of earlier steps), got {threshold}")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, batch_types=batch_types)
+    with sandbox_plan(bundle, request, optimizer=over == "steps") as (b, plan):
+        if plan is None:
+            return _bisect(b, request, over=over, max_replays=max_replays, threshold=threshold, progress=progress)
+        out, _ = plan.run(lambda req, relay: _bisect(b, req, over=over, max_replays=max_replays, threshold=threshold, progress=relay),
+                          progress=progress, limits=sandbox)
+        return conforming(out, "bisect", plan.path)
+
+
+def _bisect(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, over: str, max_replays: int, threshold: float,
+            progress: Optional[Callable[[int], None]]) -> BisectResult:
+    """The body of :func:`bisect`: in this process, or in the sandbox's child."""
     with opened_subject(bundle, request, optimizer=over == "steps") as (b, subject, dev):
         search = Search(over=over, bundle=b, model=subject.model, loss_fn=subject.loss_fn, device=dev, runner=Runner(max_replays, progress),
                         failing=b.step(b.failing_step), state=b.state(), threshold=threshold)

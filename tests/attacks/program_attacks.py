@@ -209,6 +209,12 @@ def power_tower_srepr(prog: dict, out: Path) -> None:
     _graph(prog)["sym_int_values"]["evil_sym"] = {"as_expr": {"expr_str": "Pow(Integer(2), Pow(Integer(2), Integer(40)))", "hint": None}}
 
 
+def float_precision_hang(prog: dict, out: Path) -> None:
+    """sympy computes a Float in the precision it is given: 10**9 bits never finish (and eat memory)."""
+    expr = "Mul(Float('0.1', precision=1000000000), Symbol('s0', positive=True, integer=True))"
+    _graph(prog)["sym_int_values"]["evil_sym"] = {"as_expr": {"expr_str": expr, "hint": None}}
+
+
 def sympify_eval(prog: dict, out: Path) -> None:
     _graph(prog)["sym_int_values"]["evil_sym"] = {"as_expr": {"expr_str": f"__import__('os').system('touch {out / 'PWNED-sympify'}')", "hint": None}}
 
@@ -480,6 +486,8 @@ ATTACKS: list[ProgramAttack] = [
     ProgramAttack("out_overload", "aten.linear.out instead of .default", out_overload, 5, REFUSED),
     ProgramAttack("power_tower", "the symbolic size 9**9**9**9 (kept replay at 100% CPU forever)", power_tower, 4, "symbolic size expression", 4),
     ProgramAttack("power_tower_srepr", "Pow(2, Pow(2, 40)) in srepr form (exhausted memory)", power_tower_srepr, 4, "symbolic size expression", 4),
+    ProgramAttack("float_precision_hang", "a Float of 10**9 bits of precision in a symbolic size (hung replay)", float_precision_hang, 4,
+                  "symbolic size expression", 4),
     ProgramAttack("sympify_eval", "an expression that sympify would evaluate as Python", sympify_eval, 4, "symbolic size expression", 4),
     ProgramAttack("signature_spec_import", "the module call graph's out_spec: a defaultdict naming a module", signature_spec_import, 4, "tree of tuples, lists and dicts", 4),
     ProgramAttack("output_spec_import", "outputs.spec: a defaultdict naming a module (decoded by nanreplay: never imported)", output_spec_import, 0, "reproduced exactly"),

@@ -245,3 +245,68 @@ def test_model_init_names_lists_every_import_path_in_its_arguments():
         'imported by the model class (model_init.kwargs.config["odd\\nkey"])': ["pkg.mod:Cls"],
     }
     assert model_init_names(None) == {} and model_init_names({"class": "a:B"}) == {"model class (model_init)": ["a:B"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# invisible and look-alike characters
+# ---------------------------------------------------------------------------------------------
+#: invisible, bidirectional and look-alike characters a name can hide: zero-width space, word
+#: joiner, byte-order mark, soft hyphen, a left-to-right isolate, a no-break space, U+2024 ONE DOT
+#: LEADER (looks like "."), a Cyrillic "а"
+SPOOFS = "\u200b\u2060\ufeff\u00ad\u2066\u00a0\u2024\u0430"
+
+
+def test_every_format_character_and_separator_but_the_space_is_escaped():
+    import re
+    import sys
+    import unicodedata
+
+    from nanreplay.core.inert import INVISIBLE
+
+    cls = re.compile(f"[{INVISIBLE}]")
+    missed = [hex(c) for c in range(sys.maxunicode + 1)
+              if unicodedata.category(chr(c)) in ("Cf", "Zl", "Zp", "Zs", "Cs") and c != 0x20 and not cls.match(chr(c))]
+    assert missed == []
+    assert inert("a\u200bb\u2060c\ufeffd\u00ade\u2066f\u00a0g \u2028h") == "a\\u200bb\\u2060c\\ufeffd\\xade\\u2066f\\xa0g \\u2028h"
+    assert inert("\U000e0041tag") == "\\U000e0041tag"  # a Unicode tag character (invisible)
+
+
+def test_a_name_under_review_shows_every_character_outside_printable_ascii():
+    assert inert_name("model\u2024py:make") == "model\\u2024py:make"  # never reads as model.py:make
+    assert inert_name("pkg.\u0430pi:make") == "pkg.\\u0430pi:make"
+    assert inert_name("a\u200bb") == "a\\u200bb"
+
+
+@pytest.fixture(scope="module")
+def spoofed_bundle(diagnosis, tmp_path_factory):
+    """The bundle naming a factory and a loss function spoofed with invisible and look-alike characters."""
+    from attacks.make_attacks import read_manifest, write_manifest
+    from nanreplay.engine.program import PROGRAM_META_KEY
+
+    bundle, _ = diagnosis
+    out = tmp_path_factory.mktemp("spoof") / "spoof.h5"
+    out.write_bytes(bundle.read_bytes())
+    m = read_manifest(out)
+    m["meta"]["model_factory"] = "model\u2024py:make"
+    m["meta"]["loss_fn"] = "train:lo" + SPOOFS + "ss"
+    m["meta"]["diagnosis"]["summary"] = "NaN born" + SPOOFS
+    m["meta"].pop(PROGRAM_META_KEY, None)
+    write_manifest(out, m)
+    return out
+
+
+def test_inspect_trust_and_the_refusal_show_spoofed_names_escaped(spoofed_bundle, tmp_path, monkeypatch):
+    escaped = "lo\\u200b\\u2060\\ufeff\\xad\\u2066\\xa0\\u2024\\u0430ss"
+    r = CliRunner().invoke(main, ["inspect", str(spoofed_bundle)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "code it names: model factory model\\u2024py:make;" in r.output and "; loss function train:" + escaped in r.output
+    assert "factory: model\\u2024py:make" in r.output and "NaN born\\u200b\\u2060\\ufeff\\xad\\u2066\\xa0" in r.output
+    assert not any(c in r.output for c in SPOOFS[:6])  # invisible: escaped everywhere
+    review = [line for line in r.output.splitlines() if "code it names" in line or "factory:" in line]
+    assert not any(c in line for line in review for c in SPOOFS)  # look-alikes too, in the names under review
+    r = CliRunner().invoke(main, ["replay", str(spoofed_bundle)], catch_exceptions=False)
+    assert r.exit_code == 7 and "'model\\u2024py:make'" in r.output and escaped in r.output, r.output
+    assert not any(c in r.output for c in SPOOFS)
+    monkeypatch.setenv("NANREPLAY_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(main, ["trust", str(spoofed_bundle)], catch_exceptions=False)
+    assert r.exit_code == 0 and "model factory model\\u2024py:make" in r.output and not any(c in r.output for c in SPOOFS), r.output

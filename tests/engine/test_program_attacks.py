@@ -19,7 +19,7 @@ from nanreplay.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 BY_NAME = {a.name: a for a in ATTACKS}
-IN_SUBPROCESS = {"power_tower", "power_tower_srepr", "sympify_eval"}  # a hang must fail the test, not pytest
+IN_SUBPROCESS = {"power_tower", "power_tower_srepr", "sympify_eval", "float_precision_hang"}  # a hang must fail the test, not pytest
 BOUNDED = [a.name for a in ATTACKS if a.bounded]
 #: the address space of the child that replays the memory attacks: a replay needs about 1 GiB of it
 #: (torch's libraries), so an attack that got past the checks fails to allocate its gigabytes
@@ -48,7 +48,7 @@ def test_a_hostile_program_is_refused_and_runs_nothing(program_attacks, name):
     attack, path = BY_NAME[name], files[name]
     if name in IN_SUBPROCESS:
         r = subprocess.run([sys.executable, "-m", "nanreplay.cli", "replay", str(path)], capture_output=True, text=True,
-                           timeout=120, env=_env(), cwd=out)
+                           timeout=90, env=_env(), cwd=out)
         code, output = r.returncode, r.stdout + r.stderr
     else:
         r = CliRunner().invoke(main, ["replay", str(path)], catch_exceptions=False)
@@ -219,3 +219,19 @@ def test_export_repro_of_a_view_attack_writes_no_heap_byte(bounded_results, name
     assert res["exit"] == 5 and res["crash"] is None, res["output"]
     assert "op_inputs.safetensors" not in res["files"] and not res["heap_in_files"], res
     assert HEAP_MARKER not in res["output"]
+
+
+def test_hostile_arguments_to_allowlisted_ops_are_refused_or_contained(tmp_path):
+    """bench/fuzz.py's argument mutator, a few dozen mutants: each calls one allowlisted op (a
+    different one each, in turn) with valid arguments, then with hostile sizes, indices, dtypes or
+    empty tensors; replayed as a stranger's bundle (the sandbox), each ends ok / exit 4 / 5 / 7,
+    never another exit, a traceback or a signal of the process around it, within the time and
+    memory bounds of the fuzzer's child."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--args", "--mutants", "30", "--workers", "1", "--seed", "7",
+                        "--timeout", "60", "--json", str(tmp_path / "r.jsonl")], capture_output=True, text=True, timeout=900, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "30 argument mutants over 30 allowlisted ops" in r.stdout
+    assert "other outcomes (not ok / exit 4 / exit 5 / exit 7, a signal or a timeout of the outer process): 0" in r.stdout
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert all(row["seconds"] < 60 for row in rows)
+    assert all(row["stages"]["replay"] in ("ok", "exit 4", "exit 5", "exit 7") for row in rows)

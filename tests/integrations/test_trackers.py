@@ -16,6 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from nanreplay import Recorder
+from nanreplay.core.inert import inert_markdown
 from nanreplay.capture.early import Z_SPIKE
 from nanreplay.capture.trackers import Tracker, Trackers, event_from_meta, resolve
 from nanreplay.cli import main
@@ -106,9 +107,9 @@ def test_a_summarywriter_gets_the_sentence_and_the_step(tmp_path):
     assert scalars == {"nanreplay/nonfinite_step": [(BAD_STEP, float(BAD_STEP))]}
     [(step, text)] = texts["nanreplay/nonfinite/text_summary"]
     assert step == BAD_STEP
-    assert text.startswith(rec.last_diagnosis["summary"])  # the sentence, then the tags
+    assert text.startswith(inert_markdown(rec.last_diagnosis["summary"]))  # the sentence (escaped for Markdown), then the tags
     assert "* phase: loss" in text and f"* cause: {rec.last_diagnosis['classification']['cause']}" in text
-    assert f"* bundle: {rec.bundles[0].resolve()}" in text  # TensorBoard keeps no artifacts: the path
+    assert f"* bundle: {inert_markdown(rec.bundles[0].resolve())}" in text  # TensorBoard keeps no artifacts: the path
 
 
 def test_a_spike_episode_is_logged_once_with_its_score(tmp_path):
@@ -190,9 +191,9 @@ def test_a_wandb_offline_run_gets_scalars_summary_and_the_bundle_artifact(tmp_pa
     run.finish()
     history, summary, artifacts = _wandb_view(tmp_path / "wb")
     assert any(h.get("nanreplay/nonfinite_step") == BAD_STEP for h in history), (history, summary)
-    assert summary["nanreplay/nonfinite"] == rec.last_diagnosis["summary"]
+    assert summary["nanreplay/nonfinite"] == inert_markdown(rec.last_diagnosis["summary"])
     assert summary["nanreplay/phase"] == "loss" and summary["nanreplay/cause"] == rec.last_diagnosis["classification"]["cause"]
-    assert summary["nanreplay/bundle"] == str(rec.bundles[0].resolve())
+    assert summary["nanreplay/bundle"] == inert_markdown(rec.bundles[0].resolve())
     expected = sorted([rec.bundles[0].name] + (["nanreplay-step3.html"] if _has_matplotlib() else []))
     assert artifacts == [("nanreplay-step3", "nanreplay-bundle", expected)]
 
@@ -232,11 +233,11 @@ def test_an_mlflow_run_gets_metrics_tags_text_and_artifacts(tmp_path, mlflow_sto
     assert metrics["nanreplay.nonfinite_step"] == BAD_STEP
     assert [m.step for m in client.get_metric_history(active.info.run_id, "nanreplay.nonfinite_step")] == [BAD_STEP]
     assert tags["nanreplay.phase"] == "loss" and tags["nanreplay.cause"] == rec.last_diagnosis["classification"]["cause"]
-    assert tags["nanreplay.bundle"] == str(rec.bundles[0].resolve())
+    assert tags["nanreplay.bundle"] == inert_markdown(rec.bundles[0].resolve())
     expected = {f"nanreplay/{rec.bundles[0].name}", "nanreplay/nanreplay-step3.md"} | ({"nanreplay/nanreplay-step3.html"} if _has_matplotlib() else set())
     assert set(files) == expected
     text = mlflow.artifacts.load_text(f"{active.info.artifact_uri}/nanreplay/nanreplay-step3.md")
-    assert text.startswith(rec.last_diagnosis["summary"])
+    assert text.startswith(inert_markdown(rec.last_diagnosis["summary"]))
     # the bundle kept by MLflow is the bundle: it opens and has the failing step
     local = client.download_artifacts(active.info.run_id, f"nanreplay/{rec.bundles[0].name}", str(tmp_path / "dl"))
     with open_bundle(local) as b:
@@ -306,7 +307,7 @@ def test_log_to_tensorboard_after_the_fact(tmp_path, diagnosed_bundle, monkeypat
     assert res.output.startswith(f"{bundle}: step {BAD_STEP}'s nonfinite verdict logged to tensorboard:")
     texts, scalars = _tb_events(tmp_path / "tb")
     assert scalars == {"nanreplay/nonfinite_step": [(BAD_STEP, float(BAD_STEP))]}
-    assert texts["nanreplay/nonfinite/text_summary"][0][1].startswith(diag["summary"])
+    assert texts["nanreplay/nonfinite/text_summary"][0][1].startswith(inert_markdown(diag["summary"]))
 
 
 def test_log_to_wandb_and_mlflow_after_the_fact(tmp_path, diagnosed_bundle, wandb_offline, mlflow_store):
@@ -315,7 +316,7 @@ def test_log_to_wandb_and_mlflow_after_the_fact(tmp_path, diagnosed_bundle, wand
     res = CliRunner().invoke(main, ["log", str(bundle), "--to", "wandb:nanreplay-test", "--to", f"mlflow:{uri}"])
     assert res.exit_code == 0, res.output
     _, summary, artifacts = _wandb_view(tmp_path / "wb")
-    assert summary["nanreplay/nonfinite"] == diag["summary"]
+    assert summary["nanreplay/nonfinite"] == inert_markdown(diag["summary"])
     assert artifacts[0][0] == "nanreplay-step3" and bundle.name in artifacts[0][2]
     [run] = mlflow.MlflowClient(tracking_uri=uri).search_runs([mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("nanreplay").experiment_id])
     assert run.info.run_name == bundle.stem and run.info.status == "FINISHED"
@@ -386,9 +387,9 @@ def test_lightning_logs_the_verdict_to_the_trainers_loggers(tmp_path, wandb_offl
     assert cb.recorder.nonfinite_steps == [LIT_BAD] and diag["phase"] == "forward"
     texts, scalars = _tb_events(tmp_path / "tb" / "lit" / "version_0")
     assert scalars["nanreplay/nonfinite_step"] == [(LIT_BAD, float(LIT_BAD))]
-    assert texts["nanreplay/nonfinite/text_summary"][0][1].startswith(diag["summary"])
+    assert texts["nanreplay/nonfinite/text_summary"][0][1].startswith(inert_markdown(diag["summary"]))
     _, summary, artifacts = _wandb_view(tmp_path / "wb")
-    assert summary["nanreplay/nonfinite"] == diag["summary"] and summary["nanreplay/module"] == "net.norm"
+    assert summary["nanreplay/nonfinite"] == inert_markdown(diag["summary"]) and summary["nanreplay/module"] == "net.norm"
     assert artifacts and artifacts[0][0] == f"nanreplay-step{LIT_BAD}" and cb.recorder.bundles[0].name in artifacts[0][2]
     _, metrics, tags, files = _mlflow_view(mlflow, uri, ml.run_id)
     assert metrics["nanreplay.nonfinite_step"] == LIT_BAD and tags["nanreplay.phase"] == "forward"
@@ -423,9 +424,9 @@ def test_the_hf_trainer_logs_the_verdict_to_its_report_to(tmp_path, wandb_offlin
     texts, scalars = _tb_events(tmp_path / "tb")
     assert scalars["nanreplay/nonfinite_step"] == [(HF_BAD, float(HF_BAD))]
     text = texts["nanreplay/nonfinite/text_summary"][0][1]
-    assert text.startswith("non-finite ") and f" at step {HF_BAD}; not diagnosed yet: `nanreplay replay " in text  # diagnose=False
+    assert text.startswith("non-finite ") and f" at step {HF_BAD}; not diagnosed yet: \\`nanreplay replay " in text  # diagnose=False
     _, summary, artifacts = _wandb_view(tmp_path / "wb")
-    assert summary["nanreplay/bundle"] == str(bundle.resolve()) and artifacts[0][2] == [bundle.name]
+    assert summary["nanreplay/bundle"] == inert_markdown(bundle.resolve()) and artifacts[0][2] == [bundle.name]
     client = mlflow.MlflowClient(tracking_uri=uri)
     [run] = client.search_runs([client.get_experiment_by_name("hf").experiment_id])
     _, metrics, tags, files = _mlflow_view(mlflow, uri, run.info.run_id)
@@ -445,3 +446,74 @@ def test_a_malformed_stored_diagnosis_is_logged_without_trusting_its_shape(tmp_p
         Trackers(seen).emit(ev)
     assert seen.events == [ev] and not any(n.endswith(".h5") for n in seen.files[0])
     assert "gone.h5 cannot be read for the trackers" in caplog.text
+
+
+# -- a hostile bundle's strings -------------------------------------------------------------------
+#: what a stranger's bundle stores in its diagnosis to act in a tracker's page
+HOSTILE = ("NaN ![x](http://evil.example/pixel.png) [click](javascript:alert(1)) <img src=x onerror=\"alert(1)\"> "
+           "<http://evil.example/> `code` *bold* \u200bzero\u202eright\x1b[2J")
+
+
+def _rendered_markup(html: str) -> list[str]:
+    """The tags of ``html`` other than the paragraph and list markup plain text renders to."""
+    import re
+
+    return [t for t in re.findall(r"<\s*/?\s*([a-zA-Z]+)", html) if t.lower() not in ("p", "ul", "li")]
+
+
+def test_text_sent_to_trackers_is_escaped_for_markdown_and_html(tmp_path, diagnosed_bundle, monkeypatch):
+    """A bundle whose stored diagnosis holds a Markdown image, a javascript: link and an <img> tag:
+    `nanreplay log --to tensorboard` writes it, TensorBoard's own renderer turns it into text only;
+    the strings W&B and MLflow get are the same escaped text (no image, no link, no markup, no
+    control or invisible character)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard import plugin_util
+
+    from attacks.make_attacks import read_manifest, write_manifest
+    from nanreplay.capture.trackers import MlflowTracker, WandbTracker, event_from_meta
+
+    bundle, diag = diagnosed_bundle
+    hostile = tmp_path / bundle.name
+    hostile.write_bytes(bundle.read_bytes())
+    m = read_manifest(hostile)
+    stored = m["meta"]["diagnosis"]
+    stored["summary"] = HOSTILE
+    stored["classification"]["detail"] = HOSTILE
+    stored["origin"]["module"] = "[m](http://evil.example/)"
+    write_manifest(hostile, m)
+    monkeypatch.setenv("NANREPLAY_HOME", str(tmp_path / "home"))  # a stranger's bundle
+    res = CliRunner().invoke(main, ["log", str(hostile), "--to", f"tensorboard:{tmp_path / 'tb'}"])
+    assert res.exit_code == 0, res.output
+    text = _tb_events(tmp_path / "tb")[0]["nanreplay/nonfinite/text_summary"][0][1]
+    html = plugin_util.markdown_to_safe_html(text)
+    assert _rendered_markup(html) == [] and "evil.example" in html, html  # the payloads show as text
+    assert "![x](http://evil.example/pixel.png)" in html and "\\u200bzero\\u202eright\\x1b[2J" in html
+
+    sent: list[str] = []
+
+    class Box:
+        def __init__(self):
+            self.summary = self
+
+        def update(self, d):
+            sent.extend(str(v) for v in d.values())
+
+        def log(self, d):
+            pass
+
+        def set_tag(self, run_id, key, value):
+            sent.append(value)
+
+        def log_metric(self, *a, **k):
+            pass
+
+        def log_text(self, run_id, text, name):
+            sent.append(text)
+
+    event = event_from_meta(hostile, dict(open_bundle(hostile).meta))
+    WandbTracker(Box()).log(event, [])
+    MlflowTracker(Box(), run_id="r").log(event, [])
+    assert len(sent) > 6
+    for s in sent:
+        assert _rendered_markup(plugin_util.markdown_to_safe_html(s)) == [], s
+        assert not any(c in s for c in "\x1b\u200b\u202e<>") and "](" not in s.replace("\\](", ""), s
