@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import sysconfig
+import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -30,7 +31,7 @@ from ..core.numerics import all_finite_flag, any_nonfinite, is_float
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["user_frame_now", "user_frame_of_traceback", "user_frames_only", "current_node", "node_forward_op", "wider_recompute", "nonfinite_rows",
+__all__ = ["user_frame_now", "user_frame_of_exception", "user_frame_of_traceback", "user_frames_only", "current_node", "node_forward_op", "wider_recompute", "nonfinite_rows",
            "calling_module", "operands"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -107,6 +108,17 @@ def _fx_node_frame() -> Optional[dict]:
 
 
 _TB_LINE = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
+
+
+def user_frame_of_exception(e: BaseException) -> Optional[dict]:
+    """The innermost user frame (outside torch, nanreplay and the standard library) of the
+    traceback ``e`` was raised through, as ``{"file", "line", "function", "code"}``, else ``None``:
+    the line of the user's code that led to the error (a failed ``torch.export`` trace)."""
+    found = None
+    for fs in traceback.extract_tb(e.__traceback__):
+        if not _is_library(fs.filename):
+            found = _frame_dict(fs.filename, fs.lineno or 0, fs.name, fs.line)
+    return found
 
 
 def user_frame_of_traceback(tb: Optional[Sequence[str]]) -> Optional[dict]:
