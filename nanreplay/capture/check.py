@@ -19,28 +19,44 @@ from ..format.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_check", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
+__all__ = ["read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
-def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None) -> tuple[Optional[float], Optional[float], Optional[bool]]:
-    """(grad norm, loss, agreed finiteness) as host values from one host read. The agreed
-    finiteness is ``None`` outside torch.distributed (``dist`` is ``None``); inside, the ranks'
-    flags are all-reduced on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`)."""
+def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None, *,
+               pre_clip: Optional[torch.Tensor] = None) -> tuple[Optional[float], Optional[float], Optional[bool], Optional[float]]:
+    """(grad norm, loss, agreed finiteness, pre-clip grad norm) as host values from one host
+    read. The agreed finiteness is ``None`` outside torch.distributed (``dist`` is ``None``);
+    inside, the ranks' flags are all-reduced on the device first
+    (:meth:`nanreplay.capture.ddp.RankContext.agree`). ``pre_clip``: the gradient norm the trainer
+    computed before clipping (``Recorder.log_grad_norm``), read in the same transfer; ``None``
+    back without one."""
     present = [t for t in (norm, loss) if t is not None]
-    if dist is None and not present:
-        return None, None, None
-    device = present[0].device if present else dist.device()
+    if dist is None and not present and pre_clip is None:
+        return None, None, None, None
+    device = present[0].device if present else (pre_clip.device if pre_clip is not None else dist.device())
     parts = [t.to(device, torch.float32).reshape(1) for t in present]
     flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
     n = len(parts)
     if dist is not None:
         flat = torch.cat([flat, dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])
+    if pre_clip is not None:
+        flat = torch.cat([flat, pre_clip.detach().to(device, torch.float32).reshape(1)])
     vals = flat.tolist()  # the one host read
     it = iter(vals[:n])
     g = next(it) if norm is not None else None
     lo = next(it) if loss is not None else None
-    agreed = dist.decide(vals[n:]) if dist is not None else None
-    return g, lo, agreed
+    agreed = dist.decide(vals[n:len(vals) - (pre_clip is not None)]) if dist is not None else None
+    return g, lo, agreed, (vals[-1] if pre_clip is not None else None)
+
+
+def nonfinite_micro_batch(losses: list[torch.Tensor]) -> Optional[dict]:
+    """``{"nonfinite_loss_micro_batch": i, "micro_batches": n}`` for a step whose loss is
+    non-finite, ``i`` the first of its ``n`` micro-batch losses (``Recorder.log_loss`` calls)
+    that is; ``None`` with fewer than two. Failure path only: one more host read."""
+    if len(losses) < 2:
+        return None
+    bad = [int(i) for i in (~torch.isfinite(torch.stack([t.to(losses[0].device) for t in losses]))).nonzero().flatten().tolist()]
+    return {"nonfinite_loss_micro_batch": bad[0], "micro_batches": len(losses)} if bad else None
 
 
 def overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:

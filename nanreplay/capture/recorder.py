@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.callables import callable_path, import_callable
+from ..core.callables import callable_path, callable_record, import_callable
 from ..core.numerics import fused_norm
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
@@ -42,7 +42,7 @@ from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info
 from .early import ScalarHistory, SpikeWatch
-from .check import explosion, lr_value, read_check
+from .check import explosion, lr_value, nonfinite_micro_batch, read_check
 from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
@@ -135,7 +135,7 @@ class Recorder:
         self.optimizer = optimizer
         self.scaler = scaler
         self.loss_fn = import_callable(loss_fn) if isinstance(loss_fn, str) else loss_fn
-        self.loss_fn_path = callable_path(loss_fn)
+        self.loss_fn_path, loss_kwargs = callable_record(loss_fn)  # a partial: its function and JSON keyword arguments
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
         check_combination(self.config, scaler=scaler)
@@ -150,10 +150,14 @@ class Recorder:
 
         # the step in progress and the outcomes so far
         self.step = self.config.step_offset
-        self._pending_loss: Optional[torch.Tensor] = None
+        self._pending_loss: Optional[torch.Tensor] = None  # the step's loss so far: the sum of its micro-batches' losses
+        self._micro_losses: list[torch.Tensor] = []        # each micro-batch's loss, for the index of a non-finite one
+        self._pre_clip: Optional[torch.Tensor] = None       # the trainer's gradient norm before clipping (log_grad_norm)
         self.nonfinite_steps: list[int] = []
         self.extra_meta: dict[str, Any] = {}
         self.extra_meta["attach_scan"] = attach_scan(self.model, self.step)
+        if loss_kwargs:
+            self.extra_meta["loss_fn_kwargs"] = loss_kwargs
         self._closed = False
 
         # hooks, each behind a handle this Recorder owns
@@ -245,10 +249,38 @@ class Recorder:
         self._steps.batch(batch)
 
     def log_loss(self, loss: torch.Tensor) -> None:
-        """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
-        kept in the ring buffer. No sync: it is read together with the grad norm."""
+        """Give the loss of a micro-batch (a scalar tensor, as it is backpropagated: divided by
+        the accumulation steps where the loop divides it), once per micro-batch: a non-finite
+        loss in any of them is detected, even when its gradients are finite (a mean over a
+        micro-batch with no valid token is 0/0). The step's loss, kept in the ring buffer and
+        the scalar history, is the sum of the micro-batches' losses (the mean loss of the
+        step when each is divided by the accumulation steps); with one call per step, that
+        loss. No sync: it is read together with the grad norm (one float32 add per micro-batch
+        on the device); on a non-finite loss the bundle names the first micro-batch whose loss
+        was non-finite (``reason["nonfinite_loss_micro_batch"]``)."""
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._pending_loss = loss.detach().reshape(())
+            loss = loss.detach().reshape(()).float()
+            self._micro_losses.append(loss)
+            self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
+
+    def log_grad_norm(self, norm: Any) -> None:
+        """Give the gradient norm the trainer computed before clipping (a scalar tensor or a
+        float, e.g. what ``torch.nn.utils.clip_grad_norm_`` returns), before the optimizer step.
+        The finiteness check still reads the gradients the optimizer steps with; the step's
+        recorded grad norm (the ring buffer, the scalar history, the early warning's grad-norm
+        band) is this one, so clipping does not flatten the signal. No extra sync: it is read in
+        the check's one host read (``check_every=1``; the sync-free check keeps its own norm)."""
+        if isinstance(norm, torch.Tensor) and norm.numel() == 1:
+            self._pre_clip = norm.detach()
+        elif isinstance(norm, (int, float)):
+            self._pre_clip = torch.tensor(float(norm))
+
+    def _take_losses(self) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+        """The step's loss (``None`` without ``log_loss`` or with ``check_loss=False``) and its
+        micro-batches' losses; both are cleared."""
+        loss, micro = self._pending_loss, self._micro_losses
+        self._pending_loss, self._micro_losses = None, []
+        return (loss if self.config.check_loss else None), micro
 
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
@@ -288,8 +320,8 @@ class Recorder:
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
-        loss = self._pending_loss if self.config.check_loss else None
-        self._pending_loss = None
+        loss, micro = self._take_losses()
+        pre_clip, self._pre_clip = self._pre_clip, None
         if self._lagged is not None:
             if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
                 self._steps.seal(rec)
@@ -297,12 +329,14 @@ class Recorder:
                     self._check_pending(final=False)
                 return None
             self._lagged_off()
-        rec.grad_norm, rec.loss, agreed = read_check(norm, loss, self.dist)
+        rec.grad_norm, rec.loss, agreed, pre = read_check(norm, loss, self.dist, pre_clip=pre_clip)
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         if bad_grad and explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
             bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
+        if pre is not None:
+            rec.grad_norm = pre  # the trainer's norm before clipping: what the history and the early warning read
         self._steps.seal(rec)
         self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite)
         if self._amp is not None:
@@ -315,7 +349,7 @@ class Recorder:
                 self._update.keep(self.snapshot_state(clone=False))
             self._watch.judge(rec, grads, self._live)
             return True
-        self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
+        self._handle_nonfinite(rec, grads, bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
         return False
 
     def end_step(self) -> None:
@@ -329,7 +363,7 @@ class Recorder:
         self._actions.verify_skip(self.step)
         self.step += 1
         self.ring.end()
-        self._pending_loss = None
+        self._pending_loss, self._micro_losses, self._pre_clip = None, [], None
         if pre is not None and rec is not None and check_update(rec, pre, model=self.model, optimizer=self.optimizer, actions=self._actions,
                                                               dump=self._dump, live_copy=lambda: self.snapshot_state(clone=True),
                                                               grads=self._grads, nonfinite_steps=self.nonfinite_steps):
@@ -436,6 +470,8 @@ class Recorder:
         if first:
             path = self._dump(rec, grads, self._live if state is None else state, bad_grad=bad_grad, bad_loss=bad_loss, cause=cause)
         what = " and ".join(w for w, b in (("gradients", bad_grad), ("loss", bad_loss)) if b) or "values on another rank"
+        if "nonfinite_loss_micro_batch" in cause:
+            what += f" (first in micro-batch {cause['nonfinite_loss_micro_batch']} of {cause['micro_batches']})"
         head = cause.get("message") or f"non-finite {what}"
         msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
         if self._actions.restores and state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state

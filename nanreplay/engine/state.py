@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from ..core.callables import import_callable, model_init_names, script_imports
+from ..core.callables import bind_recorded, import_callable, model_init_names, script_imports
 from ..core.state import load_buffers
 from ..errors import ModelMismatchError, ReplayError, UntrustedBundleError
 from ..format.bundle import Bundle, Types, open_bundle
@@ -25,7 +25,7 @@ from .gate import bundle_types, recorded_callable, require_trust, resolve_optimi
 logger = logging.getLogger(__name__)
 
 __all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler",
-           "Subject", "replay_subject"]
+           "Subject", "replay_subject", "refuse_loss_without_batch"]
 
 
 def load_state(model: torch.nn.Module, state: Snapshot, buffers: Optional[dict[str, torch.Tensor]] = None) -> None:
@@ -276,9 +276,11 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
 
     def resolve_loss(recorded_ok: bool) -> Optional[Callable]:
         if user_loss is not None:
+            refuse_loss_without_batch(b)
             return import_callable(user_loss) if isinstance(user_loss, str) else user_loss
         if wants_loss and recorded_ok and b.loss_fn:
-            return recorded_callable(b, "loss function", b.loss_fn)  # trust rule checked again
+            # trust rule checked again; a partial's recorded keyword arguments are bound again
+            return bind_recorded(recorded_callable(b, "loss function", b.loss_fn), b.loss_fn_kwargs)
         return None
 
     if model is not None:
@@ -297,6 +299,26 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
         notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
                      "the recorded model factory rebuilds the model")
     return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters", notes)
+
+
+def refuse_loss_without_batch(b: Bundle) -> None:
+    """A loss function the user gives takes a recorded batch (``loss_fn(model, batch)``): refuse
+    it, with the reason, when the bundle's failing step holds none, rather than replay without it.
+
+    Raises:
+        ReplayError: the failing step holds no batch (the Recorder kept only the model's forward
+            inputs: no labels); the message says why and how to record one.
+    """
+    entry = next((s for s in b.meta.get("steps") or [] if isinstance(s, dict) and s.get("step") == b.failing_step), None)
+    if entry is None or entry.get("batches"):
+        return
+    why = ((b.meta.get("transformers") or {}).get("no_loss_fn_reason") if isinstance(b.meta.get("transformers"), dict) else None)
+    raise ReplayError(
+        f"the bundle holds no labels: step {b.failing_step} has no recorded batch, only the model's forward inputs"
+        + (f" ({why})" if why else "") + "; the loss function given (loss_fn=...) computes the loss from a batch. Record the batch "
+        "with Recorder.record(batch) in the loop (the framework callbacks record it), or replay without loss_fn=...: the recorded "
+        "gradient of the model's outputs then drives the backward pass"
+    ).with_cli_fix("loss_fn=...", "--loss-fn")
 
 
 @dataclass(frozen=True)
