@@ -65,7 +65,7 @@ from ..errors import NanReplayError, ReplayError
 from ..format.meta import MetaError
 from ..format.program import validate_program_record
 from .program_check import SizeGuard, check_program, element_limits
-from .probes import user_frame_of_exception, user_frames_only
+from .probes import calling_module, custom_function_on_stack, user_frame_of_exception, user_frames_only
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +281,13 @@ def export_program(
         tensors = tuple(t.detach() for t in in_leaves if isinstance(t, torch.Tensor))
         seen: list[dict] = []
         root = _ExportRoot(model, template, loss_fn, seen.append)
-        ep, dyn = _export(root, tensors, dynamic)
+        traced: dict = {}
+        ep, dyn = _export(root, tensors, dynamic, traced)
         capture, every = _describe(ep, seen[-1] if seen else None, model, kind, in_leaves, in_spec, dyn, shared or {}, prefix)
+        if traced.get("method_of"):  # keyed as the stored program's stack traces are: cut to the user's frames
+            capture.meta["method_of"] = {user_frames_only(t): fqn for t, fqn in traced["method_of"].items()}
+        if traced.get("custom_functions"):  # their backward is not in the program: replay says so, and prefers the code
+            capture.meta["custom_functions"] = sorted(traced["custom_functions"])
         if verify:
             _load(capture.meta, every.__getitem__, None)
         capture.meta["export_seconds"] = round(time.perf_counter() - t0, 3)
@@ -296,12 +301,20 @@ def export_program(
 
 
 @contextlib.contextmanager
-def _user_stack_traces() -> Iterator[None]:
+def _user_stack_traces(module_ids: Optional[dict[int, str]] = None, method_of: Optional[dict[str, str]] = None,
+                       functions: Optional[set[str]] = None) -> Iterator[None]:
     """Within the block, nodes traced by ``torch.export`` keep every user frame of their stack
     trace (below the first ``forward``), not only frames named ``forward``: an op of the loss
     function (``class_balanced_bce`` called by ``loss_fn``) keeps its own source line, which the
-    replay reports. Patches ``torch.fx.proxy.TracerBase._filter_traceback_frames`` for the block
-    only (export runs at dump time, in the training thread)."""
+    replay reports. With ``module_ids`` (``id(module) -> FQN`` of the model), a node traced
+    outside every module's ``forward`` but inside a *method* of a model module (a
+    LightningModule's ``training_step``, ``model.compute_loss(...)``) is noted in ``method_of``
+    (its stack trace -> that module's FQN), read while the Python frames are live, as the eager
+    replay reads them (:func:`nanreplay.engine.probes.calling_module`); with ``functions``, the
+    custom ``torch.autograd.Function`` classes traced through are added to it (export keeps their
+    forward's ops, not their ``backward``). Patches
+    ``torch.fx.proxy.TracerBase._filter_traceback_frames`` for the block only (export runs at
+    dump time, in the training thread)."""
     from torch.fx.proxy import TracerBase
 
     orig = TracerBase._filter_traceback_frames
@@ -310,9 +323,18 @@ def _user_stack_traces() -> Iterator[None]:
         saved = getattr(self, "_record_forward_stack_traces_only", False)
         self._record_forward_stack_traces_only = False
         try:
-            return orig(self, summary)
+            kept = orig(self, summary)
         finally:
             self._record_forward_stack_traces_only = saved
+        if module_ids and method_of is not None and kept:
+            owner = calling_module(module_ids, outside_forward=True)
+            if owner is not None:
+                method_of["".join(kept.format()).strip()] = owner  # the node's stack_trace, as create_node sets it
+        if functions is not None:
+            fn = custom_function_on_stack()
+            if fn is not None:
+                functions.add(f"{fn.__module__}:{fn.__qualname__}")
+        return kept
 
     TracerBase._filter_traceback_frames = keep_user_frames
     try:
@@ -327,13 +349,18 @@ def _user_stack_traces() -> Iterator[None]:
 _EXPORT_LOCK = threading.Lock()
 
 
-def _export(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
+def _export(root: _ExportRoot, tensors: tuple, dynamic: bool, traced: Optional[dict] = None) -> tuple[Any, bool]:
     with _EXPORT_LOCK:
-        return _export_unlocked(root, tensors, dynamic)
+        return _export_unlocked(root, tensors, dynamic, traced)
 
 
-def _export_unlocked(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
-    with warnings.catch_warnings(), torch.enable_grad(), _user_stack_traces():
+def _export_unlocked(root: _ExportRoot, tensors: tuple, dynamic: bool, traced: Optional[dict] = None) -> tuple[Any, bool]:
+    """``traced``: filled with what the trace saw beside the graph, ``{"method_of": {...},
+    "custom_functions": set()}`` (see :func:`_user_stack_traces`)."""
+    ids = {id(m): n for n, m in root.model.named_modules()}
+    traced = traced if traced is not None else {}
+    with warnings.catch_warnings(), torch.enable_grad(), _user_stack_traces(ids, traced.setdefault("method_of", {}),
+                                                                            traced.setdefault("custom_functions", set())):
         warnings.simplefilter("ignore")
         if dynamic and any(t.dim() for t in tensors):
             auto = torch.export.Dim.AUTO
