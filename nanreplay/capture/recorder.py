@@ -76,8 +76,10 @@ class Recorder:
         optimizer: its ``torch.optim.Optimizer``; the check runs in its step pre-hook.
         loss_fn: optional ``loss_fn(model, batch) -> loss`` (scalar tensor) computing the loss
             from a batch given to :meth:`record`; a callable, or its import path
-            ``"pkg.mod:fn"`` / ``"/path/file.py:fn"``. With it, replay re-runs the whole step;
-            without it, replay drives the backward pass with the recorded cotangent.
+            ``"pkg.mod:fn"`` / ``"/path/file.py:fn"`` (a ``functools.partial`` of an importable
+            function is recorded with its JSON keyword arguments, ``meta["loss_fn_kwargs"]``).
+            With it, replay re-runs the whole step; without it, replay drives the backward pass
+            with the recorded cotangent.
         model_factory: optional zero-argument callable (or import path) returning a fresh model
             of the same architecture, for ``nanreplay replay`` in another process.
         scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients are

@@ -20,23 +20,39 @@ What the callback does, hook by hook:
   configuration.
 * every grad-enabled forward of the model (the Trainer calls ``model(**inputs)`` once per
   micro-batch, ``gradient_accumulation_steps`` times per optimizer step): the Recorder's forward
-  hook keeps the inputs; this callback also records them as the step's batch,
-  ``{"inputs": kwargs, "args": args, "divide_by": n}``, and gives the model's ``loss`` output to
-  the Recorder's loss check. :func:`hf_loss` replays the Trainer's default ``compute_loss`` on
-  such a batch (``model(**inputs)``, its ``loss``, divided by the gradient accumulation steps
-  when the Trainer divides it), so replay runs the whole step (mode ``loss_fn``).
+  hook keeps the inputs. With the Trainer's default ``compute_loss`` (the model's own ``loss``),
+  this callback also records them as the step's batch, ``{"inputs": kwargs, "args": args,
+  "divide_by": n}``; :func:`hf_loss` replays the default ``compute_loss`` on such a batch
+  (``model(**inputs)``, its ``loss``, divided by the gradient accumulation steps when the Trainer
+  divides it), so replay runs the whole step (mode ``loss_fn``).
+* ``trainer.compute_loss`` (a ``compute_loss`` override, ``compute_loss_func`` or label smoothing:
+  the loss is computed outside the model): what it receives is recorded as the step's batch,
+  ``{"inputs": inputs (labels included), "num_items_in_batch": n, "divide_by": d}``, and the
+  Recorder's loss function is :class:`TrainerLoss`, the live Trainer's own ``compute_loss`` (for
+  the in-process diagnosis and the embedded program), recorded as :func:`trainer_loss`, which
+  replays it from the bundle, on a stand-in of the Trainer class, without the Trainer.
+* ``trainer.accelerator.backward``: the loss each micro-batch backpropagates goes to the
+  Recorder's check (no sync): a NaN loss with finite gradients (a token mean over a micro-batch
+  with no label) is caught, and the bundle names its micro-batch, although the Trainer's
+  ``logging_nan_inf_filter`` hides it from the logs.
+* ``trainer.accelerator.clip_grad_norm_``: its return, the gradient norm before clipping, is the
+  step's recorded grad norm (history, early warning), read in the check's one host read.
 * the check runs in the optimizer's step pre-hook, as in a plain loop; a non-finite step is
   dumped and its update skipped (the optimizer sees no gradients).
 * ``on_optimizer_step``: after a non-finite step, ``control.should_training_stop = True``. Under
   ``torch.distributed`` every rank's Recorder takes the same decision in the same step (one
   all-reduce), so every rank stops.
 
+The three Trainer attributes are instance attributes put back at ``on_train_end``; without the
+Trainer in sight (an unusual caller), the model's ``loss`` output is checked instead.
+
 Limits: with ``max_grad_norm > 0`` (the Trainer's default) the Trainer clips before the optimizer
 step, and a non-finite norm makes every gradient NaN; the bundle then holds those clipped
 gradients and replay says the recorded gradients are the replayed ones times one factor. A
-``compute_loss`` override, ``compute_loss_func``, label smoothing or ``DataParallel`` (``n_gpu >
-1``) change the loss outside the model: the callback then records no loss function and replay
-drives the backward pass with the recorded gradient of the model's outputs (mode ``cotangent``).
+``training_step`` override or ``DataParallel`` (``n_gpu > 1``) change the loss in ways the
+callback cannot replay: it then records no loss function and no batch, and replay drives the
+backward pass with the recorded gradient of the model's outputs (mode ``cotangent``); a
+``--loss-fn`` given to such a bundle is refused with that reason.
 """
 
 from __future__ import annotations

@@ -673,3 +673,31 @@ def test_a_failed_export_says_why_in_the_users_terms(caplog):
     assert branch.error in caplog.text
     twice = export_program(model, loss_fn=two_calls, batch=batch)
     assert twice.error == "the loss function calls the model 2 times; an embedded program holds exactly one call of the model"
+
+
+def test_custom_autograd_functions_are_listed_and_a_trusted_bundle_replays_their_code(out_dir, tmp_path):
+    """torch.export traces a custom autograd.Function through its forward: the program holds
+    autograd's derivative of those ops, not the Function's backward. The record lists the
+    Function; a trusted bundle replays the recorded factory (the Function's own backward, as in
+    training and in the in-process diagnosis), an untrusted one the program, saying so."""
+    import shutil
+    from pathlib import Path
+
+    from corpus import runner
+    from nanreplay import untrust_bundle
+
+    case = runner.load_case(Path(runner.__file__).parent / "cases" / "custom_function_capsule_norm.py")
+    rec = runner.record_case(case, out_dir, diagnose=False)
+    with open_bundle(rec["bundle"]) as b:
+        assert [f.rpartition(":")[2] for f in b.meta[PROGRAM_META_KEY]["custom_functions"]] == ["VecNorm"]
+    trusted = replay(rec["bundle"], import_script=True)
+    assert trusted["model_source"] == "the model factory recorded in the bundle"
+    assert any("custom autograd Functions (VecNorm)" in w and "their own backward runs as in training" in w for w in trusted["warnings"])
+    assert trusted["origin"]["node"] == "VecNormBackward"
+    stranger = tmp_path / "stranger.h5"
+    shutil.copyfile(rec["bundle"], stranger)
+    untrust_bundle(stranger)
+    untrusted = replay(stranger)
+    assert untrusted["model_source"].startswith("the program embedded in the bundle")
+    assert any("replays their backward as autograd's derivative of their forward" in w for w in untrusted["warnings"])
+    assert untrusted["origin"]["node"] == "SqrtBackward0"
