@@ -262,19 +262,12 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
     """
     from .program import PROGRAM_META_KEY
 
-    notes: list[str] = []
     wants_loss = use_loss_fn
     user_loss = loss_fn if use_loss_fn else None
     program = b.meta.get(PROGRAM_META_KEY) or {}
     own_model = model is not None or model_factory is not None
-    # a program traced through custom autograd Functions holds their forward, not their backward:
-    # a trusted bundle that can rebuild the model from code replays the code that ran
-    functions = [str(f).rpartition(":")[2] for f in program.get("custom_functions") or []] if program.get("kind") else []
-    code_first = bool(functions) and b.trusted and bool(b.model_factory or b.meta.get("model_init"))
-    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
-    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
-    uses_program = (not own_model and bool(program.get("kind")) and not code_first
-                    and not (program.get("kind") == "loss" and (user_loss is not None or not wants_loss)))
+    uses_program, note = _program_choice(b, program, own_model=own_model, loss_given=user_loss is not None, wants_loss=wants_loss)
+    notes = [note] if note else []
     require_trust(b, model=own_model or uses_program, types=types, optimizer=optimizer,
                   loss=user_loss is not None or not wants_loss or (uses_program and program.get("kind") == "loss"))
 
@@ -296,20 +289,31 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
     if uses_program:
         pmodel, ploss = build_from_program(b, device=device)
         lf = ploss if ploss is not None and user_loss is None and wants_loss else resolve_loss(True)
-        if functions:
-            notes.append(f"the model calls custom autograd Functions ({', '.join(functions)}): the embedded program replays their backward "
-                         "as autograd's derivative of their forward, not their own backward; trust the bundle (or pass --model-factory) "
-                         "to replay the code that ran")
         return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes)
-    if code_first:
-        notes.append(f"the model calls custom autograd Functions ({', '.join(functions)}), whose backward the embedded program does not "
-                     "hold: the model is rebuilt from its recorded code, so their own backward runs as in training")
-    elif program.get("kind"):
-        notes.append("the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory")
-    elif program.get("error"):
-        notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
-                     "the recorded model factory rebuilds the model")
     return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters", notes)
+
+
+def _program_choice(b: Bundle, program: dict, *, own_model: bool, loss_given: bool, wants_loss: bool) -> tuple[bool, Optional[str]]:
+    """Whether a replay of ``b`` runs its embedded ``program`` (:func:`replay_subject`'s order),
+    and the note that tells the user why not, or what the program lacks."""
+    if own_model:
+        return False, None
+    if not program.get("kind"):
+        return False, (f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
+                       "the recorded model factory rebuilds the model") if program.get("error") else None
+    # a program traced through custom autograd Functions holds their forward, not their backward:
+    # a trusted bundle that can rebuild the model from code replays the code that ran
+    functions = ", ".join(str(f).rpartition(":")[2] for f in program.get("custom_functions") or [])
+    if functions and b.trusted and (b.model_factory or b.meta.get("model_init")):
+        return False, (f"the model calls custom autograd Functions ({functions}), whose backward the embedded program does not hold: "
+                       "the model is rebuilt from its recorded code, so their own backward runs as in training")
+    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
+    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
+    if program.get("kind") == "loss" and (loss_given or not wants_loss):
+        return False, "the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory"
+    return True, (f"the model calls custom autograd Functions ({functions}): the embedded program replays their backward as autograd's "
+                  "derivative of their forward, not their own backward; trust the bundle (or pass --model-factory) to replay the code "
+                  "that ran") if functions else None
 
 
 def refuse_loss_without_batch(b: Bundle) -> None:
