@@ -77,7 +77,8 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from ..capture.recorder import Recorder, RecorderConfig
 from ..capture.trackers import LazyTracker
-from .common import RecorderCallbackState
+from .accelerate import AcceleratorWatch
+from .common import RecorderCallbackState, patch_attribute
 from ..core.callables import callable_path, import_callable, looks_like_import_path
 from ..errors import NonFiniteGradientError, ReplayError
 
@@ -368,29 +369,6 @@ def _trainer_spec(trainer: Any, args: Any) -> dict:
     return spec
 
 
-class _Patch:
-    """An attribute of one object replaced by a wrapper until :meth:`remove` puts back what was
-    there (the instance's own attribute, or none: the class's again). Idempotent."""
-
-    def __init__(self, obj: Any, name: str, wrapper: Callable) -> None:
-        self.obj, self.name = obj, name
-        self._had = name in vars(obj)
-        self._old = vars(obj).get(name)
-        setattr(obj, name, wrapper)
-
-    def remove(self) -> None:
-        if self.obj is None:
-            return
-        if self._had:
-            setattr(self.obj, self.name, self._old)
-        else:
-            try:
-                delattr(self.obj, self.name)
-            except AttributeError:
-                pass
-        self.obj = None
-
-
 class NanReplayCallback(TrainerCallback, RecorderCallbackState):
     """Records a Hugging Face ``Trainer`` run and stops training on the first non-finite step.
 
@@ -491,33 +469,11 @@ class NanReplayCallback(TrainerCallback, RecorderCallbackState):
         acc = getattr(trainer, "accelerator", None) if trainer is not None else None
         if acc is None or not callable(getattr(acc, "backward", None)):
             return []
-        patches = [_Patch(acc, "backward", self._backward_wrapper(acc.backward, acc))]
-        if callable(getattr(acc, "clip_grad_norm_", None)):
-            patches.append(_Patch(acc, "clip_grad_norm_", self._clip_wrapper(acc.clip_grad_norm_)))
+        handles: list = [AcceleratorWatch(acc, lambda: self.recorder)]
         if self._loss_mode == "compute_loss":
-            patches.append(_Patch(trainer, "compute_loss", self._compute_loss_wrapper(trainer.compute_loss)))
+            handles.append(patch_attribute(trainer, "compute_loss", self._compute_loss_wrapper))
         self._checks_backward = True
-        return patches
-
-    def _backward_wrapper(self, orig: Callable, acc: Any) -> Callable:
-        def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-            rec = self.recorder
-            if rec is not None and isinstance(loss, torch.Tensor):
-                steps = getattr(acc, "gradient_accumulation_steps", 1)  # 1 under the Trainer, which divides itself
-                deepspeed = "DEEPSPEED" in str(getattr(acc, "distributed_type", ""))
-                rec.log_loss(loss / steps if isinstance(steps, int) and steps > 1 and not deepspeed else loss)
-            return orig(loss, **kwargs)
-
-        return backward
-
-    def _clip_wrapper(self, orig: Callable) -> Callable:
-        def clip_grad_norm_(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-            norm = orig(parameters, max_norm, *args, **kwargs)
-            if self.recorder is not None and norm is not None:
-                self.recorder.log_grad_norm(norm)  # the norm before clipping, read with the check
-            return norm
-
-        return clip_grad_norm_
+        return handles
 
     def _compute_loss_wrapper(self, orig: Callable) -> Callable:
         def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
