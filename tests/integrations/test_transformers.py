@@ -5,6 +5,7 @@ the token sum divided by a token count of zero: 0/0."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -200,11 +201,16 @@ class SumOverValid(transformers.Trainer):
 
 
 class MaskedMean(transformers.Trainer):
-    """The same mean as a masked product: the 0/0 also makes the gradients NaN."""
+    """The same mean written by hand over the tokens' log-probabilities: the 0/0's derivative,
+    NaN, reaches every logit of the micro-batch, so its gradients are NaN too."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ce, valid, out = _token_ce(model, inputs)
-        loss = (ce * valid).sum() / valid.sum()
+        labels = inputs.pop("labels")
+        out = model(**inputs)
+        logp, targets = out.logits[:, :-1].log_softmax(-1), labels[:, 1:]
+        valid = targets != -100
+        token = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        loss = -(token * valid).sum() / valid.sum()
         return (loss, out) if return_outputs else loss
 
 
@@ -300,6 +306,8 @@ def test_nan_gradients_from_a_custom_compute_loss_name_the_micro_batch(tmp_path)
     model, trainer = _custom_trainer(tmp_path, MaskedMean, cb, bad=1)
     trainer.train()
     assert cb.recorder.nonfinite_steps == [1]
+    with open_bundle(cb.bundle_path) as b:
+        assert b.meta["reason"]["nonfinite_grad"] and b.meta["reason"]["nonfinite_loss_micro_batch"] == BAD_MICRO
     diag = replay(cb.bundle_path)
     assert diag["model_source"] == "the recorded class and hyperparameters" and diag["mode"] == "loss_fn"
     assert diag["reproduction"]["verdict"].startswith("reproduced"), diag["reproduction"]
@@ -323,3 +331,8 @@ def test_loss_fn_on_a_bundle_without_labels_is_refused_with_the_reason(tmp_path)
     assert res.exit_code == 5, res.output
     assert "the bundle holds no labels: step 1 has no recorded batch" in res.output
     assert "(OwnTrainingStep overrides training_step)" in res.output and "or replay without --loss-fn" in res.output
+    # without it, the recorded output gradient drives the backward pass, and it names the micro-batch
+    res = CliRunner().invoke(main, ["replay", cb.bundle_path, "--json", "--no-ops"])
+    assert res.exit_code == 0, res.output
+    diag = json.loads(res.output)
+    assert diag["mode"] == "cotangent" and diag["phase"] == "loss" and diag["origin"]["micro_batch"] == BAD_MICRO
