@@ -190,6 +190,13 @@ def _token_ce(model, inputs):
     return ce.reshape(targets.shape), targets != -100, out
 
 
+def token_sum_loss(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func: the summed token cross-entropy over the step's token count."""
+    logits, targets = outputs.logits[:, :-1], labels[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100,
+                                             reduction="sum") / num_items_in_batch
+
+
 class SumOverValid(transformers.Trainer):
     """A token mean written as the ignored tokens' sum over the count of valid tokens: for a
     micro-batch with no valid token, 0/0 = NaN, with finite (zero) gradients."""
@@ -287,6 +294,17 @@ def test_trainer_loss_replays_a_compute_loss_override_without_the_trainer(tmp_pa
     assert torch.equal(live(model, batch), expected)
     assert torch.equal(trainer_loss(model, batch, **kwargs), expected)
     assert set(batch["inputs"]) == {"input_ids", "labels"}  # compute_loss popped the labels of a copy
+
+    # compute_loss_func and label smoothing: the Trainer's default compute_loss, outside the model
+    for extra, kw in (({}, {"compute_loss_func": token_sum_loss}), ({"label_smoothing_factor": 0.1}, {})):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf2"), report_to=[], use_cpu=True, **extra)
+        base = transformers.Trainer(model=model, args=args, **kw)
+        spec = _trainer_spec(base, args)
+        assert spec["trainer_class"] == "transformers.trainer:Trainer"
+        assert spec.get("compute_loss_func") == ("test_transformers:token_sum_loss" if kw else None)
+        expected = transformers.Trainer.compute_loss(base, model, dict(batch["inputs"]), num_items_in_batch=batch["num_items_in_batch"]) / 4
+        assert torch.equal(TrainerLoss(base, spec)(model, batch), expected)
+        assert torch.equal(trainer_loss(model, batch, **spec), expected)
 
     class ReadsItsOwnState(SumOverValid):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
