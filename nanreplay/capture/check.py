@@ -19,7 +19,7 @@ from ..format.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_check", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
+__all__ = ["read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
 def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None,
@@ -49,6 +49,16 @@ def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist:
     tail = iter(vals[len(vals) - len(more):])
     agreed = dist.decide(vals[n:len(vals) - len(more)]) if dist is not None else None
     return g, lo, agreed, [None if t is None else next(tail) for t in extra]
+
+
+def nonfinite_micro_batch(losses: list[torch.Tensor]) -> Optional[dict]:
+    """``{"nonfinite_loss_micro_batch": i, "micro_batches": n}`` for a step whose loss is
+    non-finite, ``i`` the first of its ``n`` micro-batch losses (``Recorder.log_loss`` calls)
+    that is; ``None`` with fewer than two. Failure path only: one more host read."""
+    if len(losses) < 2:
+        return None
+    bad = [int(i) for i in (~torch.isfinite(torch.stack([t.to(losses[0].device) for t in losses]))).nonzero().flatten().tolist()]
+    return {"nonfinite_loss_micro_batch": bad[0], "micro_batches": len(losses)} if bad else None
 
 
 def overflowed_norm(grads: list[torch.Tensor]) -> Optional[float]:

@@ -60,17 +60,21 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """``optimizer``, or the ``torch.optim.Optimizer`` a wrapper holds as ``.optimizer``
-    (accelerate's ``AcceleratedOptimizer`` and similar).
+    (accelerate's ``AcceleratedOptimizer``, which subclasses ``Optimizer`` without its hooks, and
+    similar; nested wrappers too).
 
     Raises:
         TypeError: neither is a ``torch.optim.Optimizer``.
     """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
+    opt = optimizer
+    for _ in range(8):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+            break
+        opt = inner
+    if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return inner
+    return opt
 
 
 def _eager_target(model: torch.nn.Module) -> torch.nn.Module:

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.callables import callable_path, import_callable
+from ..core.callables import callable_path, callable_record, import_callable
 from ..core.numerics import fused_norm
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
@@ -42,7 +42,7 @@ from .actions import Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info
 from .early import ScalarHistory, SpikeWatch
-from .check import explosion, lr_value, read_check
+from .check import explosion, lr_value, nonfinite_micro_batch, read_check
 from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
@@ -76,8 +76,10 @@ class Recorder:
         optimizer: its ``torch.optim.Optimizer``; the check runs in its step pre-hook.
         loss_fn: optional ``loss_fn(model, batch) -> loss`` (scalar tensor) computing the loss
             from a batch given to :meth:`record`; a callable, or its import path
-            ``"pkg.mod:fn"`` / ``"/path/file.py:fn"``. With it, replay re-runs the whole step;
-            without it, replay drives the backward pass with the recorded cotangent.
+            ``"pkg.mod:fn"`` / ``"/path/file.py:fn"`` (a ``functools.partial`` of an importable
+            function is recorded with its JSON keyword arguments, ``meta["loss_fn_kwargs"]``).
+            With it, replay re-runs the whole step; without it, replay drives the backward pass
+            with the recorded cotangent.
         model_factory: optional zero-argument callable (or import path) returning a fresh model
             of the same architecture, for ``nanreplay replay`` in another process.
         scaler: optional ``torch.amp.GradScaler``. Steps it skips for Inf/NaN gradients while
@@ -140,7 +142,7 @@ class Recorder:
         self.optimizer = optimizer
         self.scaler = scaler
         self.loss_fn = import_callable(loss_fn) if isinstance(loss_fn, str) else loss_fn
-        self.loss_fn_path = callable_path(loss_fn)
+        self.loss_fn_path, loss_kwargs = callable_record(loss_fn)  # a partial: its function and JSON keyword arguments
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
         check_combination(self.config, scaler=scaler)
@@ -155,12 +157,15 @@ class Recorder:
 
         # the step in progress and the outcomes so far
         self.step = self.config.step_offset
-        self._pending_loss: Optional[torch.Tensor] = None
+        self._pending_loss: Optional[torch.Tensor] = None  # the step's loss so far: the sum of its micro-batches' losses
+        self._micro_losses: list[torch.Tensor] = []        # each micro-batch's loss, for the index of a non-finite one
+        self._pending_grad_norm: Any = None  # log_grad_norm: the norm before clipping, read with the check
         self.nonfinite_steps: list[int] = []
         self.extra_meta: dict[str, Any] = {}
         self.extra_meta["attach_scan"] = attach_scan(self.model, self.step)
-        self._pending_grad_norm: Any = None  # log_grad_norm: the norm before clipping, read with the check
         self._loss_dtype: Any = None
+        if loss_kwargs:
+            self.extra_meta["loss_fn_kwargs"] = loss_kwargs
         self._closed = False
 
         # hooks, each behind a handle this Recorder owns
@@ -276,15 +281,24 @@ class Recorder:
         self._steps.batch(batch)
 
     def log_loss(self, loss: torch.Tensor) -> None:
-        """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
-        kept in the ring buffer. No sync: it is read together with the grad norm. Its dtype sets
-        the precision of the early warning's floor (:mod:`nanreplay.capture.early`)."""
+        """Give the loss of a micro-batch (a scalar tensor, as it is backpropagated: divided by
+        the accumulation steps where the loop divides it), once per micro-batch: a non-finite
+        loss in any of them is detected, even when its gradients are finite (a mean over a
+        micro-batch with no valid token is 0/0). The step's loss, kept in the ring buffer and
+        the scalar history, is the sum of the micro-batches' losses (the mean loss of the
+        step when each is divided by the accumulation steps); with one call per step, that
+        loss. No sync: it is read together with the grad norm (one float32 add per micro-batch
+        on the device); on a non-finite loss the bundle names the first micro-batch whose loss
+        was non-finite (``reason["nonfinite_loss_micro_batch"]``). Its dtype sets the precision
+        of the early warning's floor (:mod:`nanreplay.capture.early`)."""
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._pending_loss = loss.detach().reshape(())
             if loss.dtype is not self._loss_dtype:
                 self._loss_dtype = loss.dtype
                 if self._watch.early is not None and loss.is_floating_point():
                     self._watch.early.eps["loss"] = torch.finfo(loss.dtype).eps
+            loss = loss.detach().reshape(()).float()
+            self._micro_losses.append(loss)
+            self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
 
     def log_grad_norm(self, norm: Any) -> None:
         """Give the step's grad norm *before* gradient clipping (what
@@ -327,6 +341,13 @@ class Recorder:
                            "will not name it", step, f" ({path})" if path is not None else "")
         return entry
 
+    def _take_losses(self) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+        """The step's loss (:meth:`_step_loss`; ``None`` without one or with ``check_loss=False``)
+        and its micro-batches' losses; both are cleared."""
+        loss, micro = self._step_loss(), self._micro_losses
+        self._pending_loss, self._micro_losses = None, []
+        return (loss if self.config.check_loss else None), micro
+
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
         ``memory_budget`` (:mod:`nanreplay.capture.ring` lists them). Host cost: a walk over the
@@ -365,8 +386,7 @@ class Recorder:
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
         norm = fused_norm([g for _, g in grads])
-        loss = self._step_loss() if self.config.check_loss else None
-        self._pending_loss = None
+        loss, micro = self._take_losses()
         pre, self._pending_grad_norm = self._pending_grad_norm, None
         if self._lagged is not None:
             rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
@@ -396,7 +416,7 @@ class Recorder:
                 self._update.keep(self.snapshot_state(clone=False))
             self._watch.judge(rec, grads, self._live, grad_norm=rec.grad_norm_pre_clip)
             return True
-        self._handle_nonfinite(rec, grads, bad_grad, bad_loss)
+        self._handle_nonfinite(rec, grads, bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
         return False
 
     def _step_loss(self) -> Optional[torch.Tensor]:
@@ -419,7 +439,7 @@ class Recorder:
             self._amp.end_step()
         self.step += 1
         self.ring.end()
-        self._pending_loss = None
+        self._pending_loss, self._micro_losses, self._pending_grad_norm = None, [], None
         if pre is not None and rec is not None and check_update(rec, pre, model=self.model, optimizer=self.optimizer, actions=self._actions,
                                                               dump=self._dump, live_copy=lambda: self.snapshot_state(clone=True),
                                                               grads=self._grads, nonfinite_steps=self.nonfinite_steps,
@@ -535,6 +555,8 @@ class Recorder:
             path = self._dump(rec, grads, self._live if state is None else state, bad_grad=bad_grad, bad_loss=bad_loss, cause=cause)
             if path is not None:
                 self._watch.written = (path, cause["rollback"])
+        if "nonfinite_loss_micro_batch" in cause:
+            what += f" (first in micro-batch {cause['nonfinite_loss_micro_batch']} of {cause['micro_batches']})"
         head = cause.get("message") or f"non-finite {what}"
         msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
         if self._actions.restores and state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state

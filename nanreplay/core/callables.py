@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CallablePath",
     "callable_path",
+    "callable_record",
+    "bind_recorded",
+    "loss_kwargs_names",
     "import_callable",
     "import_paths_in",
     "model_init_names",
@@ -120,6 +124,50 @@ def callable_path(fn: Any) -> Optional[str]:
         return None
     file = os.path.abspath(file)
     return CallablePath(f"{file}:{qual}", script=file if mod == "__main__" else None)
+
+
+def callable_record(fn: Any) -> tuple[Optional[str], Optional[dict]]:
+    """How a bundle records the callable ``fn``: ``(import path, keyword arguments)``, the
+    arguments a JSON object (or ``None``), so that replay in another process calls
+    ``import_callable(path)(*args, **kwargs)``:
+
+    * ``functools.partial(fn, **kwargs)`` of a function with an import path, with keyword
+      arguments only, each a JSON value: its function's path and those arguments;
+    * an object whose ``nanreplay_callable`` attribute is such a pair (a callable that holds live
+      state in the recording process and says how it is rebuilt without it, e.g. the Hugging Face
+      callback's ``TrainerLoss``);
+    * anything else: ``(callable_path(fn), None)``.
+
+    A partial or pair whose arguments are not JSON is recorded as ``(None, None)`` (nothing
+    replay could rebuild), with an info log."""
+    if fn is None or isinstance(fn, str):
+        return fn, None
+    pair = getattr(fn, "nanreplay_callable", None)
+    if pair is None and isinstance(fn, functools.partial) and not fn.args:
+        pair = (callable_path(fn.func), dict(fn.keywords))
+    if pair is None:
+        return callable_path(fn), None
+    path, kwargs = pair
+    try:
+        kwargs = json.loads(json.dumps(kwargs or {}, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        logger.info("nanreplay: %r's keyword arguments are not JSON (%s); the bundle records no import path for it", fn, e)
+        return None, None
+    return (path, kwargs or None) if path else (None, None)
+
+
+def bind_recorded(fn: Callable, kwargs: Optional[dict]) -> Callable:
+    """``fn`` with a bundle's recorded keyword arguments bound (:func:`callable_record`)."""
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def loss_kwargs_names(kwargs: Any) -> dict[str, list[str]]:
+    """What calling a bundle's loss function with its recorded keyword arguments
+    (``meta["loss_fn_kwargs"]``) may import, by kind: every import path among them, e.g.
+    ``{"imported by the loss function (loss_fn_kwargs.trainer_class)": ["train:MyTrainer"]}``."""
+    if not isinstance(kwargs, dict):
+        return {}
+    return {f"imported by the loss function ({where})": names for where, names in import_paths_in(kwargs, "loss_fn_kwargs").items()}
 
 
 def _installed_dirs() -> set[Path]:

@@ -49,7 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from ..core.numerics import kinds
-from .compiled import compile_evidence, compile_facts, compiler_verdict
+from .compiled import compile_evidence, compiler_verdict
 from .evidence import describe_sources, domain_of, explanation, offending_operand, sources
 
 __all__ = ["CAUSES", "Features", "RULES", "classify", "trigger", "needs_data_perturbed_replay"]

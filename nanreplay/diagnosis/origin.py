@@ -148,10 +148,12 @@ def _gradient_name(e: dict) -> str:
 def _cotangent(c: Context) -> Optional[Found]:
     """The loss was not replayed and the recorded gradient w.r.t. the model's output is already
     non-finite: the value was born in the loss, in code the replay did not run."""
-    if c.result.mode != "cotangent" or not any(h is not None and not h.finite for h in c.result.cotangents):
+    bad = [(i, h) for i, h in enumerate(c.result.cotangents) if h is not None and not h.finite] if c.result.mode == "cotangent" else []
+    if not bad:
         return None
-    bad = [h for h in c.result.cotangents if h is not None and not h.finite]
-    return Found("loss", {"module": None, "class": None, "kind": "outside the model", "loss_replayed": False, "nonfinite": bad[0].kinds()})
+    i, h = bad[0]  # the first micro-batch (forward call) whose output gradient is non-finite
+    return Found("loss", {"module": None, "class": None, "kind": "outside the model", "loss_replayed": False, "nonfinite": h.kinds(),
+                          "micro_batch": i})
 
 
 def _recorded_forward_inputs(c: Context) -> Optional[Found]:

@@ -111,15 +111,19 @@ def _not_samples(c: _Case) -> Optional[dict]:
 def _from_cotangent(c: _Case) -> Optional[dict]:
     if c.found.origin.get("loss_replayed") is not False:
         return None
-    size = step_batch_size(c.inp.record, False)
+    fws = c.inp.record.forwards
+    mb = c.found.origin.get("micro_batch")
+    mb = mb if isinstance(mb, int) and 0 <= mb < len(fws) else None
+    size = step_batch_size(c.inp.record, False, mb)
     if size is None:
         return None
     bad: set[int] = set()
-    for fw in c.inp.record.forwards:
+    for fw in [fws[mb]] if mb is not None else fws:  # the rows of the micro-batch the origin names
         for t in tensor_leaves(fw.cotangent):
             if is_float(t) and t.dim() >= 1:
                 bad.update(rows_of(~torch.isfinite(t.detach()), size) or [])
-    return _rows_result(sorted(bad), size, "non-finite rows of the recorded output gradient") if bad else None
+    more = {"micro_batch": mb} if mb is not None and len(fws) > 1 else {}
+    return _rows_result(sorted(bad), size, "non-finite rows of the recorded output gradient", **more) if bad else None
 
 
 def _from_birth_rows(c: _Case) -> Optional[dict]:

@@ -54,7 +54,8 @@ def require_trust(b: Bundle, *, model: bool, loss: bool, types: Types = None, op
         else:  # the model_init class and every name its JSON arguments hold (model_from_config imports model_class)
             needed.update(model_init_names(b.meta.get("model_init")))
     if not loss and "loss function" in code:
-        needed.update({k: code[k] for k in ("loss function", "loss function imported from") if k in code})
+        needed.update({k: v for k, v in code.items() if k in ("loss function", "loss function imported from")
+                       or k.startswith("imported by the loss function")})
     if optimizer and "optimizer class" in code:
         needed["optimizer class"] = code["optimizer class"]
     covered = accepted_types(types)

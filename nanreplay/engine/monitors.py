@@ -447,6 +447,7 @@ class OpMonitor(TorchDispatchMode):
         self._root = type(model).__name__ if model is not None else None
         self._modules: dict[str, torch.nn.Module] = {}
         self._ids: dict[int, str] = {}
+        self._methods = (getattr(model, "program_meta", None) or {}).get("method_of")  # an embedded program's, see node_method_of
         if model is not None:
             self._modules = {n: m for n, m in model.named_modules()}
             self._ids = {id(m): n for n, m in self._modules.items()}
@@ -591,7 +592,9 @@ class OpMonitor(TorchDispatchMode):
             b["node"] = b["forward_op"] = None
             b["source"] = probes.user_frame_now()
         if module is None and phase in ("loss", "forward"):
-            b["method_of"] = probes.calling_module(self._ids)  # e.g. model.compute_loss(...): a method, not a forward
+            # e.g. model.compute_loss(...) or training_step: a method, not a forward (from the export's table in a program)
+            owner = probes.calling_module(self._ids)
+            b["method_of"] = owner if owner is not None else probes.node_method_of(self._methods)
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
         b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by, f.row_groups) for f in in_facts])
         b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size),

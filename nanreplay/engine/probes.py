@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import sysconfig
+import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -30,7 +31,7 @@ from ..core.numerics import all_finite_flag, any_nonfinite, is_float
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["user_frame_now", "user_frame_of_traceback", "user_frames_only", "current_node", "node_forward_op", "wider_recompute", "nonfinite_rows",
+__all__ = ["user_frame_now", "user_frame_of_exception", "user_frame_of_traceback", "user_frames_only", "current_node", "node_forward_op", "node_method_of", "custom_function_on_stack", "wider_recompute", "nonfinite_rows",
            "calling_module", "operands"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -107,6 +108,17 @@ def _fx_node_frame() -> Optional[dict]:
 
 
 _TB_LINE = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
+
+
+def user_frame_of_exception(e: BaseException) -> Optional[dict]:
+    """The innermost user frame (outside torch, nanreplay and the standard library) of the
+    traceback ``e`` was raised through, as ``{"file", "line", "function", "code"}``, else ``None``:
+    the line of the user's code that led to the error (a failed ``torch.export`` trace)."""
+    found = None
+    for fs in traceback.extract_tb(e.__traceback__):
+        if not _is_library(fs.filename):
+            found = _frame_dict(fs.filename, fs.lineno or 0, fs.name, fs.line)
+    return found
 
 
 def user_frame_of_traceback(tb: Optional[Sequence[str]]) -> Optional[dict]:
@@ -230,18 +242,61 @@ def nonfinite_rows(outs: Sequence[torch.Tensor], batch: Optional[int], per_sampl
     return dict(out, rows_per_sample=per_sample) if merged else out
 
 
-def calling_module(module_ids: dict[int, str], depth: int = 40) -> Optional[str]:
+def calling_module(module_ids: dict[int, str], depth: int = 40, *, outside_forward: bool = False) -> Optional[str]:
     """FQN of the innermost model module whose *method* is on the Python stack now (``self`` of a
     user-code frame is a module of the model), e.g. ``""`` for ``model.compute_loss(...)`` called
-    from the loss function; ``None`` when no frame belongs to one. ``module_ids``: ``id(module) -> FQN``."""
+    from the loss function (or a LightningModule's ``training_step``); ``None`` when no frame
+    belongs to one. ``module_ids``: ``id(module) -> FQN``. ``outside_forward``: ``None`` as
+    well when a model module's ``forward`` is on the stack (the op runs inside the model's
+    forward call, where the module stack names the module)."""
+    found = None
     for i, f in enumerate(_user_frames(sys._getframe(1))):
         if i >= depth:
-            return None
+            break
         if "self" in f.f_code.co_varnames[:1]:
             name = module_ids.get(id(f.f_locals.get("self")))
-            if name is not None:
-                return name
+            if name is None:
+                continue
+            if outside_forward and f.f_code.co_name == "forward":
+                return None
+            if found is None:
+                found = name
+                if not outside_forward:
+                    return found
+    return found
+
+
+def custom_function_on_stack(depth: int = 200) -> Optional[type]:
+    """The ``torch.autograd.Function`` subclass whose ``forward`` is on the Python stack now
+    (its first argument, ``ctx``, is the Function's context), innermost first; ``None`` when
+    none is. A program traced through one holds its forward's ops, not its ``backward``."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return None
+        if f.f_code.co_name == "forward" and f.f_code.co_varnames[:1] == ("ctx",):
+            ctx = f.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.FunctionCtx):
+                return getattr(type(ctx), "_forward_cls", None)
+        f = f.f_back
     return None
+
+
+def node_method_of(table: Optional[dict]) -> Optional[str]:
+    """In a replay of an embedded program, the model module whose method (not ``forward``) ran
+    the FX node running now, from the program's ``method_of`` table (its stack trace -> FQN,
+    recorded at export, where the Python frames were live: see
+    :func:`nanreplay.engine.program.export_program`); ``None`` outside one or without a table."""
+    if not table:
+        return None
+    try:
+        from torch.fx.traceback import get_current_meta
+
+        trace = (get_current_meta() or {}).get("stack_trace")
+    except Exception:  # noqa: BLE001 - no FX node running, or an older torch
+        return None
+    found = table.get(trace) if isinstance(trace, str) else None
+    return found if isinstance(found, str) else None
 
 
 def _schema_names(func: Any, args: tuple, kwargs: dict) -> tuple[list[Optional[str]], dict[str, Any]]:

@@ -49,7 +49,6 @@ import json
 import logging
 import math
 import operator
-import re
 import threading
 import time
 import warnings
@@ -67,7 +66,7 @@ from ..errors import BundleFormatError, NanReplayError, ReplayError
 from ..format.meta import MetaError
 from ..format.program import validate_program_record
 from .program_check import check_program
-from .probes import user_frames_only
+from .probes import calling_module, custom_function_on_stack, user_frame_of_exception, user_frames_only
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +194,42 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
 
 
+class _ModelCalls(ReplayError):
+    """The program calls the model ``calls`` times; a program holds exactly one call."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = len(calls)
+        super().__init__(f"the embedded program calls the model {self.calls} times ({calls[:6]}); one call is supported: replay with --model-factory")
+
+
+#: why an export failed, said in the terms of the user's code: ``(test on the exception, what the
+#: code did)``; the first row that holds decides, then the user's line that led to it is named
+EXPORT_FAILURES: tuple[tuple[Callable[[BaseException], bool], Callable[[BaseException], str]], ...] = (
+    (lambda e: isinstance(e, _ModelCalls) and e.calls > 1,  # type: ignore[attr-defined]
+     lambda e: f"the loss function calls the model {e.calls} times; an embedded program holds exactly one call of the model"),  # type: ignore[attr-defined]
+    (lambda e: isinstance(e, _ModelCalls),
+     lambda e: "the model's call is inside a block torch.export keeps as one operation (a `torch.cond` or another control-flow "
+               "operator), where the program cannot name the model's modules"),
+    (lambda e: "data-dependent" in str(e) or "DataDependent" in type(e).__name__,
+     lambda e: "the code reads a tensor's value to decide what to run (an `if` on a tensor, `.item()`, `.tolist()`, or a size taken "
+               "from `nonzero()` or a mask), which torch.export cannot trace"),
+    (lambda e: "pickle" in str(e), lambda e: str(e).split("\n")[0]),
+)
+
+
+def _export_failure(e: BaseException, kind: str) -> str:
+    """Why the export of the ``kind`` program failed, in the user's terms: what the code did
+    (:data:`EXPORT_FAILURES`; else torch's first line), where (the innermost user frame of the
+    trace), and torch's own first line."""
+    what = next((say(e) for test, say in EXPORT_FAILURES if test(e)), None)
+    frame = user_frame_of_exception(e)
+    where = f" at {frame['file']}:{frame['line']} in {frame['function']}" + (f" (`{frame['code']}`)" if frame.get("code") else "") if frame else ""
+    if what is None:
+        return f"torch.export could not trace the {'loss function and the model' if kind == 'loss' else 'model'}{where}: {_first_line(e)}"[:1000]
+    detail = "" if isinstance(e, _ModelCalls) else f" (torch.export: {_first_line(e)})"
+    return f"{what}{where}{detail}"[:1000]
+
+
 def export_program(
     model: torch.nn.Module,
     args: tuple = (),
@@ -248,26 +283,40 @@ def export_program(
         tensors = tuple(t.detach() for t in in_leaves if isinstance(t, torch.Tensor))
         seen: list[dict] = []
         root = _ExportRoot(model, template, loss_fn, seen.append)
-        ep, dyn = _export(root, tensors, dynamic)
+        traced: dict = {}
+        ep, dyn = _export(root, tensors, dynamic, traced)
         capture, every = _describe(ep, seen[-1] if seen else None, model, kind, in_leaves, in_spec, dyn, shared or {}, prefix)
+        if traced.get("method_of"):  # keyed as the stored program's stack traces are: cut to the user's frames
+            capture.meta["method_of"] = {user_frames_only(t): fqn for t, fqn in traced["method_of"].items()}
+        if traced.get("custom_functions"):  # their backward is not in the program: replay says so, and prefers the code
+            capture.meta["custom_functions"] = sorted(traced["custom_functions"])
         if verify:
             _load(capture.meta, every.__getitem__, None)
         capture.meta["export_seconds"] = round(time.perf_counter() - t0, 3)
         logger.info("nanreplay: exported the %s program in %.2f s (%d bytes of JSON)", kind, capture.meta["export_seconds"], capture.meta["json_bytes"])
         return capture
     except Exception as e:  # never into training: a missing program only means replay needs the factory
-        logger.warning("nanreplay: could not export the model's %s program (%s); replay will need the model factory", kind, _first_line(e))
+        why = _export_failure(e, kind)
+        logger.warning("nanreplay: could not export the model's %s program: %s; replay will need the model factory", kind, why)
         logger.debug("export failure", exc_info=True)
-        return ProgramCapture(meta=None, error=_first_line(e))
+        return ProgramCapture(meta=None, error=why)
 
 
 @contextlib.contextmanager
-def _user_stack_traces() -> Iterator[None]:
+def _user_stack_traces(module_ids: Optional[dict[int, str]] = None, method_of: Optional[dict[str, str]] = None,
+                       functions: Optional[set[str]] = None) -> Iterator[None]:
     """Within the block, nodes traced by ``torch.export`` keep every user frame of their stack
     trace (below the first ``forward``), not only frames named ``forward``: an op of the loss
     function (``class_balanced_bce`` called by ``loss_fn``) keeps its own source line, which the
-    replay reports. Patches ``torch.fx.proxy.TracerBase._filter_traceback_frames`` for the block
-    only (export runs at dump time, in the training thread)."""
+    replay reports. With ``module_ids`` (``id(module) -> FQN`` of the model), a node traced
+    outside every module's ``forward`` but inside a *method* of a model module (a
+    LightningModule's ``training_step``, ``model.compute_loss(...)``) is noted in ``method_of``
+    (its stack trace -> that module's FQN), read while the Python frames are live, as the eager
+    replay reads them (:func:`nanreplay.engine.probes.calling_module`); with ``functions``, the
+    custom ``torch.autograd.Function`` classes traced through are added to it (export keeps their
+    forward's ops, not their ``backward``). Patches
+    ``torch.fx.proxy.TracerBase._filter_traceback_frames`` for the block only (export runs at
+    dump time, in the training thread)."""
     from torch.fx.proxy import TracerBase
 
     orig = TracerBase._filter_traceback_frames
@@ -276,9 +325,18 @@ def _user_stack_traces() -> Iterator[None]:
         saved = getattr(self, "_record_forward_stack_traces_only", False)
         self._record_forward_stack_traces_only = False
         try:
-            return orig(self, summary)
+            kept = orig(self, summary)
         finally:
             self._record_forward_stack_traces_only = saved
+        if module_ids and method_of is not None and kept:
+            owner = calling_module(module_ids, outside_forward=True)
+            if owner is not None:
+                method_of["".join(kept.format()).strip()] = owner  # the node's stack_trace, as create_node sets it
+        if functions is not None:
+            fn = custom_function_on_stack()
+            if fn is not None:
+                functions.add(f"{fn.__module__}:{fn.__qualname__}")
+        return kept
 
     TracerBase._filter_traceback_frames = keep_user_frames
     try:
@@ -293,13 +351,18 @@ def _user_stack_traces() -> Iterator[None]:
 _EXPORT_LOCK = threading.Lock()
 
 
-def _export(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
+def _export(root: _ExportRoot, tensors: tuple, dynamic: bool, traced: Optional[dict] = None) -> tuple[Any, bool]:
     with _EXPORT_LOCK:
-        return _export_unlocked(root, tensors, dynamic)
+        return _export_unlocked(root, tensors, dynamic, traced)
 
 
-def _export_unlocked(root: _ExportRoot, tensors: tuple, dynamic: bool) -> tuple[Any, bool]:
-    with warnings.catch_warnings(), torch.enable_grad(), _user_stack_traces():
+def _export_unlocked(root: _ExportRoot, tensors: tuple, dynamic: bool, traced: Optional[dict] = None) -> tuple[Any, bool]:
+    """``traced``: filled with what the trace saw beside the graph, ``{"method_of": {...},
+    "custom_functions": set()}`` (see :func:`_user_stack_traces`)."""
+    ids = {id(m): n for n, m in root.model.named_modules()}
+    traced = traced if traced is not None else {}
+    with warnings.catch_warnings(), torch.enable_grad(), _user_stack_traces(ids, traced.setdefault("method_of", {}),
+                                                                            traced.setdefault("custom_functions", set())):
         warnings.simplefilter("ignore")
         if dynamic and any(t.dim() for t in tensors):
             auto = torch.export.Dim.AUTO
@@ -458,6 +521,110 @@ def _drop_metadata_asserts(root: torch.nn.Module) -> None:
             graph.erase_node(n)
         if dead and hasattr(mod, "recompile"):
             mod.recompile()
+
+
+# -- context-manager regions: inlined before unflatten --------------------------------------------
+#
+# torch.export's training IR turns a ``with torch.autocast(...)`` or ``with torch.no_grad()``
+# block into one higher-order op whose body is a subgraph: ``wrap_with_autocast(device_type,
+# dtype, enabled, cache_enabled, body, *operands)``, ``wrap_with_set_grad_enabled(enabled, body,
+# *operands)``. ``torch.export.unflatten`` does not look into those bodies: a loss function that
+# calls the model inside its own autocast block left the root graph with no call of the model at
+# all (and a model with such a block inside lost its submodules' boundaries). At load, after the
+# operator checks, each such op is replaced by its body's nodes between an enter and an exit of
+# the same context (:func:`_inline_regions`), the eager code's own structure, which unflatten
+# then splits by module as usual. The stored program keeps the higher-order ops (on the operator
+# allowlist); the enter/exit calls exist only in memory. They are registered as side-effectful, so
+# that no dead-code pass (unflatten runs one) drops them.
+
+_side_effect = getattr(torch.fx.node, "has_side_effect", lambda fn: fn)
+
+
+@_side_effect
+def _autocast_enter(device_type: str, dtype: Any, enabled: bool, cache_enabled: Any) -> Any:
+    """Enter ``torch.autocast`` as ``wrap_with_autocast`` does; returns the context to exit."""
+    ctx = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    ctx.__enter__()
+    return ctx
+
+
+@_side_effect
+def _autocast_exit(ctx: Any) -> None:
+    ctx.__exit__(None, None, None)
+
+
+@_side_effect
+def _grad_mode_enter(enabled: bool) -> bool:
+    """Set grad mode as ``wrap_with_set_grad_enabled`` does; returns the mode to put back."""
+    prev = torch.is_grad_enabled()
+    torch.set_grad_enabled(enabled)
+    return prev
+
+
+@_side_effect
+def _grad_mode_exit(prev: bool) -> None:
+    torch.set_grad_enabled(prev)
+
+
+def _region_op(node: torch.fx.Node) -> Optional[tuple[Callable, Callable, int]]:
+    """``(enter, exit, index of the body argument)`` when ``node`` is a context-manager region."""
+    hop = getattr(torch.ops, "higher_order", None)
+    if node.op != "call_function" or hop is None:
+        return None
+    if node.target is getattr(hop, "wrap_with_autocast", None):
+        return _autocast_enter, _autocast_exit, 4
+    if node.target is getattr(hop, "wrap_with_set_grad_enabled", None):
+        return _grad_mode_enter, _grad_mode_exit, 1
+    return None
+
+
+def _inline_regions(gm: torch.fx.GraphModule) -> int:
+    """Replace every ``wrap_with_autocast`` / ``wrap_with_set_grad_enabled`` node of ``gm``'s
+    graph (nested ones too) by its body's nodes between an enter and an exit call of the same
+    context; the body's nodes keep their metadata (module stack, stack trace), the enter and exit
+    calls take the region node's. Returns how many regions were inlined."""
+    graph, done = gm.graph, 0
+    while True:
+        node = next((n for n in graph.nodes if _region_op(n) is not None
+                     and all(u.op == "call_function" and u.target is operator.getitem for u in n.users)), None)
+        if node is None:
+            break
+        enter, leave, at = _region_op(node)  # type: ignore[misc]
+        body_ref, operands = node.args[at], node.args[at + 1:]
+        body = getattr(gm, body_ref.target) if isinstance(body_ref, torch.fx.Node) else body_ref
+        with graph.inserting_before(node):
+            ctx = graph.call_function(enter, tuple(node.args[:at]))
+            ctx.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+            env: dict[torch.fx.Node, Any] = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], operands))
+            outs: Any = ()
+            for sub in body.graph.nodes:
+                if sub.op == "placeholder":
+                    continue
+                if sub.op == "output":
+                    outs = torch.fx.node.map_arg(sub.args[0], lambda x: env[x])
+                    continue
+                if sub.op == "get_attr":  # a nested region's body: carried over under a fresh name
+                    name = f"{body_ref.target if isinstance(body_ref, torch.fx.Node) else 'region'}_{sub.target}"
+                    gm.add_submodule(name, getattr(body, sub.target))
+                    env[sub] = graph.get_attr(name)
+                    continue
+                env[sub] = graph.node_copy(sub, lambda x: env[x])
+            end = graph.call_function(leave, (ctx,))
+            end.meta = dict(ctx.meta)
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for user in list(node.users):  # each a getitem of the region's output tuple
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if isinstance(body_ref, torch.fx.Node) and not body_ref.users:
+            graph.erase_node(body_ref)
+            if not any(n.op == "get_attr" and n.target == body_ref.target for n in graph.nodes):
+                gm.delete_submodule(body_ref.target)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -928,6 +1095,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any, *,
             if dev is not None and torch.device(meta.get("device", "cpu")).type != dev.type:
                 _retarget_devices(ep.graph_module, dev)
             _drop_metadata_asserts(ep.graph_module)
+            _inline_regions(ep.graph_module)  # autocast / no_grad blocks: their bodies, for unflatten to see the modules
             root = torch.export.unflatten(ep)
             _drop_metadata_asserts(root)
     except ReplayError:
@@ -941,7 +1109,7 @@ def _load(meta: dict, get_tensor: Callable[[str], torch.Tensor], device: Any, *,
         object.__setattr__(root, "_nanreplay_bounds", _Bounds(ep))
     calls = [n.target for n in root.graph.nodes if n.op == "call_module"]
     if calls.count(_CHILD) != 1 or any(c != _CHILD and not c.startswith(_CHILD + ".") for c in calls):
-        raise ReplayError(f"the embedded program calls the model {calls.count(_CHILD)} times ({calls[:6]}); one call is supported: replay with --model-factory")
+        raise _ModelCalls([c for c in calls if c == _CHILD])
     return root, root.get_submodule(_CHILD)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from ..core.callables import import_callable, model_init_names, script_imports
+from ..core.callables import bind_recorded, import_callable, model_init_names, script_imports
 from ..core.state import load_buffers
 from ..errors import ModelMismatchError, ReplayError, UntrustedBundleError
 from ..format.bundle import Bundle, Types, open_bundle
@@ -26,7 +26,8 @@ from .gate import bundle_types, recorded_callable, require_trust, resolve_optimi
 logger = logging.getLogger(__name__)
 
 __all__ = ["load_state", "build_model", "build_from_init", "build_optimizer", "optimizer_from_info", "recorded_device", "replay_scaler",
-           "Subject", "replay_subject", "runs_untrusted_program", "deterministic_cublas", "DETERMINISTIC_CUBLAS"]
+           "Subject", "replay_subject", "runs_untrusted_program", "refuse_loss_without_batch",
+           "deterministic_cublas", "DETERMINISTIC_CUBLAS"]
 
 #: ``CUBLAS_WORKSPACE_CONFIG`` as torch's deterministic mode asks for it: 8 cuBLAS workspaces of 4096 KiB (32 MiB)
 DETERMINISTIC_CUBLAS = ":4096:8"
@@ -298,20 +299,19 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
             (nothing was imported).
         ReplayError: nothing here can build the model (the message says what was tried).
     """
-    from .program import PROGRAM_META_KEY
-
-    notes: list[str] = []
     wants_loss = use_loss_fn
     user_loss = loss_fn if use_loss_fn else None
-    program = b.meta.get(PROGRAM_META_KEY) or {}
-    uses_program = _checked_choice(b, own_model=model is not None or model_factory is not None, user_loss=user_loss is not None,
-                                   wants_loss=wants_loss, types=types, optimizer=optimizer)
+    uses_program, note = _checked_choice(b, own_model=model is not None or model_factory is not None, user_loss=user_loss is not None,
+                                         wants_loss=wants_loss, types=types, optimizer=optimizer)
+    notes: list[str] = [note] if note else []
 
     def resolve_loss(recorded_ok: bool) -> Optional[Callable]:
         if user_loss is not None:
+            refuse_loss_without_batch(b)
             return import_callable(user_loss) if isinstance(user_loss, str) else user_loss
         if wants_loss and recorded_ok and b.loss_fn:
-            return recorded_callable(b, "loss function", b.loss_fn)  # trust rule checked again
+            # trust rule checked again; a partial's recorded keyword arguments are bound again
+            return bind_recorded(recorded_callable(b, "loss function", b.loss_fn), b.loss_fn_kwargs)
         return None
 
     given = user_loss is not None and not (isinstance(user_loss, str) and user_loss == b.loss_fn)  # the recorded path, named again
@@ -329,19 +329,16 @@ def replay_subject(b: Bundle, *, model: Optional[torch.nn.Module] = None, model_
         lf = ploss if own_loss else resolve_loss(True)
         return Subject(pmodel, lf, f"the program embedded in the bundle ({'forward and loss' if ploss is not None else 'forward'})", notes,
                        code="program", loss_code="program" if own_loss else loss_code)
-    if program.get("kind"):
-        notes.append("the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory")
-    elif program.get("error"):
-        notes.append(f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
-                     "the recorded model factory rebuilds the model")
     return Subject(build_model(b, None), resolve_loss(True), "the model factory recorded in the bundle" if b.model_factory else "the recorded class and hyperparameters",
                    notes, loss_code=loss_code)
 
 
-def _checked_choice(b: Bundle, *, own_model: bool, user_loss: bool, wants_loss: bool, types: Types, optimizer: bool) -> bool:
-    """Whether the replay of ``b`` runs its embedded program (:func:`replay_subject`'s order),
-    after the trust rule (:func:`nanreplay.engine.gate.require_trust`) is checked for exactly the
-    code that choice would import.
+def _checked_choice(b: Bundle, *, own_model: bool, user_loss: bool, wants_loss: bool, types: Types,
+                    optimizer: bool) -> tuple[bool, Optional[str]]:
+    """Whether the replay of ``b`` runs its embedded program (:func:`_program_choice`), and the
+    note that says why not or what the program lacks, after the trust rule
+    (:func:`nanreplay.engine.gate.require_trust`) is checked for exactly the code that choice
+    would import.
 
     Args:
         own_model: the caller brings a model or a factory. user_loss: the caller brings a loss
@@ -350,13 +347,10 @@ def _checked_choice(b: Bundle, *, own_model: bool, user_loss: bool, wants_loss: 
     from .program import PROGRAM_META_KEY
 
     program = b.meta.get(PROGRAM_META_KEY) or {}
-    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
-    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
-    uses_program = (not own_model and bool(program.get("kind"))
-                    and not (program.get("kind") == "loss" and (user_loss or not wants_loss)))
+    uses_program, note = _program_choice(b, program, own_model=own_model, loss_given=user_loss, wants_loss=wants_loss)
     require_trust(b, model=own_model or uses_program, types=types, optimizer=optimizer,
                   loss=user_loss or not wants_loss or (uses_program and program.get("kind") == "loss"))
-    return uses_program
+    return uses_program, note
 
 
 def runs_untrusted_program(b: Bundle, request: "ReplayRequest", *, optimizer: bool = False) -> bool:
@@ -368,10 +362,53 @@ def runs_untrusted_program(b: Bundle, request: "ReplayRequest", *, optimizer: bo
     Raises:
         UntrustedBundleError: the replay would import code the untrusted bundle names.
     """
-    uses = _checked_choice(b, own_model=request.model is not None or request.model_factory is not None,
+    uses, _ = _checked_choice(b, own_model=request.model is not None or request.model_factory is not None,
                            user_loss=request.use_loss_fn and request.loss_fn is not None, wants_loss=request.use_loss_fn,
                            types=request.batch_types, optimizer=optimizer)
     return uses and not b.trusted
+
+
+def _program_choice(b: Bundle, program: dict, *, own_model: bool, loss_given: bool, wants_loss: bool) -> tuple[bool, Optional[str]]:
+    """Whether a replay of ``b`` runs its embedded ``program`` (:func:`replay_subject`'s order),
+    and the note that tells the user why not, or what the program lacks."""
+    if own_model:
+        return False, None
+    if not program.get("kind"):
+        return False, (f"the bundle holds no program (its export failed when recording: {str(program['error'])[:200]}); "
+                       "the recorded model factory rebuilds the model") if program.get("error") else None
+    # a program traced through custom autograd Functions holds their forward, not their backward:
+    # a trusted bundle that can rebuild the model from code replays the code that ran
+    functions = ", ".join(str(f).rpartition(":")[2] for f in program.get("custom_functions") or [])
+    if functions and b.trusted and (b.model_factory or b.meta.get("model_init")):
+        return False, (f"the model calls custom autograd Functions ({functions}), whose backward the embedded program does not hold: "
+                       "the model is rebuilt from its recorded code, so their own backward runs as in training")
+    # a program exported with its loss runs only that loss: a given --loss-fn, or a replay driven
+    # by the recorded cotangent (--no-loss-fn), needs the model's own forward
+    if program.get("kind") == "loss" and (loss_given or not wants_loss):
+        return False, "the embedded program runs the recorded loss function: a given --loss-fn or --no-loss-fn replays with the model factory"
+    return True, (f"the model calls custom autograd Functions ({functions}): the embedded program replays their backward as autograd's "
+                  "derivative of their forward, not their own backward; trust the bundle (or pass --model-factory) to replay the code "
+                  "that ran") if functions else None
+
+
+def refuse_loss_without_batch(b: Bundle) -> None:
+    """A loss function the user gives takes a recorded batch (``loss_fn(model, batch)``): refuse
+    it, with the reason, when the bundle's failing step holds none, rather than replay without it.
+
+    Raises:
+        ReplayError: the failing step holds no batch (the Recorder kept only the model's forward
+            inputs: no labels); the message says why and how to record one.
+    """
+    entry = next((s for s in b.meta.get("steps") or [] if isinstance(s, dict) and s.get("step") == b.failing_step), None)
+    if entry is None or entry.get("batches"):
+        return
+    why = ((b.meta.get("transformers") or {}).get("no_loss_fn_reason") if isinstance(b.meta.get("transformers"), dict) else None)
+    raise ReplayError(
+        f"the bundle holds no labels: step {b.failing_step} has no recorded batch, only the model's forward inputs"
+        + (f" ({why})" if why else "") + "; the loss function given (loss_fn=...) computes the loss from a batch. Record the batch "
+        "with Recorder.record(batch) in the loop (the framework callbacks record it), or replay without loss_fn=...: the recorded "
+        "gradient of the model's outputs then drives the backward pass"
+    ).with_cli_fix("loss_fn=...", "--loss-fn")
 
 
 @dataclass(frozen=True)

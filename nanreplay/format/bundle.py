@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from ..core.callables import CallablePath, model_init_names, torch_optimizer_class
+from ..core.callables import CallablePath, loss_kwargs_names, model_init_names, torch_optimizer_class
 from ..core.digest import GradDigest, RecordedGrad, is_digest
 from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
@@ -337,7 +337,9 @@ class Bundle:
         on ``sys.path`` when the module does not import otherwise; the same for the loss
         function), ``model class (model_init)`` and every import path inside its JSON
         arguments (``imported by the model class (model_init.kwargs.model_class)``: nanreplay's
-        own ``model_from_config`` imports the class its ``model_class`` names), ``loss function``, ``optimizer class``
+        own ``model_from_config`` imports the class its ``model_class`` names), ``loss function`` (and
+        every import path among its recorded keyword arguments, ``imported by the loss function
+        (loss_fn_kwargs.trainer_class)``), ``optimizer class``
         (only when it is not a ``torch.optim`` optimizer, which is looked up without importing
         anything) and ``batch types``."""
         out: dict[str, list[str]] = {}
@@ -348,6 +350,7 @@ class Bundle:
         if self.loss_fn:
             out["loss function"] = [self.loss_fn]
             out.update(_import_root("loss function", self.loss_fn))
+            out.update(loss_kwargs_names(self.loss_fn_kwargs))
         opt = (self.meta.get("optimizer") or {}).get("class")
         if opt and torch_optimizer_class(opt) is None:
             out["optimizer class"] = [opt]
@@ -543,6 +546,14 @@ class Bundle:
     def loss_fn(self) -> Optional[str]:
         """The recorded loss function's import path (see :attr:`model_factory`)."""
         return self._callable("loss_fn")
+
+    @property
+    def loss_fn_kwargs(self) -> Optional[dict]:
+        """The keyword arguments replay binds to the recorded loss function (``meta["loss_fn_kwargs"]``,
+        a JSON object: a ``functools.partial`` recorded by its function and arguments, see
+        :func:`nanreplay.core.callables.callable_record`), else ``None``."""
+        kw = self.meta.get("loss_fn_kwargs")
+        return dict(kw) if isinstance(kw, dict) and kw else None
 
     def _callable(self, key: str) -> Optional[str]:
         path = self.meta.get(key)

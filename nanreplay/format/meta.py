@@ -504,6 +504,8 @@ def _check_code_and_options(c: _Checker, m: dict) -> None:
     the Lightning entry and the stored diagnosis."""
     c.string(m.get("model_factory"), "meta.model_factory", null=True)
     c.string(m.get("loss_fn"), "meta.loss_fn", null=True)
+    if m.get("loss_fn_kwargs") is not None:
+        c.obj(m["loss_fn_kwargs"], "meta.loss_fn_kwargs")
     if m.get("model_init") is not None:
         init = c.obj(m["model_init"], "meta.model_init", ("class",))
         c.string(init["class"], "meta.model_init.class")

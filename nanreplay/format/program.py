@@ -551,4 +551,8 @@ def validate_program_record(rec: Any, info: Callable[[str], Optional[tuple]], wh
         w.string(v, f"{where}.modules[{k[:100]!r}]", 256)
     for i, x in enumerate(w.array(rec.get("training", []), f"{where}.training")):
         w.string(x, f"{where}.training[{i}]")
+    for k, v in w.obj(rec.get("method_of") or {}, f"{where}.method_of").items():
+        w.string(v, f"{where}.method_of[{k[:100]!r}]", 1 << 12)
+    for i, x in enumerate(w.array(rec.get("custom_functions", []), f"{where}.custom_functions")):
+        w.string(x, f"{where}.custom_functions[{i}]", 1 << 12)
     w.program(rec["program"], f"{where}.program")

@@ -9,11 +9,11 @@ error raised from the framework's loop (``"raise"``). Imports no framework.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..capture.recorder import Recorder, RecorderConfig
 
-__all__ = ["RecorderCallbackState"]
+__all__ = ["RecorderCallbackState", "patch_attribute"]
 
 
 class RecorderCallbackState:
@@ -67,3 +67,32 @@ class RecorderCallbackState:
         scan = rec.extra_meta.get("attach_scan")
         if isinstance(scan, dict):
             scan["step"] = rec.step
+
+
+class _Patch:
+    """An attribute of one object replaced by a wrapper until :meth:`remove` puts back what was
+    there (the instance's own attribute, or none: the class's again). Idempotent."""
+
+    def __init__(self, obj: Any, name: str, wrapper: Callable) -> None:
+        self.obj, self.name = obj, name
+        self._had = name in vars(obj)
+        self._old = vars(obj).get(name)
+        setattr(obj, name, wrapper)
+
+    def remove(self) -> None:
+        if self.obj is None:
+            return
+        if self._had:
+            setattr(self.obj, self.name, self._old)
+        else:
+            try:
+                delattr(self.obj, self.name)
+            except AttributeError:
+                pass
+        self.obj = None
+
+
+def patch_attribute(obj: Any, name: str, wrap: Callable[[Callable], Callable]) -> _Patch:
+    """Replace ``obj.name`` by ``wrap(obj.name)`` on the instance; the handle's ``remove()`` puts
+    back what was there."""
+    return _Patch(obj, name, wrap(getattr(obj, name)))

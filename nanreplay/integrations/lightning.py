@@ -15,11 +15,14 @@ What the callback does, hook by hook (the NaN-capture callback pattern):
   new configuration.
 * ``on_train_batch_start``: records ``{"batch": batch, "batch_idx": batch_idx}`` and, for the
   first micro-batch of a step, the RNG states.
-* ``on_before_backward``: gives the loss to the Recorder (checked with the gradients, no sync).
+* ``on_before_backward``: gives the loss of each micro-batch (``training_step``'s, divided by
+  ``accumulate_grad_batches`` as Lightning backpropagates it) to the Recorder, checked with the
+  gradients, no sync: a NaN loss whose gradients are finite is caught, in whichever micro-batch.
 * ``on_before_optimizer_step``: the finiteness check. Lightning runs ``training_step`` and
   ``backward`` inside ``optimizer.step(closure)``, after the optimizer's step pre-hook, so the
-  check runs here instead (with a GradScaler, Lightning steps the optimizer after the closure and
-  the scaler's own skip decision, so the Recorder's pre-hook and GradScaler watch are used).
+  check runs here instead, before Lightning clips the gradients (with a GradScaler, Lightning
+  steps the optimizer after the closure and the scaler's own skip decision, so the Recorder's
+  pre-hook and GradScaler watch are used, and the gradient norm before clipping is given here).
   A non-finite step is dumped, and its gradients dropped so the optimizer leaves the weights as
   they were.
 * ``on_train_batch_end``: ``trainer.strategy.reduce_boolean_decision(failed, all=False)``: if
@@ -55,6 +58,7 @@ from ..capture.recorder import Recorder, RecorderConfig
 from ..capture.trackers import resolve
 from .common import RecorderCallbackState
 from ..core.callables import callable_path
+from ..core.numerics import fused_norm
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +198,14 @@ class NanReplayCallback(Callback, RecorderCallbackState):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         rec = self.recorder
-        if rec is None or rec.config.check_in_optimizer_step:
-            return  # with a GradScaler the optimizer's pre-hook checks, after the scaler's decision
+        if rec is None:
+            return
+        if rec.config.check_in_optimizer_step:
+            # with a GradScaler the optimizer's pre-hook checks, after the scaler's decision and after
+            # Lightning's clipping: the norm before clipping (unscaled by now) is taken here, on the device
+            if getattr(trainer, "gradient_clip_val", None):
+                rec.log_grad_norm(fused_norm([p.grad for p in pl_module.parameters() if p.grad is not None]))
+            return
         rec.extra_meta["lightning"]["global_step"] = int(trainer.global_step)
         rec.check_step()
 

@@ -212,3 +212,38 @@ def test_a_store_that_cannot_be_written_never_stops_a_dump(tmp_path, monkeypatch
         path = _record(out_dir)
     assert path.exists()
     assert "could not record it as trusted" in caplog.text
+
+
+def weighted_loss(model, batch, *, weight, reference=None):
+    """A loss function taking keyword arguments, recorded as a functools.partial."""
+    return models.mean_loss(model, batch) * weight
+
+
+def test_a_partial_loss_function_is_recorded_with_its_arguments_and_they_are_reviewed(home, out_dir, tmp_path):
+    """A functools.partial of an importable loss function is recorded as the function and its JSON
+    keyword arguments (meta.loss_fn_kwargs), bound again at replay; an import path among them is
+    listed for review and needs trust like the loss function itself."""
+    import functools
+
+    model = models.make_nested()
+    with torch.no_grad():
+        model.encoder["block"].proj.bias.fill_(-1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = functools.partial(weighted_loss, weight=2.0, reference="models:make_nested")
+    x = torch.randn(6, 8) * 3
+    x[2] = 0.0
+    with Recorder(model, opt, loss_fn=loss_fn, model_factory=models.make_nested, out_dir=out_dir, diagnose=False, embed_program=False) as rec:
+        rec.record({"x": x})
+        loss_fn(model, {"x": x}).backward()
+        with pytest.raises(NonFiniteGradientError) as info:
+            opt.step()
+    path = Path(info.value.bundle_path)
+    with open_bundle(path) as b:
+        assert b.loss_fn == "test_trust:weighted_loss"
+        assert b.loss_fn_kwargs == {"weight": 2.0, "reference": "models:make_nested"}
+    diag = replay(path)
+    assert diag["mode"] == "loss_fn" and diag["reproduction"]["verdict"] == "reproduced exactly"  # weight=2.0 bound again
+    with pytest.raises(UntrustedBundleError) as e:
+        replay(_stranger(path, tmp_path))
+    assert e.value.names["imported by the loss function (loss_fn_kwargs.reference)"] == ["models:make_nested"]
+    assert e.value.names["loss function"] == ["test_trust:weighted_loss"]

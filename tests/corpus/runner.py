@@ -212,6 +212,19 @@ def got_fields(diagnosis: Optional[dict]) -> dict:
     }
 
 
+def answer(diagnosis: dict) -> dict:
+    """What two diagnoses of one bundle must agree on (the in-process one and a replay's): the
+    cause, the origin (phase, module FQN, op, micro-batch) and the samples (indices, micro-batch)."""
+    origin = diagnosis.get("origin") or {}
+    samples = diagnosis.get("samples") or {}
+    return {
+        "cause": (diagnosis.get("classification") or {}).get("cause"),
+        "phase": diagnosis.get("phase"),
+        "origin": {k: origin.get(k) for k in ("module", "op", "forward_op", "micro_batch", "kind")},
+        "samples": {k: samples.get(k) for k in ("indices", "micro_batch")},
+    }
+
+
 def validate_expected(case: ModuleType) -> list[str]:
     """Problems with a case's protocol names (empty when it is well formed)."""
     problems = []

@@ -1,13 +1,16 @@
 """The corpus of real NaN/Inf bugs (tests/corpus/cases/, one reproduction per file).
 
-Each case is recorded under a Recorder (``diagnose=False``) and its bundle replayed in process
-with ``nanreplay.replay``:
+Each case is recorded under a Recorder (which diagnoses it in process and stores that diagnosis
+in the bundle) and its bundle replayed afresh with ``nanreplay.replay`` (what ``nanreplay replay
+BUNDLE --json`` prints):
 
 * ``test_report_invariants`` checks what must hold whatever the diagnosis says (the report is
   coherent with itself and with the model, and follows the shipped JSON Schema);
 * ``test_diagnosis_fields`` (marker ``corpus``, select with ``-m corpus``) checks the six EXPECTED
   fields of each case (step, phase, module, op, samples, cause) with ``runner.field_matches``;
   the diagnosis is being fixed to pass it, so it fails on many cases today;
+* ``test_one_answer_per_bundle`` checks that the in-process diagnosis stored in the bundle and the
+  fresh replay give the same answer: cause, origin (phase, module FQN, op, micro-batch) and samples;
 * ``test_corpus_protocol`` checks the corpus itself: size, SOURCE, EXPECTED, TAGS coverage.
 
 Each case is recorded and replayed once per session (both tests share the result).
@@ -76,7 +79,7 @@ def _recorded_and_replayed(name: str, tmp_path_factory) -> tuple[dict, dict]:
         from nanreplay import replay
 
         try:
-            rec = runner.record_case(CASES[name], tmp_path_factory.mktemp(name), diagnose=False)
+            rec = runner.record_case(CASES[name], tmp_path_factory.mktemp(name))  # diagnosed in process too
             # a case file only defines names (its EXPECTED = dict(...) is the one top-level call the
             # script check flags); a case whose program cannot be embedded replays from its factory
             _RESULTS[name] = (rec, replay(rec["bundle"], import_script=True))
@@ -153,6 +156,17 @@ def test_diagnosis_fields(case_name, tmp_path_factory):
     got = runner.got_fields(diag)
     wrong = {f: {"expected": case.EXPECTED[f], "got": got[f]} for f, ok in matches.items() if not ok}
     assert not wrong, f"{case_name}: {wrong}\nsummary: {diag.get('summary')}"
+
+
+@pytest.mark.slow
+def test_one_answer_per_bundle(case_name, tmp_path_factory):
+    """The Recorder's in-process diagnosis (stored in the bundle) and a fresh replay of the bundle
+    name the same cause, origin and samples."""
+    from nanreplay.diagnosis.api import load_diagnosis
+
+    rec, diag = _recorded_and_replayed(case_name, tmp_path_factory)
+    live = load_diagnosis(rec["bundle"])
+    assert runner.answer(live) == runner.answer(diag), f"in process: {live['summary']}\nreplayed:   {diag['summary']}"
 
 
 def test_corpus_protocol():

@@ -588,3 +588,116 @@ def test_schema_objects_match_torchs_own_conversion():
         assert _schema_object(schema.ExportedProgram, data) == _dict_to_dataclass(schema.ExportedProgram, data)
     data["graph_module"]["a_field_of_a_later_torch"] = 1
     assert _schema_object(schema.ExportedProgram, data) == _dict_to_dataclass(schema.ExportedProgram, data)
+
+
+# -- context managers in the loss function and the model (issue 33, item 5) ------------------------
+
+class Float32Island(nn.Module):
+    """A projection, then a float32 island (autocast off) whose log is NaN for a zero row, then a
+    head: a model that enters a context manager in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        with torch.autocast("cpu", enabled=False):
+            h = torch.log(h.float().abs().sum(-1, keepdim=True)) * h.float()
+        return self.head(h)
+
+
+def autocast_loss(model, batch):
+    """Enters bf16 autocast around the model call and a no_grad block for its weights."""
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    with torch.no_grad():
+        w = (y.abs() + 1).reciprocal()
+    return (((out.float() - y) ** 2) * w).mean()
+
+
+def test_a_loss_function_entering_autocast_exports_and_replays_from_the_program(out_dir):
+    """torch.export keeps each autocast / no_grad block as one higher-order op; the program is
+    still cut at the model's call (the loss function's blocks and the model's own), so replay
+    needs no factory and names the module as the in-process diagnosis does."""
+    torch.manual_seed(0)
+    model = Float32Island()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteGradientError) as info:
+        with Recorder(model, opt, loss_fn=autocast_loss, out_dir=out_dir, action="raise") as rec:
+            for i in range(4):
+                x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+                if i == 2:
+                    x[3] = 0.0  # log(0) = -inf, times 0: NaN in sample 3
+                rec.record((x, y))
+                loss = autocast_loss(model, (x, y))
+                rec.log_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    path = info.value.bundle_path
+    with open_bundle(path) as b:
+        assert b.meta[PROGRAM_META_KEY]["kind"] == "loss", b.meta[PROGRAM_META_KEY].get("error")
+        assert b.model_factory is None
+        live = b.meta["diagnosis"]
+    diag = replay(path)
+    assert diag["model_source"].startswith("the program embedded in the bundle (forward and loss)")
+    assert diag["reproduction"]["verdict"] == "reproduced exactly"
+    for d in (live, diag):
+        assert (d["phase"], d["origin"]["module"], d["origin"]["op"]) == ("forward", "", "log")
+        assert d["samples"]["indices"] == [3]
+
+
+def test_a_failed_export_says_why_in_the_users_terms(caplog):
+    """An export that fails names what the code did and the user's line, in the bundle's record
+    and on the terminal, not only torch's internal exception."""
+    def branching_loss(model, batch):
+        out = model(batch[0])
+        if out.sum() > 0:  # data-dependent control flow
+            return out.mean()
+        return out.sum()
+
+    def two_calls(model, batch):
+        return model(batch[0]).mean() + model(batch[0] * 2).mean()
+
+    model = nn.Linear(4, 3)
+    batch = (torch.randn(5, 4),)
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        branch = export_program(model, loss_fn=branching_loss, batch=batch)
+    assert not branch.ok
+    assert branch.error.startswith("the code reads a tensor's value to decide what to run")
+    assert "test_program.py" in branch.error and "in branching_loss (`if out.sum() > 0:" in branch.error
+    assert branch.error in caplog.text
+    twice = export_program(model, loss_fn=two_calls, batch=batch)
+    assert twice.error == "the loss function calls the model 2 times; an embedded program holds exactly one call of the model"
+
+
+def test_custom_autograd_functions_are_listed_and_a_trusted_bundle_replays_their_code(out_dir, tmp_path):
+    """torch.export traces a custom autograd.Function through its forward: the program holds
+    autograd's derivative of those ops, not the Function's backward. The record lists the
+    Function; a trusted bundle replays the recorded factory (the Function's own backward, as in
+    training and in the in-process diagnosis), an untrusted one the program, saying so."""
+    import shutil
+    from pathlib import Path
+
+    from corpus import runner
+    from nanreplay import untrust_bundle
+
+    case = runner.load_case(Path(runner.__file__).parent / "cases" / "custom_function_capsule_norm.py")
+    rec = runner.record_case(case, out_dir, diagnose=False)
+    with open_bundle(rec["bundle"]) as b:
+        assert [f.rpartition(":")[2] for f in b.meta[PROGRAM_META_KEY]["custom_functions"]] == ["VecNorm"]
+    trusted = replay(rec["bundle"], import_script=True)
+    assert trusted["model_source"] == "the model factory recorded in the bundle"
+    assert any("custom autograd Functions (VecNorm)" in w and "their own backward runs as in training" in w for w in trusted["warnings"])
+    assert trusted["origin"]["node"] == "VecNormBackward"
+    stranger = tmp_path / "stranger.h5"
+    shutil.copyfile(rec["bundle"], stranger)
+    untrust_bundle(stranger)
+    untrusted = replay(stranger)
+    assert untrusted["model_source"].startswith("the program embedded in the bundle")
+    assert any("replays their backward as autograd's derivative of their forward" in w for w in untrusted["warnings"])
+    assert untrusted["origin"]["node"] == "SqrtBackward0"

@@ -119,3 +119,67 @@ def test_a_resumed_run_numbers_its_steps_by_the_trainers_global_step(tmp_path):
     with open_bundle(cb.bundle_path) as b:
         assert b.failing_step == failing and b.meta["attach_scan"]["step"] == 2
         assert b.meta["diagnosis"]["summary"].count(f"step {failing}") >= 1
+
+
+# -- the loss of each micro-batch, and one answer per bundle (issue 33, items 3 and 6) --------------
+
+class LitLabelledMean(pl.LightningModule):
+    """A classifier whose loss is the summed cross-entropy over the count of labelled rows: a
+    micro-batch with no label (every target -100) gives 0/0 = NaN, with zero gradients."""
+
+    def __init__(self, lr: float = 0.05, seed: int = 1234) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = models.MLP()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y, ignore_index=-100, reduction="sum") / (y != -100).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_nan_loss_with_finite_gradients_in_any_micro_batch_is_caught_and_answered_once(tmp_path, accumulate):
+    """Batch 2 has no label: its loss is NaN, its gradients zero, the step's gradients finite.
+    The callback checks every micro-batch's loss (with accumulate_grad_batches=2 it is the first
+    of step 1's two, not the last), and the in-process diagnosis stored in the bundle and
+    `nanreplay replay BUNDLE --json` give one answer: the loss, in training_step (a method of the
+    root module), in that micro-batch. Without accumulation the replay runs the embedded program
+    (training_step's frames are gone there: the export noted which ops ran in a method of the
+    module); with it, the program's constant batch_idx fits one micro-batch only, so the recorded
+    class rebuilds the module."""
+    from click.testing import CliRunner
+
+    from corpus.runner import answer
+    from nanreplay.cli import main
+    from nanreplay.diagnosis.api import load_diagnosis
+
+    g = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(36, 8, generator=g), torch.randint(0, 4, (36,), generator=g)
+    ys[12:18] = -100  # batch 2
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=6, shuffle=False)
+    cb = NanReplayCallback(out_dir=tmp_path)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb], accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
+    trainer.fit(LitLabelledMean(), loader)
+    step, micro = (2, None) if accumulate == 1 else (1, 0)
+    assert cb.recorder.nonfinite_steps == [step]
+    with open_bundle(cb.bundle_path) as b:
+        reason = b.meta["reason"]
+        assert reason["nonfinite_loss"] and not reason["nonfinite_grad"]
+        assert reason.get("nonfinite_loss_micro_batch") == micro
+        program = b.meta["program"]
+        assert program["kind"] == ("loss" if accumulate == 1 else None), program.get("error")
+    live = load_diagnosis(cb.bundle_path)
+    res = CliRunner().invoke(main, ["replay", cb.bundle_path, "--json"])
+    assert res.exit_code == 0, res.output
+    fresh = json.loads(res.output)
+    assert fresh["model_source"].startswith("the program embedded" if accumulate == 1 else "the recorded class")
+    assert answer(live) == answer(fresh), f"in process: {live['summary']}\nreplayed:   {fresh['summary']}"
+    assert (fresh["phase"], fresh["origin"]["op"], fresh["origin"]["module"], fresh["origin"].get("micro_batch")) == ("loss", "div", "", micro)
