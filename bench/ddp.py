@@ -14,7 +14,9 @@ process group:
 
 Each round runs one step of every variant, in an order that rotates per round; the figure is the
 median over rounds of the per-round ratio variant / plain (rank 0's times; the collectives keep the
-ranks in step), with the interquartile range.
+ranks in step), with the interquartile range: of the wall-clock step time, and of the CPU time the
+rank's process spent in the step (``time.process_time``, all its threads), which a machine shared
+with other jobs disturbs less.
 
     python bench/ddp.py                              # width 512, depth 4, 40 rounds
     python bench/ddp.py --width 1024 --rounds 60 --json bench/results_ddp.json
@@ -93,22 +95,24 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     runs = {n: _build(n, d, depth, str(Path(out, n))) for n in names}
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args["warmup"] + rounds):
         x = torch.randn(batch, d, generator=g)
         k = r % len(names)
         for n in names[k:] + names[:k]:
             model, opt, rec = runs[n]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _step(model, opt, x, rec)
             if r >= args["warmup"]:
                 times[n].append(time.perf_counter() - t0)
+                cpu[n].append(time.process_time() - c0)
     held = {n: rec.held_bytes() for n, (_, _, rec) in runs.items() if rec is not None}
     for _, _, rec in runs.values():
         if rec is not None:
             rec.close()
     params = sum(p.numel() for p in runs[names[0]][0].parameters())
-    Path(out, f"bench{rank}.json").write_text(json.dumps({"rank": rank, "times": times, "held_bytes": held, "params": params}))
+    Path(out, f"bench{rank}.json").write_text(json.dumps({"rank": rank, "times": times, "cpu": cpu, "held_bytes": held, "params": params}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -133,21 +137,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(2, str(Path(tmp, "store")), tmp, {**vars(a), "variants": names}), nprocs=2, start_method="spawn")
         res = [json.loads(Path(tmp, f"bench{r}.json").read_text()) for r in range(2)]
-    t = res[0]["times"]
+    t, c = res[0]["times"], res[0]["cpu"]
     base = {n: ("plain_fp16" if n == "recorder_fp16" and "plain_fp16" in t else "plain") for n in names}
     rows = {}
     for n in names:
         ratios = [v / p for v, p in zip(t[n], t[base[n]])]
-        q = statistics.quantiles(ratios, n=4)
-        rows[n] = {"step_ms": statistics.median(t[n]) * 1e3, "baseline": base[n], "ratio_median": statistics.median(ratios), "ratio_iqr": [q[0], q[2]]}
+        cpu_ratios = [v / p for v, p in zip(c[n], c[base[n]]) if p > 0]
+        q, qc = statistics.quantiles(ratios, n=4), statistics.quantiles(cpu_ratios, n=4)
+        rows[n] = {"step_ms": statistics.median(t[n]) * 1e3, "baseline": base[n], "ratio_median": statistics.median(ratios), "ratio_iqr": [q[0], q[2]],
+                   "cpu_ms": statistics.median(c[n]) * 1e3, "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratio_iqr": [qc[0], qc[2]]}
     out = {"torch": torch.__version__, "machine": f"{cpu_name()}, {os.cpu_count()} cores, 1 thread per rank",
            "model": {"params": res[0]["params"], "width": a.width, "depth": a.depth, "batch": a.batch}, "rounds": a.rounds,
            "variants": rows, "held_bytes": res[0]["held_bytes"]}
     print(f"torch {out['torch']}, {out['machine']}; DDP on 2 gloo ranks, {out['model']['params'] / 1e6:.2f} M params, "
           f"{a.rounds} interleaved rounds")
     for n, row in rows.items():
-        print(f"{n:>20}: {row['step_ms']:8.2f} ms  {row['ratio_median']:.3f}x of {row['baseline']} "
-              f"[{row['ratio_iqr'][0]:.2f}-{row['ratio_iqr'][1]:.2f}]")
+        print(f"{n:>20}: wall {row['step_ms']:7.2f} ms  {row['ratio_median']:.3f}x of {row['baseline']} "
+              f"[{row['ratio_iqr'][0]:.2f}-{row['ratio_iqr'][1]:.2f}]   CPU {row['cpu_ms']:7.2f} ms  {row['cpu_ratio_median']:.3f}x "
+              f"[{row['cpu_ratio_iqr'][0]:.2f}-{row['cpu_ratio_iqr'][1]:.2f}]")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 

@@ -279,6 +279,8 @@ class RankContext:
                           "why_off": None if not self._in_view else "gradient_as_bucket_view=True: the bundle holds the reduced gradients"}
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self._queued and not self._in_view:
+            return  # the end-of-backward callback is queued: nothing to do per parameter
         if self.closed or not self.active() or not getattr(self._ddp, "require_backward_grad_sync", True):
             return  # closed, the Recorder's own replay, or no_sync(): this backward reduces nothing
         if self._in_view and p.grad is not None:  # a view of DDP's bucket: flag it before the bucket is reduced
@@ -358,6 +360,7 @@ class RankContext:
         result has ``world_size + 1`` entries: entry ``r`` is 1 when rank ``r``'s local values
         were non-finite before any all-reduce, the last is 1 when any rank's check failed."""
         self._new_step()
+        self._queued = False  # a backward that raised never ran its callback: watch the next one
         self._put_back_unreduced()
         dev = checked.device
         bad_here = (~torch.isfinite(checked)).any().float() if checked.numel() else torch.zeros((), device=dev)
