@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.numerics import fused_norm
+from ..engine.shards import describe_state
 
 logger = logging.getLogger(__name__)
 
@@ -513,15 +514,17 @@ class RankContext:
         return {"rank": self.rank, "world_size": self.world_size, "distributed": info}
 
     def annotate(self, diagnosis: Optional[dict]) -> None:
-        """Say in the diagnosis which rank this is and where the failure came from."""
+        """Say in the in-process diagnosis which rank this is and where the failure came from (an
+        origin rank's summary already says it: :func:`nanreplay.diagnosis.api.diagnose` reads the
+        bundle's ``distributed`` entry)."""
         if not diagnosis:
             return
-        diagnosis["distributed"] = {"rank": self.rank, "world_size": self.world_size, "origin_ranks": list(self.origin_ranks),
-                                    "rank_flags": list(self.rank_flags), "clean": self._clean()}
-        where = f"rank {self.rank} of {self.world_size}"
+        diagnosis["distributed"] = {**(diagnosis.get("distributed") or {}), "rank": self.rank, "world_size": self.world_size,
+                                    "origin_ranks": list(self.origin_ranks), "rank_flags": list(self.rank_flags), "clean": self._clean()}
         if self.rank in self.origin_ranks:
-            note = f"{where} is an origin rank (non-finite before the gradient {'reduce-scatter' if self.sharded else 'all-reduce'})"
-        elif self.origin_ranks:
+            return
+        where = f"rank {self.rank} of {self.world_size}"
+        if self.origin_ranks:
             own = "its local step is finite" if self._clean() else "its own values were not checked"
             note = f"{where}: {own}; the non-finite values came from rank(s) {self.origin_ranks} through the gradient all-reduce: replay their bundles"
         else:
@@ -589,17 +592,6 @@ class RankContext:
         logger.error("nanreplay: rank %d: rank(s) %s did not finish writing their bundles of step %s within dump_barrier_timeout=%gs "
                      "(still writing, stuck or dead): their bundles may be missing or partial; going on", self.rank, missing, step, timeout_s)
         return missing
-
-
-def describe_state(state: dict) -> str:
-    """``"shard of proj.weight (S(0)) held NaN at local [0, 3] = global [4, 3]"``: one rank's first
-    non-finite state element (:func:`nanreplay.capture.sharded.first_nonfinite_state`) in words."""
-    what = state.get("fqn", "?") if state.get("kind") == "weight" else f"optimizer state {state.get('key')!s} of {state.get('fqn', '?')}"
-    pl = state.get("placements")
-    held = f"held {state.get('value', 'a non-finite value')} at local {state.get('local_index')}"
-    if pl:
-        return f"shard of {what} ({', '.join(pl)}) {held} = global {state.get('global_index')}"
-    return f"copy of {what} {held}"
 
 
 def rank_summary(metas: Iterable[dict]) -> dict:

@@ -91,7 +91,7 @@ def test_both_ranks_stop_in_the_same_step(raised):
 
 def test_rank1_is_named_origin_on_every_rank(raised):
     assert [r["origin_ranks"] for r in raised] == [[BAD_RANK], [BAD_RANK]]
-    assert "is an origin rank" in raised[1]["summary"]
+    assert "[born on rank 1 of 2, before the gradient all-reduce]" in raised[1]["summary"]
     assert "came from rank(s) [1]" in raised[0]["summary"]
 
 
