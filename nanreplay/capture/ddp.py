@@ -272,18 +272,21 @@ class RankContext:
         its last bucket is ready) copies the reduced values back. Hooks are removed on
         :meth:`close`."""
         self._ddp = ddp
-        self._in_view = bool(getattr(ddp, "gradient_as_bucket_view", False))
+        # gradients that are views of DDP's buckets, or a reducer that is not the C++ one (compiled DDP,
+        # a delayed all-reduce): flagged one by one as accumulated, and the bundle holds the reduced ones
+        self._in_view = any(bool(getattr(ddp, a, False)) for a in ("gradient_as_bucket_view", "_use_python_reducer", "_delay_all_reduce_all_params"))
         self._watched = [p for p in ddp.module.parameters() if p.requires_grad]
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._watched]
         self.hooked = bool(self._handles)
-        self.detection = {"on": True, "method": "local gradients before the all-reduce, local loss",
-                          "why_off": None if not self._in_view else "gradient_as_bucket_view=True: the bundle holds the reduced gradients"}
+        self.detection = {"on": True, "method": "local gradients before the all-reduce, local loss" + (
+            "" if not self._in_view else " (each gradient flagged as accumulated: they are views of DDP's buckets, or its reducer is "
+            "not the C++ one; the bundle holds the reduced gradients)"), "why_off": None}
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._queued and not self._in_view:
             return  # the end-of-backward callback is queued: nothing to do per parameter
-        if self.closed or not self.active() or not getattr(self._ddp, "require_backward_grad_sync", True):
-            return  # closed, the Recorder's own replay, or no_sync(): this backward reduces nothing
+        if self.closed or not self.active() or not getattr(self._ddp, "require_forward_param_sync", True):
+            return  # closed, the Recorder's own replay, or a forward under no_sync(): this backward reduces nothing
         if self._in_view and p.grad is not None:  # a view of DDP's bucket: flag it before the bucket is reduced
             self._view_norms.append(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32))
         if not self._queued:

@@ -40,6 +40,10 @@ SCENARIOS = {
     "corrupt": {"corrupt": True},
     "slow": {"slow_s": 2.0, "torchrun": True},
     "stuck": {"slow_s": 2.5, "timeout": 1.0},
+    # two micro-batches a step, the first one's forward under no_sync() and its backward outside it;
+    # the zero row is in rank 1's first micro-batch; a plain DDP twin trains beside it
+    "accumulate": {"accumulate": True},
+    "view": {"view": True},  # gradient_as_bucket_view=True: each gradient flagged as it is accumulated
 }
 _SCRIPT = '''import models
 print("the training script runs at import")
@@ -77,7 +81,7 @@ def _scenario(rank: int, out: Path, spec: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"rank": rank, "steps_done": 0}
-    logs = _Logs()
+    logs = _Logs()  # nanreplay's log lines on this rank
     logging.getLogger("nanreplay").addHandler(logs.handler)
     write = dump_mod.write_bundle
     error_file = out / f"error{rank}.json"
@@ -93,7 +97,9 @@ def _scenario(rank: int, out: Path, spec: dict) -> None:
         script = out / "train_script.py"
         script.write_text(_SCRIPT)
         model = models.make_ratio()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bool(spec.get("view")))
+        twin = torch.nn.parallel.DistributedDataParallel(models.make_ratio())
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
         if spec.get("hook") == "before":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -110,8 +116,11 @@ def _scenario(rank: int, out: Path, spec: dict) -> None:
                             with torch.no_grad():
                                 model.proj.weight[1, 2] = float("inf")  # rank 1's replica only: a silent corruption
                     elif rank == BAD_RANK and step == BAD_STEP:
-                        x[3] = 0.0  # a padding row: 0 / 0 in norm on this rank only
+                        x[1 if spec.get("accumulate") else 3] = 0.0  # a padding row: 0 / 0 in norm on this rank only
                     batch = {"x": x}
+                    if spec.get("accumulate"):
+                        _accumulate(ddp, opt, rec, x, (twin, twin_opt) if step != BAD_STEP else None, result)
+                        continue
                     rec.record(batch)
                     loss = models.mean_loss(ddp, batch)
                     opt.zero_grad()
@@ -132,6 +141,26 @@ def _scenario(rank: int, out: Path, spec: dict) -> None:
         result["logs"] = list(logs)
         result["error_file"] = json.loads(error_file.read_text()) if error_file.exists() else None
         Path(out, f"result{rank}.json").write_text(json.dumps(result))
+
+
+def _accumulate(ddp, opt, rec, x, twin, result: dict) -> None:
+    """One step of two micro-batches, the first one's forward under ``no_sync()`` and its backward
+    outside it; the same on the plain DDP ``twin`` (model, optimizer), when given."""
+    halves = [{"x": x[:3]}, {"x": x[3:]}]
+    for m, o in ((twin, (ddp, opt)) if twin is not None else ((ddp, opt),)):
+        o.zero_grad()
+        for i, b in enumerate(halves):
+            if m is ddp:
+                rec.record(b)
+            if i == 0:
+                with m.no_sync():
+                    loss = models.mean_loss(m, b)
+            else:
+                loss = models.mean_loss(m, b)
+            loss.backward()
+        o.step()
+    result["steps_done"] += 1
+    result.setdefault("same_as_twin", []).append(all(torch.equal(a, b) for a, b in zip(ddp.parameters(), twin[0].parameters())))
 
 
 def _fsdp1(rank: int, out: Path) -> None:
@@ -304,3 +333,20 @@ def test_fsdp1_is_refused_naming_fully_shard_and_training_goes_on(runs):
     for r in runs["fsdp1"]:
         assert "FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel)" in r["refused"] and "fully_shard" in r["refused"]
         assert len(r["losses"]) == 2
+
+
+def test_accumulation_with_no_sync_keeps_every_gradient_and_names_the_origin(runs):
+    res = runs["accumulate"]
+    assert [r["error_step"] for r in res] == [BAD_STEP, BAD_STEP] and [r["origin_ranks"] for r in res] == [[BAD_RANK]] * 2
+    # the finite steps trained exactly as the plain DDP twin: no micro-batch's gradient was lost
+    assert all(r["same_as_twin"] == [True] * BAD_STEP for r in res)
+    with open_bundle(res[0]["bundle"]) as b:
+        assert b.meta["distributed"]["clean"] is True and not grads_nonfinite(b.grads())
+
+
+def test_gradients_as_bucket_views_are_flagged_one_by_one(runs):
+    res = runs["view"]
+    assert [r["origin_ranks"] for r in res] == [[BAD_RANK]] * 2
+    with open_bundle(res[0]["bundle"]) as b:
+        d = b.meta["distributed"]
+    assert d["clean"] is True and d["grads"] == "reduced" and "flagged as accumulated" in d["detection"]["method"]
