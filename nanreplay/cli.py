@@ -644,6 +644,29 @@ def _code_listing(code: dict) -> str:
     return "; ".join(f"{inert_name(kind)} " + ", ".join(inert_name(n) for n in names) for kind, names in code.items())
 
 
+def _echo_distributed(info: dict, echo: Callable[[str], None]) -> None:
+    """The lines of ``inspect`` for a rank's bundle of a distributed run (``info``: made inert)."""
+    d = info.get("distributed") or {}
+    echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
+    if d.get("rank_flags") is not None:
+        own = {True: "clean (its own values were finite)", False: "an origin", None: "not checked"}.get(d.get("clean"), "not checked")
+        det = d.get("detection") or {}
+        echo(f"  this rank: {own}   every rank's flag: {d.get('rank_flags')}   origin detection: "
+             f"{'on' if det.get('on') else 'off'} ({det.get('method')}{'; ' + str(det['why_off']) if det.get('why_off') else ''})")
+    if d.get("state_origin"):
+        so = d["state_origin"]
+        echo(f"  step-start state of rank(s) {d.get('state_ranks')} non-finite; here: {so.get('kind')} {so.get('fqn')}"
+             f"{' ' + str(so.get('key')) if so.get('key') else ''} {so.get('value')} at local {so.get('local_index')} = global {so.get('global_index')}")
+    if d.get("run_id"):
+        echo(f"  run {d['run_id']}   siblings: {', '.join(d.get('siblings') or [])}")
+    if d.get("sharding") is not None:  # a sharded run (FSDP2, tensor parallel): this rank holds shards
+        mesh = d.get("mesh") or {}
+        echo(f"  sharded: mesh {mesh.get('shape')} {mesh.get('dim_names') or ''}  this rank at {d.get('coordinate')}"
+             f"   origin coordinates: {d.get('origin_coordinates')}")
+        for n, lay in list(((d.get("sharding") or {}).get("params") or {}).items())[:_LISTED]:
+            echo(f"    {n}: {'/'.join(lay['placements'])}  global {lay['global_shape']}  shard {lay['local_shape']} at {lay['offsets']}")
+
+
 def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     from .report.text import styler
 
@@ -660,25 +683,7 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     env = info.get("environment") or {}
     echo(f"  written by nanreplay {env.get('nanreplay')}, torch {env.get('torch')}, numpy {env.get('numpy')}, python {env.get('python')}")
     if "rank" in info:
-        d = info.get("distributed") or {}
-        echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
-        if d.get("rank_flags") is not None:
-            own = {True: "clean (its own values were finite)", False: "an origin", None: "not checked"}.get(d.get("clean"), "not checked")
-            det = d.get("detection") or {}
-            echo(f"  this rank: {own}   every rank's flag: {d.get('rank_flags')}   origin detection: "
-                 f"{'on' if det.get('on') else 'off'} ({det.get('method')}{'; ' + str(det['why_off']) if det.get('why_off') else ''})")
-        if d.get("state_origin"):
-            so = d["state_origin"]
-            echo(f"  step-start state of rank(s) {d.get('state_ranks')} non-finite; here: {so.get('kind')} {so.get('fqn')}"
-                 f"{' ' + str(so.get('key')) if so.get('key') else ''} {so.get('value')} at local {so.get('local_index')} = global {so.get('global_index')}")
-        if d.get("run_id"):
-            echo(f"  run {d['run_id']}   siblings: {', '.join(d.get('siblings') or [])}")
-        if d.get("sharding") is not None:  # a sharded run (FSDP2, tensor parallel): this rank holds shards
-            mesh = d.get("mesh") or {}
-            echo(f"  sharded: mesh {mesh.get('shape')} {mesh.get('dim_names') or ''}  this rank at {d.get('coordinate')}"
-                 f"   origin coordinates: {d.get('origin_coordinates')}")
-            for n, lay in list(((d.get("sharding") or {}).get("params") or {}).items())[:_LISTED]:
-                echo(f"    {n}: {'/'.join(lay['placements'])}  global {lay['global_shape']}  shard {lay['local_shape']} at {lay['offsets']}")
+        _echo_distributed(info, echo)
     echo(f"  failing step: {st(str(info['failing_step']), fg='red', bold=True)}   reason: {info['reason']}")
     echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
     echo("  steps held (ring buffer):")

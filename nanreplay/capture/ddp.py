@@ -512,6 +512,22 @@ class RankContext:
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
+    def cause(self, cause: dict, extra_meta: dict) -> dict:
+        """A non-finite step's ``cause`` (the bundle's ``reason``) with this rank's part in it
+        (:meth:`reason`) under it, and ``extra_meta`` (every bundle's metadata) given ``rank``,
+        ``world_size`` and ``distributed``."""
+        info = self.reason()
+        extra_meta.update(self.meta(info["distributed"]))
+        return {**info, **cause}
+
+    def conclude(self, step: int, message: str, *, dumped: bool, raising: bool, timeout_s: float) -> str:
+        """The console line of a non-finite ``step`` with this rank's part (:meth:`note`) added;
+        after a dump (``dumped``), :meth:`settle` first."""
+        message = f"{message} {self.note()}"
+        if dumped:
+            self.settle(step=step, message=message, raising=raising, timeout_s=timeout_s)
+        return message
+
     def meta(self, info: dict) -> dict:
         """Bundle metadata for this rank (``info``: the ``distributed`` entry of :meth:`reason`)."""
         return {"rank": self.rank, "world_size": self.world_size, "distributed": info}
