@@ -18,8 +18,8 @@ them up itself:
   fused ``_foreach_norm``, on the device, no host read. Slot ``rank`` of the agreement vector holds
   it (or'd with the local loss's), so after the all-reduce every rank knows which ranks were the
   origin, and a rank whose flag is 0 knows it was clean. The rank-local gradient tensors are kept by
-  reference (DDP is handed a fresh ``.grad`` for the reduced values), so the bundle holds them
-  without a copy. With ``gradient_as_bucket_view=True`` each gradient is a view of DDP's bucket that
+  reference, so the bundle holds them without a copy: DDP is handed, for the reduced values, the
+  tensors kept at the last finite step (it copies into them as it would into the old ``.grad``). With ``gradient_as_bucket_view=True`` each gradient is a view of DDP's bucket that
   the all-reduce overwrites in place: there each parameter's gradient is flagged as it is
   accumulated (one 2-norm per parameter) and the bundle holds the reduced gradients.
 * **Corrupted state.** On a step found non-finite, each rank also checks its own copy (under DDP)
@@ -36,9 +36,11 @@ them up itself:
 
 Costs per step: one all-reduce of ``world_size + 1`` floats; with origin detection, one
 ``_foreach_norm`` over the local gradients and one Python call per parameter per backward (the
-post-accumulate-grad hook); the kept local gradients are the tensors autograd produced, freed at
-the check of a finite step (DDP allocates the reduced ones anew, where it would otherwise copy
-into them: the same bytes written).
+post-accumulate-grad hook). No copy and, in steady state, no allocation: the kept local gradients
+are the tensors autograd produced, and at a finite step's check they become the tensors DDP writes
+the next step's reduced values into; memory: one set of gradient tensors more, between steps.
+(With ``find_unused_parameters=True``, where DDP leaves a globally unused parameter's ``.grad``
+alone, DDP allocates the reduced ones anew instead.)
 
 Sharded models (FSDP2 ``fully_shard``, tensor parallel ``DTensor`` parameters): the check reads
 the local shards (:mod:`nanreplay.capture.sharded`); the origin flag comes from the rank's
@@ -116,6 +118,10 @@ def refuse_fsdp1(model: torch.nn.Module) -> None:
             "fully_shard(model)), which the Recorder supports, or build the Recorder without FSDP1")
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
+
+
 def write_root_cause(message: str, *, step: int, rank: int, path: Optional[str] = None) -> Optional[str]:
     """Write ``message`` as this process's failure into ``torchrun``'s error file
     (``TORCHELASTIC_ERROR_FILE``, set by ``torchrun`` for each worker), in the JSON layout of
@@ -183,6 +189,7 @@ class RankContext:
         self._local_bad: Optional[torch.Tensor] = None
         self._watched_step: Optional[int] = None     # the step whose gradients the origin watch saw
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, its rank-local gradient)
+        self._pool: dict[int, torch.Tensor] = {}     # id(param) -> a gradient tensor free to take the next reduced values
         self._view_norms: list[torch.Tensor] = []
         self._queued = False
         self._ddp: Any = None
@@ -310,9 +317,13 @@ class RankContext:
         if norm is None:
             return
         self._fold(~torch.isfinite(norm))
+        pool, self._pool = self._pool, {}
         for p, g in pairs:
             self._kept[id(p)] = (p, g)
-            p.grad = None
+            spare = pool.get(id(p))
+            # the last finite step's local gradient, free again: DDP copies the reduced values into it
+            # (no allocation); else None, and DDP allocates one
+            p.grad = spare if spare is not None and _same_layout(spare, g) else None
 
     def _put_back_unreduced(self) -> None:
         """A parameter DDP did not reduce this step (globally unused, ``find_unused_parameters``)
@@ -346,6 +357,7 @@ class RankContext:
         self._handles = []
         self._put_back_unreduced()
         self._kept = {}
+        self._pool = {}
         self._view_norms = []
         self._local_bad = None
 
@@ -395,7 +407,11 @@ class RankContext:
         self.rank_flags = [int(flags[r] > 0) for r in range(self.world_size)]
         self.any_bad = flags[self.world_size] > 0
         if not self.any_bad:
-            self._kept = {}  # a finite step: the rank-local gradients are not needed
+            # a finite step: the rank-local gradients are not needed; their tensors take the next
+            # step's reduced values (a parameter DDP may leave unreduced, find_unused_parameters, gets none)
+            if not getattr(self._ddp, "find_unused_parameters", False):
+                self._pool = {k: g for k, (p, g) in self._kept.items() if p.grad is not g}
+            self._kept = {}
             self.origin_ranks, self.state_ranks, self.state_origin = [], [], None
             return True
         self._check_state()
