@@ -18,8 +18,8 @@ them up itself:
   fused ``_foreach_norm``, on the device, no host read. Slot ``rank`` of the agreement vector holds
   it (or'd with the local loss's), so after the all-reduce every rank knows which ranks were the
   origin, and a rank whose flag is 0 knows it was clean. The rank-local gradient tensors are kept by
-  reference, so the bundle holds them without a copy: DDP is handed, for the reduced values, the
-  tensors kept at the last finite step (it copies into them as it would into the old ``.grad``). With ``gradient_as_bucket_view=True`` each gradient is a view of DDP's bucket that
+  reference, so the bundle holds them without a copy: DDP writes the reduced values into other
+  tensors (:meth:`RankContext._pooling` says which). With ``gradient_as_bucket_view=True`` each gradient is a view of DDP's bucket that
   the all-reduce overwrites in place: there each parameter's gradient is flagged as it is
   accumulated (one 2-norm per parameter) and the bundle holds the reduced gradients.
 * **Corrupted state.** On a step found non-finite, each rank also checks its own copy (under DDP)
@@ -36,11 +36,11 @@ them up itself:
 
 Costs per step: one all-reduce of ``world_size + 1`` floats; with origin detection, one
 ``_foreach_norm`` over the local gradients and one Python call per parameter per backward (the
-post-accumulate-grad hook). No copy and, in steady state, no allocation: the kept local gradients
-are the tensors autograd produced, and at a finite step's check they become the tensors DDP writes
-the next step's reduced values into; memory: one set of gradient tensors more, between steps.
-(With ``find_unused_parameters=True``, where DDP leaves a globally unused parameter's ``.grad``
-alone, DDP allocates the reduced ones anew instead.)
+post-accumulate-grad hook). No copy: the kept local gradients are the tensors autograd produced,
+and DDP writes the reduced values into other ones. For gradients in host memory those are the
+tensors kept at the last finite step (no allocation in steady state; one set of gradients more
+between steps, counted in ``memory_budget``); on a device DDP allocates them, and the kept set
+lives from the end of the backward to the check.
 
 Sharded models (FSDP2 ``fully_shard``, tensor parallel ``DTensor`` parameters): the check reads
 the local shards (:mod:`nanreplay.capture.sharded`); the origin flag comes from the rank's
@@ -118,6 +118,16 @@ def refuse_fsdp1(model: torch.nn.Module) -> None:
             "fully_shard(model)), which the Recorder supports, or build the Recorder without FSDP1")
 
 
+class _Bytes:
+    """What the ring buffer counts for a copy it does not hold itself (``nbytes()``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def nbytes(self) -> int:
+        return self.n
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
 
@@ -190,6 +200,8 @@ class RankContext:
         self._watched_step: Optional[int] = None     # the step whose gradients the origin watch saw
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, its rank-local gradient)
         self._pool: dict[int, torch.Tensor] = {}     # id(param) -> a gradient tensor free to take the next reduced values
+        self._pool_ok: Optional[bool] = None
+        self._ring: Any = None
         self._view_norms: list[torch.Tensor] = []
         self._queued = False
         self._ddp: Any = None
@@ -229,11 +241,13 @@ class RankContext:
             check_sharded_options(config)
         return cls.detect(is_ddp=isinstance(wrapper, torch.nn.parallel.DistributedDataParallel), sharded=sharded, **kwargs)
 
-    def attach_hooks(self, wrapper: torch.nn.Module, model: torch.nn.Module, *, origin_hook: bool) -> None:
+    def attach_hooks(self, wrapper: torch.nn.Module, model: torch.nn.Module, *, origin_hook: bool, ring: Any = None) -> None:
         """The Recorder's last construction step: origin detection (with ``origin_hook``) on
         ``wrapper``'s ``DistributedDataParallel`` (:meth:`attach_ddp_watch`), else for a sharded
         ``model`` the FSDP2 reduce-scatter hooks (:meth:`attach_sharded_hooks`). Logs once, and
-        records in every bundle, when detection is off or partial."""
+        records in every bundle, when detection is off or partial. ``ring``: the Recorder's ring
+        buffer, which counts the gradient tensors kept between steps (:meth:`_pooling`)."""
+        self._ring = ring
         ddp = unwrap_ddp_only(wrapper)
         if ddp is not None:
             if origin_hook:
@@ -325,6 +339,24 @@ class RankContext:
             # (no allocation); else None, and DDP allocates one
             p.grad = spare if spare is not None and _same_layout(spare, g) else None
 
+    def _pooling(self) -> Optional[bool]:
+        """Whether a finite step's rank-local gradient tensors are kept to take the next step's
+        reduced values, decided at the first finite step: yes for gradients in host memory (there
+        a fresh tensor per gradient per step costs page faults: 13% of the step at 9.5M parameters
+        in bench/ddp.py), when they fit in ``memory_budget`` beside what the ring buffer holds
+        (counted there as ``ddp_local_grads``) and DDP reduces every gradient
+        (``find_unused_parameters=False``: else it leaves a globally unused one's ``.grad`` alone).
+        No on a device, whose caching allocator makes a fresh tensor cheap and where holding one
+        set of gradients more through the next forward pass would raise the peak."""
+        if self._pool_ok is None:
+            grads = [g for _, g in self._kept.values()]
+            nbytes = sum(g.numel() * g.element_size() for g in grads)
+            self._pool_ok = (all(g.device.type == "cpu" for g in grads) and not getattr(self._ddp, "find_unused_parameters", False)
+                             and self._ring is not None and self._ring.reserve("ddp_local_grads", nbytes))
+            if self._pool_ok:
+                self._ring.keep("ddp_local_grads", _Bytes(nbytes))
+        return self._pool_ok
+
     def _put_back_unreduced(self) -> None:
         """A parameter DDP did not reduce this step (globally unused, ``find_unused_parameters``)
         keeps its gradient: DDP leaves such a ``.grad`` untouched, so ours goes back."""
@@ -358,6 +390,8 @@ class RankContext:
         self._put_back_unreduced()
         self._kept = {}
         self._pool = {}
+        if self._pool_ok and self._ring is not None:
+            self._ring.release("ddp_local_grads")
         self._view_norms = []
         self._local_bad = None
 
@@ -407,9 +441,7 @@ class RankContext:
         self.rank_flags = [int(flags[r] > 0) for r in range(self.world_size)]
         self.any_bad = flags[self.world_size] > 0
         if not self.any_bad:
-            # a finite step: the rank-local gradients are not needed; their tensors take the next
-            # step's reduced values (a parameter DDP may leave unreduced, find_unused_parameters, gets none)
-            if not getattr(self._ddp, "find_unused_parameters", False):
+            if self._kept and self._pooling():  # the rank-local gradients are not needed: they take the next step's reduced values
                 self._pool = {k: g for k, (p, g) in self._kept.items() if p.grad is not g}
             self._kept = {}
             self.origin_ranks, self.state_ranks, self.state_origin = [], [], None

@@ -201,7 +201,7 @@ class Recorder:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
         if self.dist is not None:
-            self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook)
+            self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook, ring=self.ring)
 
     @property
     def _current(self) -> Optional[StepRecord]:

@@ -59,6 +59,9 @@ def _scenario(rank: int, how: str) -> dict:
             rec = Recorder(ddp, opt, out_dir=f"/tmp/unused-{os.getpid()}", diagnose=False)
             _train(ddp, opt, 2, gen)
             out["hooked"], out["calls_open"] = rec.dist.hooked, calls["n"]
+            # the kept local gradient tensors (they take the next step's reduced values) count against memory_budget
+            counted = rec.ring._kept.get("ddp_local_grads")
+            out["counted"] = [counted.nbytes() if counted else None, sum(p.numel() * 4 for p in model.parameters())]
             rec.close()
             rec.close()  # idempotent
         else:
@@ -73,7 +76,7 @@ def _scenario(rank: int, how: str) -> dict:
         ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
         _train(ddp, opt, 3, gen)
         out["calls_after"] = calls["n"] - n
-        out["kept_after"] = [len(rec.dist._kept), rec.dist._local_bad is not None]
+        out["kept_after"] = [len(rec.dist._kept), len(rec.dist._pool), rec.dist._local_bad is not None, "ddp_local_grads" in rec.ring._kept]
         out["after"] = (_hooks(ddp), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))
         out["ring_steps"] = len(rec.ring)
         # gradients are still averaged across ranks by DDP: weights stay equal
@@ -117,8 +120,10 @@ def test_close_removes_every_hook_and_the_origin_watch(ranks, how):
         res = r[how]
         assert res["hooked"] and res["calls_open"] > 0  # the origin watch was working while open
         assert res["after"] == res["before"]  # module, parameter and optimizer hooks: all removed
-        assert res["calls_after"] == 0 and res["kept_after"] == [0, False]  # checks and keeps nothing
+        assert res["calls_after"] == 0 and res["kept_after"] == [0, 0, False, False]  # checks, keeps and counts nothing
         assert res["ring_steps"] <= 2  # the ring stopped growing at close
         assert res["trained"] and res["ranks_agree"]  # DDP still averages gradients
     if how == "exception":
         assert all(r[how]["raised"] for r in ranks)
+    else:
+        assert all(r[how]["counted"][0] == r[how]["counted"][1] for r in ranks)
