@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_name  # noqa: E402
 
 
 class Block(nn.Module):
@@ -138,7 +140,7 @@ def main() -> None:
     cpu_ratios = [r / p for r, p in zip(c["recorder"], c["plain"]) if p > 0]
     qc = statistics.quantiles(cpu_ratios, n=4)
     out = {
-        "torch": torch.__version__, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread per rank",
+        "torch": torch.__version__, "machine": f"{cpu_name()}, {os.cpu_count()} cores, 1 thread per rank",
         "model": {"params": res[0]["params"], "width": a.width, "depth": a.depth, "batch": a.batch}, "rounds": a.rounds,
         "plain_step_ms": statistics.median(t["plain"]) * 1e3, "recorder_step_ms": statistics.median(t["recorder"]) * 1e3,
         "ratio_median": statistics.median(ratios), "ratio_iqr": [q[0], q[2]],
