@@ -118,6 +118,13 @@ def refuse_fsdp1(model: torch.nn.Module) -> None:
             "fully_shard(model)), which the Recorder supports, or build the Recorder without FSDP1")
 
 
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of ``t`` as a 0-dim tensor on its device, accumulated in float32 at least (a
+    NaN or Inf anywhere makes it non-finite; float32 and float64 as they are)."""
+    low = t.dtype in (torch.float16, torch.bfloat16)
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32 if low else None)
+
+
 class _Bytes:
     """What the ring buffer counts for a copy it does not hold itself (``nbytes()``)."""
 
@@ -201,6 +208,7 @@ class RankContext:
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, its rank-local gradient)
         self._pool: dict[int, torch.Tensor] = {}     # id(param) -> a gradient tensor free to take the next reduced values
         self._pool_ok: Optional[bool] = None
+        self._failed = False
         self._ring: Any = None
         self._view_norms: list[torch.Tensor] = []
         self._queued = False
@@ -309,16 +317,31 @@ class RankContext:
         if self.closed or not self.active() or not getattr(self._ddp, "require_forward_param_sync", True):
             return  # closed, the Recorder's own replay, or a forward under no_sync(): this backward reduces nothing
         if self._in_view and p.grad is not None:  # a view of DDP's bucket: flag it before the bucket is reduced
-            self._view_norms.append(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32))
+            self._view_norms.append(_norm(p.grad))
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
-        """End of the backward pass: fold the local gradients' flag into this step's, and keep the
-        gradient tensors themselves (``.grad`` is set to ``None`` so that DDP's finalisation gives
-        the parameter a new tensor for the reduced values, instead of copying over ours)."""
+        """End of the backward pass: :meth:`_take_local`. Never raises into the backward (it runs
+        inside it): a failure is logged once and this step's gradients stay DDP's alone."""
         self._queued = False
+        try:
+            self._take_local()
+        except Exception as e:  # noqa: BLE001 - the recorder never makes training worse
+            for p, g in self._kept.values():
+                if p.grad is None:
+                    p.grad = g
+            self._kept, self._watched_step = {}, None
+            if not self._failed:
+                self._failed = True
+                logger.warning("nanreplay: rank %d: the origin watch failed at the end of the backward (%s: %s); this step's origin "
+                               "is known from the loss only", self.rank, type(e).__name__, e)
+
+    def _take_local(self) -> None:
+        """Fold the local gradients' flag into this step's, and keep the gradient tensors
+        themselves: ``.grad`` becomes a spare tensor (:meth:`_pooling`) or ``None``, which DDP's
+        finalisation fills with the reduced values instead of copying over ours."""
         self._new_step()
         self._watched_step = self._step
         if self._in_view:
@@ -369,7 +392,7 @@ class RankContext:
         non-finite flag into the step's local flag (device-side, no sync)."""
         self._new_step()
         self._watched_step = self._step
-        self._fold(~torch.isfinite(torch.linalg.vector_norm(buf.detach(), dtype=torch.float32)))
+        self._fold(~torch.isfinite(_norm(buf)))
 
     def _fold(self, flag: torch.Tensor) -> None:
         self._local_bad = flag if self._local_bad is None else self._local_bad | flag

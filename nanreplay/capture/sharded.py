@@ -215,7 +215,10 @@ def attach_reduce_scatter_hooks(model: torch.nn.Module, note: Callable[[torch.Te
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
             if is_on():
-                note(input_tensor)
+                try:
+                    note(input_tensor)
+                except Exception as e:  # noqa: BLE001 - inside FSDP's backward: the recorder never makes training worse
+                    logger.warning("nanreplay: the origin flag of a reduce-scatter input failed (%s: %s)", type(e).__name__, e)
             return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
 
     handles = []
