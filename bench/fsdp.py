@@ -4,7 +4,9 @@ Two gloo ranks on the CPU (spawned here; no torchrun needed). Each rank builds t
 FSDP2 models (``fully_shard`` on every block and the root, AdamW): the plain loop and the loop under
 a ``Recorder``. Each round runs one step of each, in an order that alternates per round; the
 figure is the median over rounds of the per-round ratio recorded / plain (rank 0's times; the
-collectives keep the ranks in step). Then a zero row in rank 1's batch makes a NaN, both ranks
+collectives keep the ranks in step), of the wall-clock step time and of the CPU time the rank's
+process spent in the step (``time.process_time``), which a machine shared with other jobs disturbs
+less. Then a zero row in rank 1's batch makes a NaN, both ranks
 dump, and the bundle sizes are set beside the shard bytes each rank holds (weights + AdamW state).
 
     python bench/fsdp.py                 # 2 ranks, width 256, depth 4, 40 rounds
@@ -17,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_name  # noqa: E402
 
 
 class Block(nn.Module):
@@ -83,6 +87,7 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     rec_model, rec_opt = _build(d, depth)
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {"plain": [], "recorder": []}
+    cpu: dict[str, list[float]] = {"plain": [], "recorder": []}
     bundles: list[str] = []
     with Recorder(rec_model, rec_opt, out_dir=out, action="raise", origin_hook=not args["no_origin_hook"]) as rec:
         for r in range(args["warmup"] + rounds):
@@ -90,10 +95,11 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
             order = [("plain", plain, plain_opt), ("recorder", rec_model, rec_opt)]
             for name, m, o in (order if r % 2 == 0 else order[::-1]):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 _step(m, o, x)
                 if r >= args["warmup"]:
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
         held = rec.held_bytes()
         x = torch.randn(batch, d, generator=g)
         if rank == 1:
@@ -105,7 +111,7 @@ def _worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in rec_model.parameters())
     state_bytes = sum(v.to_local().numel() * v.element_size() for st in rec_opt.state.values() for v in st.values()
                       if isinstance(v, torch.Tensor) and hasattr(v, "to_local"))
-    res = {"rank": rank, "times": times, "held_bytes": held, "shard_bytes": shard_bytes, "optimizer_shard_bytes": state_bytes,
+    res = {"rank": rank, "times": times, "cpu": cpu, "held_bytes": held, "shard_bytes": shard_bytes, "optimizer_shard_bytes": state_bytes,
            "bundle_bytes": [os.path.getsize(p) for p in bundles], "params": sum(p.numel() for p in rec_model.parameters())}
     Path(out, f"bench{rank}.json").write_text(json.dumps(res))
     dist.barrier()
@@ -128,20 +134,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(2, str(Path(tmp, "store")), tmp, vars(a)), nprocs=2, start_method="spawn")
         res = [json.loads(Path(tmp, f"bench{r}.json").read_text()) for r in range(2)]
-    t = res[0]["times"]
+    t, c = res[0]["times"], res[0]["cpu"]
     ratios = [r / p for r, p in zip(t["recorder"], t["plain"])]
     q = statistics.quantiles(ratios, n=4)
+    cpu_ratios = [r / p for r, p in zip(c["recorder"], c["plain"]) if p > 0]
+    qc = statistics.quantiles(cpu_ratios, n=4)
     out = {
-        "torch": torch.__version__, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread per rank",
+        "torch": torch.__version__, "machine": f"{cpu_name()}, {os.cpu_count()} cores, 1 thread per rank",
         "model": {"params": res[0]["params"], "width": a.width, "depth": a.depth, "batch": a.batch}, "rounds": a.rounds,
         "plain_step_ms": statistics.median(t["plain"]) * 1e3, "recorder_step_ms": statistics.median(t["recorder"]) * 1e3,
         "ratio_median": statistics.median(ratios), "ratio_iqr": [q[0], q[2]],
+        "plain_cpu_ms": statistics.median(c["plain"]) * 1e3, "recorder_cpu_ms": statistics.median(c["recorder"]) * 1e3,
+        "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratio_iqr": [qc[0], qc[2]],
         "ranks": [{k: r[k] for k in ("rank", "held_bytes", "shard_bytes", "optimizer_shard_bytes", "bundle_bytes")} for r in res],
     }
     print(f"torch {out['torch']}, {out['machine']}; FSDP2 on 2 gloo ranks, {out['model']['params'] / 1e6:.2f} M params, "
           f"{a.rounds} interleaved rounds")
     print(f"plain step {out['plain_step_ms']:.2f} ms, with the Recorder {out['recorder_step_ms']:.2f} ms: "
-          f"{out['ratio_median']:.3f}x [{q[0]:.2f}-{q[2]:.2f}]")
+          f"{out['ratio_median']:.3f}x [{q[0]:.2f}-{q[2]:.2f}]; CPU time {out['plain_cpu_ms']:.2f} ms vs {out['recorder_cpu_ms']:.2f} ms: "
+          f"{out['cpu_ratio_median']:.3f}x [{qc[0]:.2f}-{qc[2]:.2f}]")
     for r in out["ranks"]:
         print(f"rank {r['rank']}: shards {r['shard_bytes'] / 2**20:.2f} MiB weights + {r['optimizer_shard_bytes'] / 2**20:.2f} MiB AdamW "
               f"state; bundle {[round(b / 2**20, 2) for b in r['bundle_bytes']]} MiB; the Recorder held {r['held_bytes'] / 2**20:.2f} MiB")

@@ -234,21 +234,31 @@ def _pick_one_error(command: str, head: str, paths: list[Path], more: bool = Fal
                               + [f"Pick one, e.g. the newest: nanreplay {command} {newest}"]), EXIT_USAGE)
 
 
-def _sharded_run(value: tuple[Path, ...]) -> Optional[Path]:
-    """The bundles of a sharded run (FSDP2, tensor parallel): a directory, one rank's bundle or
-    every rank's, merged into one bundle of full tensors (:mod:`nanreplay.engine.shards`); else
-    ``None``. A missing or inconsistent sibling is exit 4, naming it."""
+def _distributed_run(command: str, value: tuple[Path, ...]) -> Optional[Path]:
+    """The bundle that replays a distributed run (:func:`nanreplay.engine.shards.run_bundle`): for
+    a sharded run (FSDP2, tensor parallel) given as a directory, one rank's bundle or every rank's,
+    one merged bundle of full tensors; for a DDP run given as a directory or several rank bundles,
+    the origin rank's bundle. Says which on stderr (on a terminal; logged at info level). ``None``
+    when ``value`` is no distributed run (or one DDP bundle, which replays as given). A missing or inconsistent sibling is exit 4,
+    naming it; a DDP run with no origin rank recorded is a usage error listing its bundles."""
     import atexit
 
-    from .engine.shards import merged_bundle
+    from .engine.shards import run_bundle
 
-    path = _guard(lambda: merged_bundle(value))
-    if path is not None:
+    found = _guard(lambda: run_bundle(value))
+    if found is None:
+        return None
+    if found.path is None:
+        raise _pick_one_error(command, inert(found.note, one_line=True), found.run.paths)
+    if found.temporary:
         from .engine.sandbox import computed
 
         computed()  # the merge copied tensors (OpenMP's pool may exist): a sandboxed child runs one thread
-        atexit.register(_drop_merged, path)  # a temporary file: gone, with its trust entry, when the command ends
-    return path
+        atexit.register(_drop_merged, found.path)  # a temporary file: gone, with its trust entry, when the command ends
+    logger.info("%s", found.note)
+    if sys.stderr.isatty():  # on a terminal: say which bundle replays (stdout stays the report or the JSON)
+        click.echo(f"nanreplay: {inert(found.note, one_line=True)}", err=True)
+    return found.path
 
 
 def _drop_merged(path: Path) -> None:
@@ -269,9 +279,9 @@ def _one_bundle(ctx: click.Context, param: click.Parameter, value: tuple[Path, .
     several files (a shell glob that matched more than one), is a usage error (exit 2) that lists
     the bundles, newest first with their failing step."""
     command = ctx.info_name or "replay"
-    merged = _sharded_run(value)
-    if merged is not None:
-        return merged
+    chosen = _distributed_run(command, value)
+    if chosen is not None:
+        return chosen
     if len(value) == 1 and not value[0].is_dir():
         return value[0]
     if len(value) == 1:
@@ -634,6 +644,29 @@ def _code_listing(code: dict) -> str:
     return "; ".join(f"{inert_name(kind)} " + ", ".join(inert_name(n) for n in names) for kind, names in code.items())
 
 
+def _echo_distributed(info: dict, echo: Callable[[str], None]) -> None:
+    """The lines of ``inspect`` for a rank's bundle of a distributed run (``info``: made inert)."""
+    d = info.get("distributed") or {}
+    echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
+    if d.get("rank_flags") is not None:
+        own = {True: "clean (its own values were finite)", False: "an origin", None: "not checked"}.get(d.get("clean"), "not checked")
+        det = d.get("detection") or {}
+        echo(f"  this rank: {own}   every rank's flag: {d.get('rank_flags')}   origin detection: "
+             f"{'on' if det.get('on') else 'off'} ({det.get('method')}{'; ' + str(det['why_off']) if det.get('why_off') else ''})")
+    if d.get("state_origin"):
+        so = d["state_origin"]
+        echo(f"  step-start state of rank(s) {d.get('state_ranks')} non-finite; here: {so.get('kind')} {so.get('fqn')}"
+             f"{' ' + str(so.get('key')) if so.get('key') else ''} {so.get('value')} at local {so.get('local_index')} = global {so.get('global_index')}")
+    if d.get("run_id"):
+        echo(f"  run {d['run_id']}   siblings: {', '.join(d.get('siblings') or [])}")
+    if d.get("sharding") is not None:  # a sharded run (FSDP2, tensor parallel): this rank holds shards
+        mesh = d.get("mesh") or {}
+        echo(f"  sharded: mesh {mesh.get('shape')} {mesh.get('dim_names') or ''}  this rank at {d.get('coordinate')}"
+             f"   origin coordinates: {d.get('origin_coordinates')}")
+        for n, lay in list(((d.get("sharding") or {}).get("params") or {}).items())[:_LISTED]:
+            echo(f"    {n}: {'/'.join(lay['placements'])}  global {lay['global_shape']}  shard {lay['local_shape']} at {lay['offsets']}")
+
+
 def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     from .report.text import styler
 
@@ -650,15 +683,7 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
     env = info.get("environment") or {}
     echo(f"  written by nanreplay {env.get('nanreplay')}, torch {env.get('torch')}, numpy {env.get('numpy')}, python {env.get('python')}")
     if "rank" in info:
-        d = info.get("distributed") or {}
-        echo(f"  rank {info['rank']} of {info.get('world_size')}   origin rank(s) of the failure: {d.get('origin_ranks')}   gradients stored: {d.get('grads')}")
-        if d.get("run_id"):  # a sharded run (FSDP2, tensor parallel): this rank holds shards
-            mesh = d.get("mesh") or {}
-            echo(f"  sharded run {d['run_id']}   mesh {mesh.get('shape')} {mesh.get('dim_names') or ''}  this rank at {d.get('coordinate')}"
-                 f"   origin coordinates: {d.get('origin_coordinates')}")
-            echo(f"  siblings: {', '.join(d.get('siblings') or [])}")
-            for n, lay in list(((d.get("sharding") or {}).get("params") or {}).items())[:_LISTED]:
-                echo(f"    {n}: {'/'.join(lay['placements'])}  global {lay['global_shape']}  shard {lay['local_shape']} at {lay['offsets']}")
+        _echo_distributed(info, echo)
     echo(f"  failing step: {st(str(info['failing_step']), fg='red', bold=True)}   reason: {info['reason']}")
     echo(f"  model: {info['model_class']}   factory: {info['model_factory']}   loss_fn: {info['loss_fn']}   optimizer: {info['optimizer']}")
     echo("  steps held (ring buffer):")

@@ -217,6 +217,12 @@ class Actions:
     def restores(self) -> bool:
         return self.action.restores
 
+    @property
+    def raises(self) -> bool:
+        """Whether the next non-finite step raises (``action="raise"``, or a skip past
+        ``max_consecutive``): under torch.distributed the origin rank then writes torchrun's error file."""
+        return isinstance(self.action, Raise) or (isinstance(self.action, Skip) and self.skipped + 1 > self.max_consecutive)
+
     def dumps(self) -> bool:
         """Whether a non-finite step now gets a bundle (``max_dumps`` permitting)."""
         return self.action.dumps(self)

@@ -83,10 +83,14 @@ class RecorderConfig:
         check_in_optimizer_step: run the check in the optimizer's step pre-hook (default). Turn it
             off when the loop runs forward and backward *inside* ``optimizer.step(closure)``
             (Lightning does), and call :meth:`Recorder.check_step` where the gradients are ready.
-        origin_hook: when ``model`` is a ``DistributedDataParallel``, register the comm hook of
-            :func:`nanreplay.capture.ddp.register_origin_hook` (each bucket checked before its
-            all-reduce, so the rank where a non-finite gradient was born is known). Needs one extra
-            copy of the gradients per step (the rank-local gradients, kept until the step ends).
+        origin_hook: under ``torch.distributed``, find the rank where a non-finite value was born
+            (:mod:`nanreplay.capture.ddp`): with a ``DistributedDataParallel`` model, each rank's
+            own gradients are flagged at the end of the backward pass, before DDP copies the reduced
+            ones back (no comm hook: yours, e.g. ``fp16_compress_hook``, registered before or after
+            the Recorder, runs unchanged), and kept by reference for the bundle; with FSDP2, a
+            wrapped reduce-scatter flags the unsharded gradients. ``False`` turns it off: logged
+            once, recorded in every bundle (``distributed.detection``), and the origin rank is then
+            known only from a rank's own non-finite loss.
         min_scale: with a GradScaler, the floor of the loss scale (default 1: at scale 1 nothing is
             scaled): a skipped step whose gradients are still non-finite after unscaling at a scale
             at or below it (or at or below the scaler's own minimum, when larger) is a failure
@@ -131,11 +135,11 @@ class RecorderConfig:
             bundle is written before the diagnosis starts, so a diagnosis cut short loses
             nothing: the bundle then says the diagnosis timed out, and ``nanreplay replay``
             runs it out of process with no cap.
-        dump_barrier_timeout: under ``torch.distributed`` with a sharded (FSDP2 / DTensor) model,
-            seconds every rank waits, after writing its bundle, for the others to have written
-            theirs before the action runs (default 300). It keeps a rank that raises first from
-            ending the job (``torchrun`` then stops the other ranks) while a sibling bundle is
-            still being written. On timeout the rank logs which ranks did not arrive and goes on.
+        dump_barrier_timeout: under ``torch.distributed``, seconds every rank waits, after writing
+            its bundle, for the others to have written theirs before the action runs (default 300).
+            It keeps a rank that raises first from ending the job (``torchrun`` then stops the other
+            ranks) while a sibling bundle is still being written. On timeout the rank logs which
+            ranks did not finish and goes on.
         embed_program: export the step's forward, and the loss function when one is given, as a
             ``torch.export`` program stored in the bundle (JSON, weights shared with the pre-step
             state, no pickle), so ``nanreplay replay`` needs none of the user's code. Costs the

@@ -139,13 +139,9 @@ class Dump:
 
     def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
                  update: bool = False, cause: Optional[dict] = None, spike: bool = False) -> Optional[Path]:
-        """:meth:`write`; for a sharded model, then wait (``dump_barrier_timeout``) until every rank
-        has written its bundle, so that no rank's action ends the job while a sibling is written."""
-        try:
-            return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause, spike=spike)
-        finally:
-            if self.sharded and not spike:  # a spike is judged per rank: no barrier
-                self.dist.wait_for_ranks(self.config.dump_barrier_timeout)
+        """:meth:`write` (under ``torch.distributed`` the Recorder then waits for every rank's bundle:
+        :meth:`nanreplay.capture.ddp.RankContext.settle`)."""
+        return self.write(rec, grads, state, bad_grad=bad_grad, bad_loss=bad_loss, update=update, cause=cause, spike=spike)
 
     def write(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,
               update: bool = False, cause: Optional[dict] = None, spike: bool = False) -> Optional[Path]:
@@ -176,9 +172,9 @@ class Dump:
         path: Any = self.config.out_dir
         try:
             path = self._path(rec.step, "nanreplay-spike-step" if spike else "nanreplay-step")
-            if self.sharded:
-                # a new dict: the entry without the layouts is shared with reason["distributed"]
-                content.extra_meta["distributed"] = {**(content.extra_meta.get("distributed") or {}), **self.dist.sharded_meta(self.model, path)}
+            if self.dist is not None:
+                # a new dict: the entry without the siblings and layouts is shared with reason["distributed"]
+                content.extra_meta["distributed"] = {**(content.extra_meta.get("distributed") or {}), **self.dist.run_meta(self.model, path)}
             written = write_bundle(path, content)
         except Exception:
             logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "

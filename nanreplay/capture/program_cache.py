@@ -26,11 +26,12 @@ the failing step as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -39,7 +40,55 @@ from ..core.tree import flatten_typed
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgramCache", "model_signature"]
+__all__ = ["ProgramCache", "model_signature", "model_kept"]
+
+
+@contextlib.contextmanager
+def model_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Whatever the export (or its verifying replay) inside does to ``model``, put back on the way
+    out, raised or not: every module's parameter and buffer objects and the tensors behind them
+    (``.data``, ``.grad``, ``requires_grad``), its training flag and its forward hooks. A failed
+    ``torch.export`` has been seen to leave a wrapper's parameters swapped for its own views (FSDP1's
+    flat parameters, on fake tensors: the next step then fails): the training loop must find the
+    model exactly as it left it. Cost: one walk over the modules, at the export only."""
+    saved = []
+    for m in model.modules():
+        params = {n: (p, p.data, p.grad, p.requires_grad) for n, p in m._parameters.items() if p is not None}
+        saved.append((m, dict(m._parameters), dict(m._buffers), params, m.training, dict(m._forward_hooks), dict(m._forward_pre_hooks)))
+    try:
+        yield
+    finally:
+        changed = set()
+        for m, param_objs, buffers, params, training, hooks, pre_hooks in saved:
+            for attr, before in (("_parameters", param_objs), ("_buffers", buffers), ("_forward_hooks", hooks), ("_forward_pre_hooks", pre_hooks)):
+                now = getattr(m, attr)
+                if now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()):
+                    changed.add(f"{type(m).__name__}.{attr}")
+                    now.clear()
+                    now.update(before)
+            for n, (p, data, grad, req) in params.items():
+                if not _same_tensor(p.data, data):
+                    changed.add(n)
+                    with torch.no_grad():
+                        p.data = data
+                if p.grad is not grad:
+                    p.grad = grad
+                if p.requires_grad != req:
+                    p.requires_grad_(req)
+            if m.training != training:
+                m.training = training  # this module only (train() would recurse)
+                changed.add(f"{type(m).__name__}.training")
+        if changed:
+            logger.warning("nanreplay: the program export changed the model (%s); put back as it was", ", ".join(sorted(changed)[:8]))
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b``'s storage, shape, dtype and device (a fake or meta tensor never is)."""
+    try:
+        return (type(a) is type(b) and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+    except RuntimeError:  # a tensor without storage
+        return False
 
 
 def model_signature(model: torch.nn.Module, loss_fn: Any) -> tuple:
@@ -125,7 +174,7 @@ class ProgramCache:
                        rec.step, " and one verifying replay" if verify else "")
         self._quiet(True)
         try:
-            with replay_quiet():
+            with replay_quiet(), model_kept(self.model):
                 meta, tensors = program_content(self.model, rec, self.loss_fn)
                 if verify and meta and meta.get("kind"):
                     snap = state()
@@ -198,5 +247,6 @@ class ProgramCache:
                        "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
                        rec.step)
 
-        meta, tensors = program_content(self.model, rec, self.loss_fn)
+        with model_kept(self.model):
+            meta, tensors = program_content(self.model, rec, self.loss_fn)
         return meta, tensors, False

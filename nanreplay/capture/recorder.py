@@ -172,7 +172,7 @@ class Recorder:
         self._handles: list[Any] = []
         from .ddp import RankContext
 
-        self.dist = RankContext.for_recorder(model, self.model, self.config, param_fqn=self._param_fqn, optimizer=optimizer,
+        self.dist = RankContext.for_recorder(model, self.model, self.config, param_fqn=self._param_fqn, optimizer=optimizer, active=lambda: not (self._closed or self._dump.replaying),
                                              step=lambda: self.step, cotangents=lambda: [c for fw in (self._current.forwards if self._current else []) for c in pytree.tree_leaves(fw.cotangent)])
         self._dump = Dump(self.model, optimizer, self.config, ring=self.ring, inputs=self._inputs, loss_fn=self.loss_fn,
                           loss_fn_path=self.loss_fn_path, model_factory_path=self.model_factory_path, dist=self.dist,
@@ -201,7 +201,7 @@ class Recorder:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
         if self.dist is not None:
-            self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook)
+            self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook, ring=self.ring)
 
     @property
     def _current(self) -> Optional[StepRecord]:
@@ -544,10 +544,8 @@ class Recorder:
         cause = dict(cause or {})
         if first:  # the plan lists every step of the episode: made for a bundle only, never per step of a long episode
             cause.setdefault("rollback", self.rollback_plan(rec.step))
-        if self.dist is not None:
-            info = self.dist.reason()
-            self.extra_meta.update(self.dist.meta(info["distributed"]))
-            cause = {**info, **cause}
+        if self.dist is not None:  # the ranks' part in it, into the bundle's reason and metadata
+            cause = self.dist.cause(cause, self.extra_meta)
         if self._amp is not None:
             cause = {**self._amp.reason(bad_grad, self._history.scale_changes(rec.step)), **cause}
         path: Optional[Path] = None
@@ -559,6 +557,8 @@ class Recorder:
             what += f" (first in micro-batch {cause['nonfinite_loss_micro_batch']} of {cause['micro_batches']})"
         head = cause.get("message") or f"non-finite {what}"
         msg = f"{head} at step {rec.step} (grad norm {rec.grad_norm}, loss {rec.loss})" + (self._dump.outcome(path) if first else "")
+        if self.dist is not None:  # every rank waits for every bundle; the origin's failure is the job's root cause
+            msg = self.dist.conclude(rec.step, msg, dumped=first, raising=self._actions.raises, timeout_s=self.config.dump_barrier_timeout)
         if self._actions.restores and state is None:  # with check_every > 1, _check_pending already put back the whole pre-step state
             load_buffers(self.model, rec.buffers or {})  # the failing forward already wrote them (BatchNorm stats)
         self._actions(Incident(rec.step, msg, path, self.last_diagnosis if first else None))

@@ -19,14 +19,16 @@ device, no sync).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import math
 from typing import Any, Callable, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["local", "is_sharded", "layout", "sharding_meta", "mesh_ranks", "attach_reduce_scatter_hooks", "check_sharded_options", "reduce_scatter_base", "has_fsdp"]
+__all__ = ["local", "is_sharded", "layout", "sharding_meta", "device_mesh_meta", "first_nonfinite_state", "attach_reduce_scatter_hooks", "check_sharded_options", "reduce_scatter_base", "has_fsdp"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,13 +104,60 @@ def sharding_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer, para
     return {"params": params, "optimizer": opt}
 
 
-def mesh_ranks(model: torch.nn.Module) -> Optional[list]:
-    """The global ranks laid out on the device mesh of ``model``'s first ``DTensor`` parameter
-    (nested lists, the mesh's shape), else ``None``."""
+def device_mesh_meta(model: torch.nn.Module) -> Optional[dict]:
+    """The whole device mesh of ``model``'s first ``DTensor`` parameter, as JSON, else ``None``:
+    ``shape``, ``ranks`` (the global ranks laid out on it, nested lists), ``dim_names``, and
+    ``coordinates`` (every global rank on the mesh -> its coordinate). A parameter sharded on a
+    submesh (FSDP2 on the ``dp`` dimension of a ``(dp, tp)`` mesh) still gives the root mesh, so
+    every rank's bundle records the same mesh and every rank's place on it."""
     dt = _dtensor_type()
-    for p in model.parameters():
-        if dt is not None and isinstance(p, dt):
-            return p.device_mesh.mesh.tolist()
+    mesh = next((p.device_mesh for p in model.parameters() if dt is not None and isinstance(p, dt)), None)
+    if mesh is None:
+        return None
+    root = mesh
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if callable(get_root):
+        try:
+            root = get_root() or mesh
+        except Exception:  # noqa: BLE001 - a private helper: the submesh is the next best record
+            root = mesh
+    t = root.mesh
+    coords = {str(int(r)): list(idx) for idx, r in zip(itertools.product(*(range(n) for n in t.shape)), t.flatten().tolist())}  # row-major, as flatten
+    return {"shape": list(t.shape), "ranks": t.tolist(), "dim_names": list(root.mesh_dim_names or []), "coordinates": coords}
+
+
+def first_nonfinite_state(optimizer: torch.optim.Optimizer, param_fqn: dict[int, str]) -> Optional[dict]:
+    """This rank's first NaN or Inf in its own weights, else in its optimizer state (its local
+    shard of each ``DTensor``, its copy of each plain tensor), in the optimizer's parameter order;
+    ``None`` when all are finite. One host read per tensor group, then one per non-finite tensor.
+
+    Returns ``{"kind": "weight" | "optimizer state", "fqn", "key" (the optimizer state's key, else
+    None), "value" ("NaN", "+Inf" or "-Inf"), "local_index" (in this rank's shard), "global_index"
+    (in the full tensor: the shard's offsets added), "local_shape", "global_shape", "placements"
+    (one per mesh dim, else None)}``.
+    """
+    from ..core.numerics import all_finite_flag, is_float
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    rows: list[tuple[str, Optional[str], Any, Any]] = [("weight", None, p, p) for p in params]
+    rows += [("optimizer state", k, p, v) for p in params for k, v in optimizer.state.get(p, {}).items()
+             if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) == tuple(p.shape)]
+    tensors = [(kind, key, p, v, local(v).detach()) for kind, key, p, v in rows]
+    tensors = [row for row in tensors if is_float(row[4]) and row[4].numel()]
+    if not tensors:
+        return None
+    ok = torch.stack([all_finite_flag(t).to(tensors[0][4].device) for *_, t in tensors]).tolist()
+    for (kind, key, p, v, t), fine in zip(tensors, ok):
+        if fine:
+            continue
+        flat = int((~torch.isfinite(t)).flatten().nonzero()[0])
+        idx = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)] if t.dim() else []
+        x = float(t.flatten()[flat])
+        lay = layout(v)
+        offsets = lay["offsets"] if lay is not None else [0] * len(idx)
+        return {"kind": kind, "fqn": param_fqn.get(id(p), "?"), "key": key, "value": "NaN" if math.isnan(x) else ("+Inf" if x > 0 else "-Inf"),
+                "local_index": idx, "global_index": [i + o for i, o in zip(idx, offsets)], "local_shape": list(t.shape),
+                "global_shape": list(v.shape), "placements": lay["placements"] if lay is not None else None}
     return None
 
 
@@ -166,7 +215,10 @@ def attach_reduce_scatter_hooks(model: torch.nn.Module, note: Callable[[torch.Te
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
             if is_on():
-                note(input_tensor)
+                try:
+                    note(input_tensor)
+                except Exception as e:  # noqa: BLE001 - inside FSDP's backward: the recorder never makes training worse
+                    logger.warning("nanreplay: the origin flag of a reduce-scatter input failed (%s: %s)", type(e).__name__, e)
             return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
 
     handles = []

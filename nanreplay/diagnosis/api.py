@@ -34,6 +34,7 @@ from ..engine.compiled import eager_modules
 from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
 from ..engine.deadline import deadline, replay_error
 from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
+from ..engine.shards import describe_state
 from ..engine.run import ReplayResult, StepInputs, discrete_leaves, nonfinite_leaves, nonfinite_state, preserve_live, run_step
 from ..engine.gate import live_optimizer_info, resolved_optimizer_info
 from ..engine.state import ReplayRequest, load_state, opened_subject, recorded_device
@@ -311,16 +312,28 @@ def _loss_scale(reason: dict) -> dict:
 
 
 def _note_rank(diag: dict, d: dict) -> None:
-    """A sharded run's bundles replayed together (:mod:`nanreplay.engine.shards`): say which rank's
-    step was replayed and which ranks the non-finite values were born on."""
-    if not d.get("merged_from") or d.get("rank") is None:
+    """A distributed run's bundle: say which rank's step was replayed and which ranks the
+    non-finite values were born on (a sharded run's bundles replayed together,
+    :mod:`nanreplay.engine.shards`; or a DDP origin rank's bundle)."""
+    if d.get("rank") is None:
         return
     rank, world, origins = d["rank"], d.get("world_size"), list(d.get("origin_ranks") or [])
+    state = d.get("state_origin") if rank in (d.get("state_ranks") or []) else None
+    if not d.get("merged_from"):
+        diag["distributed"] = {"rank": rank, "world_size": world, "origin_ranks": origins, "clean": d.get("clean"),
+                               "rank_flags": d.get("rank_flags")}
+        if rank in origins:
+            born = f"its {describe_state(state)} at the start of the step" if state else "before the gradient all-reduce"
+            diag["summary"] = f"{diag['summary'].rstrip()} [born on rank {rank} of {world}, {born}]"
+        return
     coords = (d.get("origin_coordinates") or {}).get(str(rank))
     diag["distributed"] = {"rank": rank, "world_size": world, "origin_ranks": origins, "mesh_coordinate": coords,
                            "merged_from": list(d["merged_from"])}
-    if rank in origins:
-        note = f"born on rank {rank} of {world}" + (f" (mesh coordinate {coords})" if coords else "") + ", before the gradient reduce-scatter"
+    where = f"rank {rank} of {world}" + (f" (mesh coordinate {coords})" if coords else "")
+    if rank in origins and state:
+        note = f"born on {where}: its {describe_state(state)} at the start of the step"
+    elif rank in origins:
+        note = f"born on {where}, before the gradient reduce-scatter"
     else:
         note = f"rank {rank} of {world} replayed; origin rank(s) {origins or 'unknown'}"
     diag["summary"] = f"{diag['summary'].rstrip()} [{note}; full weights put together from {len(d['merged_from'])} rank bundles]"

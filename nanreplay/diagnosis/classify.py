@@ -102,6 +102,15 @@ class Features:
         return bool(w and w.get("finite"))
 
     @property
+    def overflow_past_wider(self) -> bool:
+        """An op whose only way to a non-finite value is a result too large (``exp``: domain kind
+        ``large``) gave an Inf even recomputed in the wider dtype: its input is past even that
+        dtype's range. Still an overflow, not a domain error: which side of float64's range an
+        outlier lands on (``exp(700)`` or ``exp(800)``) does not change the cause."""
+        out = (self.birth or {}).get("output") or {}
+        return self.domain_kind == "large" and bool(_field(out, "posinf") or _field(out, "neginf"))
+
+    @property
     def fits_in_range(self) -> bool:
         """The wider-dtype result is within the op's own dtype's range: the non-finite value came
         from an intermediate of the op, not from a result too large for the dtype."""
@@ -300,8 +309,13 @@ def _overflow_evidence(f: Features) -> list[str]:
     dtype = _field(out, "dtype")
     fmax = torch.finfo(getattr(torch, dtype)).max if isinstance(dtype, str) and getattr(torch, dtype, None) is not None and getattr(torch, dtype).is_floating_point else None
     absmax = w.get("absmax")
-    line = f"{b['op']} gives {kinds(out)} in {dtype} but is finite in {w.get('dtype')}"
-    if absmax is not None and fmax is not None:
+    if w and not w.get("finite"):
+        line = f"{b['op']} gives {kinds(out)} in {dtype} and in {w.get('dtype')} too: its result is past even {w.get('dtype')}'s range"
+    elif not w:
+        line = f"{b['op']} gives {kinds(out)} in {dtype}: a result too large for the dtype"
+    else:
+        line = f"{b['op']} gives {kinds(out)} in {dtype} but is finite in {w.get('dtype')}"
+    if w.get("finite") and absmax is not None and fmax is not None:
         line += (f" (largest magnitude {absmax:.4g}, past the {dtype} maximum {fmax:.4g})" if absmax > fmax
                  else f" (largest output magnitude {absmax:.4g}, within {dtype}'s range: an intermediate of the op overflows)")
     ev = [line]
@@ -463,6 +477,7 @@ RULES: tuple[Rule, ...] = (
     # of it, e.g. |z|^2 inside a complex division) rounded to 0: underflow, not overflow
     ("underflow", lambda f: f.domain_kind == "zero" and f.overflow and f.fits_in_range, _underflow),
     ("overflow", lambda f: f.overflow, _overflow),
+    ("overflow", lambda f: f.overflow_past_wider, _overflow),
     ("underflow", lambda f: f.domain_kind == "zero" and f.wide_finite is True, _underflow),
     ("bad input data", lambda f: f.domain_kind is not None and f.from_batch, _bad_input),
     ("explosion", lambda f: f.exploding and f.sources["weights"], _explosion),

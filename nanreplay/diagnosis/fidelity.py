@@ -61,8 +61,10 @@ DIFFERENCES: dict[str, str] = {
                        "recording; an eager replay cannot match compiled kernels bit for bit"),
     "inputs not recorded": "record the loss function (Recorder(loss_fn=...)) with record(batch), or capture_cotangent=True",
     "stale inputs": "record with Recorder(copy_batch=True): a recycled input buffer was overwritten after capture",
-    "origin detection off": ("keep DDP origin detection on (Recorder(origin_hook=True), composed with your comm hook through "
-                             "nanreplay.capture.ddp.register_origin_hook): this rank's own gradients are then recorded"),
+    "origin detection off": ("keep origin detection on (Recorder(origin_hook=True); it registers no comm hook, so yours runs "
+                             "unchanged): this rank's own gradients are then recorded"),
+    "reduced gradients": ("train with DistributedDataParallel(gradient_as_bucket_view=False) and DDP's C++ reducer: the bundle then "
+                          "holds this rank's own gradients, not the reduced ones"),
     "another rank": "replay the origin rank's bundle: this rank's non-finite values came through the gradient all-reduce",
     "replays not repeated": "replay with the op monitor and counterfactuals on (drop --no-ops): they repeat the step",
     "nondeterministic kernels": ("torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA) in training "
@@ -160,10 +162,15 @@ def _inputs_recorded(c: _Ladder) -> bool:
         ok = c.differ("stale inputs", "the recorded inputs were modified in place after capture: the replay fed other values")
     d = (c.inp.reason or {}).get("distributed") or {}
     if d.get("world_size", 1) > 1:
-        # FSDP2 keeps each rank's local values only from its reduce-scatter hook (capture.ddp.RankContext._origin_method)
-        unhooked_shards = d.get("grads") == "sharded" and not str(d.get("origin_method") or "").startswith(("reduce-scatter hook", "local check"))
+        # how the rank's own values were seen (capture.ddp.RankContext.detection; older bundles: origin_method only)
+        det = d.get("detection") or {}
+        if det:
+            unhooked_shards = d.get("grads") == "sharded" and bool(det.get("why_off") or not det.get("on"))
+        else:
+            unhooked_shards = d.get("grads") == "sharded" and not str(d.get("origin_method") or "").startswith(("reduce-scatter hook", "local check"))
         if d.get("grads") == "reduced" or unhooked_shards:
-            ok = c.differ("origin detection off", f"rank {d.get('rank')} of {d.get('world_size')} recorded its gradients after the "
+            label = "origin detection off" if (det and not det.get("on")) or unhooked_shards or not det else "reduced gradients"
+            ok = c.differ(label, f"rank {d.get('rank')} of {d.get('world_size')} recorded its gradients after the "
                           f"{'reduce-scatter' if unhooked_shards else 'all-reduce'} ({d.get('origin_method') or 'no origin hook'}): "
                           "they sum every rank's, the replay computes this rank's own")
         if d.get("origin_ranks") and d.get("rank") not in d["origin_ranks"]:

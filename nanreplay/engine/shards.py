@@ -30,53 +30,64 @@ from ..format.records import BundleContent
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFiles", "find_run", "sharded_meta", "merge_run", "merged_bundle", "describe_run"]
+__all__ = ["RunFiles", "RunBundle", "find_run", "sharded_meta", "merge_run", "run_bundle", "describe_run", "describe_state"]
 
 _EXTS = (".h5", ".hdf5", ".safetensors")
 
 
 @dataclass
 class RunFiles:
-    """The bundles of one sharded run's failing step, one per rank (``paths[r]`` is rank r's)."""
+    """The bundles of one distributed run's failing step, one per rank (``paths[r]`` is rank r's).
+
+    Attributes:
+        sharded: the ranks hold shards (FSDP2, tensor parallel) to put together; else (DDP) each
+            rank's bundle is whole, and the origin rank's replays alone.
+    """
 
     run_id: str
     failing_step: int
     world_size: int
     paths: list[Path]
     origin_ranks: list[int]
+    sharded: bool = True
 
 
 def sharded_meta(path: Path) -> Optional[dict]:
-    """The ``distributed`` entry of ``path`` when it is a sharded run's bundle, else ``None``."""
+    """The ``distributed`` entry of ``path`` when it is a distributed run's bundle (it has a
+    ``run_id``: every rank's bundle since sharded runs, and DDP runs written by this version), else
+    ``None``; with ``failing_step``, ``world_size`` and ``sharded`` (it holds layouts) added."""
     with open_bundle(path) as b:
         d = b.meta.get("distributed") or {}
         if not d.get("run_id"):
             return None
-        return {**d, "failing_step": b.failing_step, "world_size": b.meta.get("world_size")}
+        return {**d, "failing_step": b.failing_step, "world_size": b.meta.get("world_size"), "sharded": bool(d.get("sharding"))}
 
 
-def find_run(paths: Sequence[Path]) -> Optional[RunFiles]:
-    """The run ``paths`` name: a directory (its newest sharded bundle's run), one rank's bundle
-    (its siblings beside it), or every rank's bundle. ``None`` when they are not a sharded run's
-    bundles (single-process or DDP bundles: the caller treats them as before).
+def find_run(paths: Sequence[Path], *, one_file_whole: bool = False) -> Optional[RunFiles]:
+    """The run ``paths`` name: a directory (the run of its newest bundle that has a run id), one
+    rank's bundle (its siblings beside it), or every rank's bundle. ``None`` when they are not a
+    distributed run's bundles (single-process bundles, or older DDP bundles without a run id: the
+    caller treats them as before), and, with ``one_file_whole``, when one file of a DDP run is
+    named (it replays alone, as the user chose it).
 
     Raises:
         BundleFormatError: a sibling is missing, unreadable, or from another run or step; the
             message names the file and what was expected.
     """
     paths = [Path(p) for p in paths]
+    one_file = len(paths) == 1 and not paths[0].is_dir()
     if len(paths) == 1 and paths[0].is_dir():
-        newest = _newest_sharded(paths[0])
+        newest = _newest_run(paths[0])
         if newest is None:
             return None
         paths = [newest]
-    if any(p.is_dir() for p in paths):
+    elif any(p.is_dir() for p in paths):
         return None
     try:
         first = sharded_meta(paths[0])
     except (BundleFormatError, OSError):  # the caller opens it again and reports the error as for any bundle
         return None
-    if first is None:
+    if first is None or (one_file_whole and one_file and not first["sharded"]):
         return None
     ws = int(first["world_size"])
     if len(paths) == 1:
@@ -85,12 +96,13 @@ def find_run(paths: Sequence[Path]) -> Optional[RunFiles]:
             raise BundleFormatError(f"{paths[0]}: lists {len(names)} sibling bundles for world_size {ws}; pass every rank's bundle explicitly")
         paths = [paths[0].parent / n for n in names]
     by_rank = _by_rank(paths, first, ws)
-    return RunFiles(first["run_id"], int(first["failing_step"]), ws, [by_rank[r] for r in range(ws)], list(first.get("origin_ranks") or []))
+    return RunFiles(first["run_id"], int(first["failing_step"]), ws, [by_rank[r] for r in range(ws)], list(first.get("origin_ranks") or []),
+                    sharded=first["sharded"])
 
 
-def _newest_sharded(directory: Path) -> Optional[Path]:
-    """The newest sharded run's bundle in ``directory`` (among its 64 newest bundles: a directory
-    of many bundles is not read whole), or ``None``."""
+def _newest_run(directory: Path) -> Optional[Path]:
+    """The newest distributed run's bundle in ``directory`` (among its 64 newest bundles: a
+    directory of many bundles is not read whole), or ``None``."""
     found = sorted((p for p in directory.iterdir() if p.suffix in _EXTS and p.is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
     for p in found[:64]:
         try:
@@ -212,21 +224,65 @@ def merge_run(run: RunFiles) -> BundleContent:
                    extra_meta=extra_meta, trusted=trusted)
 
 
-def merged_bundle(paths: Sequence[Path], out_dir: Optional[Path] = None) -> Optional[Path]:
-    """The path of one merged bundle for the sharded run ``paths`` name (written into ``out_dir``,
-    default a new temporary directory), else ``None`` when they are not a sharded run.
+@dataclass
+class RunBundle:
+    """The one bundle that replays a distributed run (see :func:`run_bundle`).
+
+    Attributes:
+        path: the bundle to replay; ``None`` when the run records no origin rank and its bundles
+            are whole (DDP): then there is no rank to prefer. temporary: ``path`` is a merged
+            bundle written for this call (its directory is the caller's to remove).
+        run: the run's bundles. note: one line that says which bundle and why.
+    """
+
+    path: Optional[Path]
+    temporary: bool
+    run: RunFiles
+    note: str
+
+
+def run_bundle(paths: Sequence[Path], out_dir: Optional[Path] = None) -> Optional[RunBundle]:
+    """The bundle that replays the distributed run ``paths`` name (a directory, one rank's bundle
+    or every rank's; see :func:`find_run`), else ``None`` when they are not a distributed run's
+    bundles, or name one bundle of a DDP run (it replays as given).
+
+    A sharded run (FSDP2, tensor parallel): its ranks' bundles merged into one (:func:`merge_run`),
+    written into ``out_dir`` (default a new temporary directory). A DDP run, whose bundles are each
+    whole: the first origin rank's bundle itself, so that ``nanreplay replay DIR`` replays the rank
+    where the NaN was born (its embedded program included), not the newest file, which may be a
+    clean rank's.
 
     Raises:
         BundleFormatError: see :func:`find_run` and :func:`merge_run`.
     """
-    run = find_run(paths)
+    run = find_run(paths, one_file_whole=True)
     if run is None:
         return None
+    where = f"run {run.run_id}, step {run.failing_step}, {run.world_size} ranks"
+    if not run.sharded:
+        if not run.origin_ranks:
+            return RunBundle(None, False, run, f"{where}: no rank's own values were non-finite (the origin rank is not recorded)")
+        k = run.origin_ranks[0]
+        return RunBundle(run.paths[k], False, run, f"{where}: replaying rank {k}'s bundle, the origin rank's: {run.paths[k]}")
     content = merge_run(run)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="nanreplay-run-"))
     path = out / f"nanreplay-step{run.failing_step}-run{run.run_id}-merged{run.paths[0].suffix}"
     logger.info("merged the %d ranks' bundles of run %s into %s", run.world_size, run.run_id, path)
-    return write_bundle(path, content, trusted=content.trusted)
+    main = content.extra_meta.get("rank")
+    return RunBundle(write_bundle(path, content, trusted=content.trusted), True, run,
+                     f"{where}: the ranks' shards put together; replaying rank {main}'s step"
+                     + (" (the origin rank)" if main in run.origin_ranks else " (no origin rank recorded)"))
+
+
+def describe_state(state: dict) -> str:
+    """``"shard of proj.weight (S(0)) held NaN at local [0, 3] = global [4, 3]"``: one rank's first
+    non-finite state element (``meta.distributed.state_origin``, from :func:`nanreplay.capture.sharded.first_nonfinite_state`) in words."""
+    what = state.get("fqn", "?") if state.get("kind") == "weight" else f"optimizer state {state.get('key')!s} of {state.get('fqn', '?')}"
+    pl = state.get("placements")
+    value = state.get("value", "a non-finite value")
+    if pl:
+        return f"shard of {what} ({', '.join(pl)}) held {value} at local {state.get('local_index')} = global {state.get('global_index')}"
+    return f"copy of {what} held {value} at {state.get('local_index')}"
 
 
 def describe_run(run: RunFiles) -> dict[str, Any]:

@@ -306,9 +306,36 @@ _PLACEMENT = re.compile(r"S\(\d{1,3}\)|R|P")
 _SIBLING = re.compile(r"[^/\\\x00]{1,255}")
 
 
+def _check_origin(c: "_Checker", d: dict, where: str) -> None:
+    """The optional origin keys of a ``distributed`` entry (format 2, additive): ``rank_flags``,
+    ``state_ranks``, ``clean``, ``detection``, ``state_origin``."""
+    for key in ("rank_flags", "state_ranks"):
+        for i, x in enumerate(c.array(d.get(key) or [], f"{where}.{key}", 1_000_000)):
+            c.integer(x, f"{where}.{key}[{i}]")
+    c.boolean(d.get("clean"), f"{where}.clean")
+    if d.get("detection") is not None:
+        det = c.obj(d["detection"], f"{where}.detection")
+        for key in ("on", "this_step"):
+            c.boolean(det.get(key), f"{where}.detection.{key}")
+        for key in ("method", "why_off"):
+            c.string(det.get(key), f"{where}.detection.{key}", null=True, max_len=1 << 12)
+    if d.get("state_origin") is not None:
+        so = c.obj(d["state_origin"], f"{where}.state_origin", ("kind", "fqn", "local_index", "global_index"))
+        for key in ("kind", "fqn", "key", "value"):
+            c.string(so.get(key), f"{where}.state_origin.{key}", null=True)
+        for key in ("local_index", "global_index", "local_shape", "global_shape"):
+            for i, x in enumerate(c.array(so.get(key) or [], f"{where}.state_origin.{key}", 64)):
+                c.integer(x, f"{where}.state_origin.{key}[{i}]")
+        for i, pl in enumerate(c.array(so.get("placements") or [], f"{where}.state_origin.placements", 16)):
+            if not (isinstance(pl, str) and _PLACEMENT.fullmatch(pl)):
+                raise MetaError(f"{where}.state_origin.placements[{i}]", "'S(dim)', 'R' or 'P'", _show(pl))
+
+
 def _check_sharded(c: "_Checker", d: dict, where: str) -> None:
-    """The optional keys of a sharded run's ``distributed`` entry (format 2, additive): ``run_id``,
-    ``siblings``, ``mesh``, ``coordinate``, ``origin_coordinates``, ``sharding``."""
+    """The optional keys of a distributed run's ``distributed`` entry (format 2, additive):
+    ``run_id``, ``siblings`` (every run's); ``mesh``, ``coordinate``, ``coordinates``,
+    ``origin_coordinates``, ``sharding`` (a sharded run's)."""
+    _check_origin(c, d, where)
     c.string(d.get("run_id"), f"{where}.run_id", null=True, max_len=64)
     for i, n in enumerate(c.array(d.get("siblings", []), f"{where}.siblings", 1_000_000)):
         if not (isinstance(n, str) and _SIBLING.fullmatch(n) and n not in (".", "..")):
@@ -319,6 +346,9 @@ def _check_sharded(c: "_Checker", d: dict, where: str) -> None:
         mesh = c.obj(d["mesh"], f"{where}.mesh")
         for i, x in enumerate(c.array(mesh.get("shape", []), f"{where}.mesh.shape", 16)):
             c.integer(x, f"{where}.mesh.shape[{i}]", 1)
+    for r, coord in c.obj(d.get("coordinates") or {}, f"{where}.coordinates").items():
+        for i, x in enumerate(c.array(coord, f"{where}.coordinates[{r!r}]", 16)):
+            c.integer(x, f"{where}.coordinates[{r!r}][{i}]")
     if d.get("sharding") is None:
         return
     sh = c.obj(d["sharding"], f"{where}.sharding")

@@ -1,6 +1,7 @@
-"""Recorder.close() undoes what it did to a DDP model: module and optimizer hooks are removed, and
-the origin comm hook (which DDP cannot unregister) becomes a pure pass-through that checks and
-keeps nothing, on close() and when the ``with`` block raises. Two gloo processes on the CPU."""
+"""Recorder.close() undoes what it did to a DDP model: module, parameter (post-accumulate-grad) and
+optimizer hooks are removed, so the end-of-backward origin watch checks and keeps nothing more and
+every gradient is DDP's own, on close() and when the ``with`` block raises. Two gloo processes on
+the CPU."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ JOIN_TIMEOUT_S = 90
 
 
 def _hooks(*modules: torch.nn.Module) -> int:
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks) for mod in modules for m in mod.modules())
+    return (sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks) for mod in modules for m in mod.modules())
+            + sum(len(p._post_accumulate_grad_hooks or {}) for mod in modules for p in mod.parameters()))
 
 
 def _train(ddp, opt, steps: int, gen: torch.Generator) -> None:
@@ -39,13 +41,13 @@ def _scenario(rank: int, how: str) -> dict:
     from nanreplay.capture.ddp import RankContext
 
     calls = {"n": 0}
-    original = RankContext.note_bucket
+    original = RankContext._backward_done
 
-    def counting(self, bucket, keep=True):  # counts the comm hook's work on the Recorder's side
+    def counting(self):  # counts the origin watch's work at the end of each backward
         calls["n"] += 1
-        return original(self, bucket, keep)
+        return original(self)
 
-    RankContext.note_bucket = counting
+    RankContext._backward_done = counting
     try:
         model = models.make_mlp()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -57,6 +59,9 @@ def _scenario(rank: int, how: str) -> dict:
             rec = Recorder(ddp, opt, out_dir=f"/tmp/unused-{os.getpid()}", diagnose=False)
             _train(ddp, opt, 2, gen)
             out["hooked"], out["calls_open"] = rec.dist.hooked, calls["n"]
+            # the kept local gradient tensors (they take the next step's reduced values) count against memory_budget
+            counted = rec.ring._kept.get("ddp_local_grads")
+            out["counted"] = [counted.nbytes() if counted else None, sum(p.numel() * 4 for p in model.parameters())]
             rec.close()
             rec.close()  # idempotent
         else:
@@ -69,12 +74,12 @@ def _scenario(rank: int, how: str) -> dict:
                 out["raised"] = True
         n = calls["n"]
         ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        _train(ddp, opt, 3, gen)  # DDP still calls the comm hook: a pass-through now
+        _train(ddp, opt, 3, gen)
         out["calls_after"] = calls["n"] - n
-        out["kept_after"] = [len(rec.dist._buckets), len(rec.dist._local), rec.dist._local_bad is not None]
+        out["kept_after"] = [len(rec.dist._kept), len(rec.dist._pool), rec.dist._local_bad is not None, "ddp_local_grads" in rec.ring._kept]
         out["after"] = (_hooks(ddp), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))
         out["ring_steps"] = len(rec.ring)
-        # gradients are still averaged across ranks through the wrapped all-reduce: weights stay equal
+        # gradients are still averaged across ranks by DDP: weights stay equal
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
         dist.all_gather(gathered, flat)
@@ -82,7 +87,7 @@ def _scenario(rank: int, how: str) -> dict:
         out["trained"] = any(not torch.equal(ref[k], v) for k, v in model.state_dict().items())
         return out
     finally:
-        RankContext.note_bucket = original
+        RankContext._backward_done = original
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -110,13 +115,15 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("how", ["close", "exception"])
-def test_close_removes_hooks_and_makes_the_comm_hook_a_pass_through(ranks, how):
+def test_close_removes_every_hook_and_the_origin_watch(ranks, how):
     for r in ranks:
         res = r[how]
-        assert res["hooked"] and res["calls_open"] > 0  # the origin hook was working while open
-        assert res["after"] == res["before"]  # module and optimizer hooks: all removed
-        assert res["calls_after"] == 0 and res["kept_after"] == [0, 0, False]  # checks and keeps nothing
+        assert res["hooked"] and res["calls_open"] > 0  # the origin watch was working while open
+        assert res["after"] == res["before"]  # module, parameter and optimizer hooks: all removed
+        assert res["calls_after"] == 0 and res["kept_after"] == [0, 0, False, False]  # checks, keeps and counts nothing
         assert res["ring_steps"] <= 2  # the ring stopped growing at close
-        assert res["trained"] and res["ranks_agree"]  # the wrapped all-reduce still averages gradients
+        assert res["trained"] and res["ranks_agree"]  # DDP still averages gradients
     if how == "exception":
         assert all(r[how]["raised"] for r in ranks)
+    else:
+        assert all(r[how]["counted"][0] == r[how]["counted"][1] for r in ranks)

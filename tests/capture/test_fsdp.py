@@ -25,13 +25,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (dist.is_available() and 
 WORLD = 2
 BAD_STEP = 2
 JOIN_TIMEOUT_S = 150
-#: scenario -> (model factory, rank whose batch has the zero row, action, how the model is sharded)
+#: scenario -> (model factory, rank whose batch has the zero row (-1: none), action, how the model is sharded)
 SCENARIOS = {
     "forward": (models.make_ratio, 1, "raise", "fsdp"),
     "backward": (models.make_sqrt_head, 0, "raise", "fsdp"),
     "skip": (models.make_ratio, 1, "skip", "fsdp-no-reshard-bf16"),
     "tp": (models.make_ratio, None, "raise", "tp"),
+    # an Inf written into rank 1's local shard of proj.weight between steps (a silent data corruption)
+    "corrupt": (models.make_ratio, -1, "raise", "fsdp"),
+    # AdamW eps=0 and a loss that leaves head rows 2-3 (rank 1's shard) without gradient: 0/0 written there
+    "eps0": (models.make_ratio, -1, "raise", "fsdp"),
 }
+
+
+def _loss(name: str):
+    if name == "eps0":
+        return lambda model, batch: model(batch["x"])[:, :2].mean()
+    return models.mean_loss
 
 
 def _worker(rank: int, world: int, store: str, out: str, names: list[str]) -> None:
@@ -73,19 +83,23 @@ def _scenario(rank: int, world: int, out: str, name: str) -> None:
     try:
         model = factory()
         _shard(model, how, world)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, eps=0.0) if name == "eps0" else torch.optim.Adam(model.parameters(), lr=0.01)
+        loss_fn = _loss(name)
         # tensor parallel: every rank sees the same batch; data parallel: each rank its own
         g = torch.Generator().manual_seed(100 + (0 if how == "tp" else rank))
-        with Recorder(model, opt, loss_fn=models.mean_loss, model_factory=factory, out_dir=out, action=action) as rec:
+        with Recorder(model, opt, loss_fn=loss_fn if name != "eps0" else None, model_factory=factory, out_dir=out, action=action) as rec:
             try:
                 for step in range(4):
                     x = torch.randn(6, 8, generator=g)
                     if step == BAD_STEP and (bad_rank is None or rank == bad_rank):
                         x[3] = 0.0
+                    if step == BAD_STEP and name == "corrupt" and rank == 1:
+                        with torch.no_grad():
+                            model.proj.weight.to_local()[1, 2] = float("inf")
                     batch = {"x": x}
                     rec.record(batch)
                     before = _local_state(model)
-                    loss = models.mean_loss(model, batch)
+                    loss = loss_fn(model, batch)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
@@ -235,15 +249,18 @@ def test_merged_weights_and_optimizer_state_equal_the_gathered_full_tensors(runs
 def _worker_2d(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     result: dict = {"rank": rank}
     try:
+        from torch.distributed.tensor import Replicate
+
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = models.make_ratio()
-        parallelize_module(model, mesh["tp"], {"proj": ColwiseParallel(), "head": RowwiseParallel()})
+        # proj is data-parallel only: its DTensor lives on the 1-D dp submesh, yet the whole mesh is recorded
+        parallelize_module(model, mesh["tp"], {"head": RowwiseParallel(input_layouts=Replicate())})
         fully_shard(model, mesh=mesh["dp"])
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         dp = mesh["dp"].get_local_rank()
@@ -275,11 +292,14 @@ def test_2x2_mesh_fsdp_over_tensor_parallel(tmp_path):
     res = [json.loads((out / f"result{r}.json").read_text()) for r in range(4)]
     assert [r.get("error_step") for r in res] == [BAD_STEP] * 4
     assert [r["origin_ranks"] for r in res] == [[2, 3]] * 4  # data-parallel replica 1: mesh rows [1, 0] and [1, 1]
-    with open_bundle(out / f"nanreplay-step{BAD_STEP}-rank3of4.h5") as b:
-        d = b.meta["distributed"]
-    assert d["mesh"] == {"shape": [2, 2], "ranks": [[0, 1], [2, 3]], "dim_names": ["dp", "tp"]}
-    assert d["coordinate"] == [1, 1] and d["origin_coordinates"] == {"2": [1, 0], "3": [1, 1]}
+    for r in range(4):  # every rank records the whole mesh and every rank's place on it
+        with open_bundle(out / f"nanreplay-step{BAD_STEP}-rank{r}of4.h5") as b:
+            d = b.meta["distributed"]
+        assert d["mesh"] == {"shape": [2, 2], "ranks": [[0, 1], [2, 3]], "dim_names": ["dp", "tp"]}
+        assert d["coordinates"] == {"0": [0, 0], "1": [0, 1], "2": [1, 0], "3": [1, 1]}
+        assert d["coordinate"] == [r // 2, r % 2] and d["origin_coordinates"] == {"2": [1, 0], "3": [1, 1]}
     assert d["sharding"]["params"]["head.weight"]["placements"] == ["S(0)", "S(1)"]
+    assert d["sharding"]["params"]["proj.weight"]["placements"] == ["S(0)"]  # on the dp submesh
     res = CliRunner().invoke(main, ["replay", "--json", "--no-samples", str(out)])
     assert res.exit_code == 0, res.output
     diag = json.loads(res.output)
@@ -310,3 +330,27 @@ def test_a_sibling_name_with_a_path_is_refused_when_read(runs, tmp_path):
     path = write_bundle(tmp_path / "hostile.h5", content, trusted=False)
     with pytest.raises(BundleFormatError, match=r"siblings\[0\]"):
         open_bundle(path)
+
+
+@pytest.mark.parametrize("name, step, fqn, value, local, glob", [
+    ("corrupt", BAD_STEP, "proj.weight", "+Inf", [1, 2], [5, 2]),  # rank 1 holds rows 4-7
+    ("eps0", 1, "head.weight", "NaN", [0, 0], [2, 0]),  # rank 1 holds rows 2-3; step 0's update wrote 0/0 there
+])
+def test_corrupted_state_names_the_rank_whose_shard_holds_it(runs, name, step, fqn, value, local, glob):
+    res, out = runs[name]
+    assert [r.get("error_step") for r in res] == [step, step]
+    # every rank's gradients are non-finite (the all-gather spread the shard): the state check decides
+    assert [r["origin_ranks"] for r in res] == [[1], [1]]
+    with open_bundle(res[1]["bundle"]) as b:
+        d = b.meta["distributed"]
+    assert d["state_ranks"] == [1] and d["rank_flags"] == [1, 1]
+    assert {k: d["state_origin"][k] for k in ("kind", "fqn", "value", "local_index", "global_index", "placements")} == {
+        "kind": "weight", "fqn": fqn, "value": value, "local_index": local, "global_index": glob, "placements": ["S(0)"]}
+    with open_bundle(res[0]["bundle"]) as b:
+        assert b.meta["distributed"]["state_origin"] is None  # rank 0's own shards were finite
+    out_ = CliRunner().invoke(main, ["replay", "--json", "--no-samples", str(out)])
+    assert out_.exit_code == 0, out_.output
+    diag = json.loads(out_.output)
+    assert diag["distributed"]["rank"] == 1 and diag["phase"] == "weights"
+    assert (f"born on rank 1 of 2 (mesh coordinate [1]): its shard of {fqn} (S(0)) held {value} at local {local} = global {glob} "
+            "at the start of the step") in diag["summary"]

@@ -268,3 +268,33 @@ def test_a_program_that_loses_a_gradient_is_not_taken_as_verified(tmp_path, capl
     assert programs.step == 0
     assert not programs.verified, "a nonzero recorded gradient absent in the program's replay fails the early check"
     assert "the dump verifies it against the failing step" in caplog.text
+
+
+def test_a_failed_export_that_changed_the_model_leaves_it_exactly_usable(tmp_path, monkeypatch, caplog):
+    """An export that fails half-way after swapping a parameter's storage, replacing a parameter
+    and a buffer object, flipping a training flag and leaving a hook (what a wrapper's own hooks did
+    under FSDP1's fake-tensor trace) is undone: the run is bit-identical to the plain one."""
+    import nanreplay.engine.program as program
+
+    caplog.set_level(logging.WARNING, logger="nanreplay")
+    seen: dict = {}
+
+    def broken(model, rec, loss_fn):
+        seen["ids"] = [id(p) for p in model.parameters()]
+        model.qkv.weight.data = torch.zeros_like(model.qkv.weight)  # another storage under the same Parameter
+        model.ln._parameters["bias"] = nn.Parameter(torch.full_like(model.ln.bias, 7.0))
+        model.mlp[0].register_buffer("stray", torch.ones(1))
+        model.mlp.training = False
+        model.register_forward_hook(lambda *a: None)
+        raise RuntimeError("DispatchStub: unsupported device typemeta")
+
+    monkeypatch.setattr(program, "program_content", broken)
+    plain, m_plain, _ = train(4, None)
+    recorded, m_rec, rec = train(4, {"out_dir": tmp_path})
+    assert "ids" in seen  # the export ran, and failed
+    assert [id(p) for p in m_rec.parameters()] == seen["ids"]
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    assert all(torch.equal(a, b) for a, b in zip(m_plain.state_dict().values(), m_rec.state_dict().values()))
+    assert m_rec.state_dict().keys() == m_plain.state_dict().keys() and m_rec.mlp.training
+    assert not m_rec._forward_hooks and not m_rec._forward_pre_hooks  # the stray hook is gone; close() removed the Recorder's
+    assert "the program export changed the model" in caplog.text
