@@ -109,7 +109,19 @@ class ReplayResult:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def _deterministic(on: bool = True) -> Iterator[None]:
+    """Deterministic algorithms (where torch has them, warning where not) and no cuDNN
+    autotuning for the block; ``on=False`` (``bisect --over config`` replaying a recording that
+    ran without them) turns them off and leaves cuDNN's flags as they are."""
+    if not on:
+        prev = torch.are_deterministic_algorithms_enabled()
+        prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+        return
     prev = torch.are_deterministic_algorithms_enabled()
     prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     prev_bench = torch.backends.cudnn.benchmark
@@ -343,7 +355,8 @@ def _mode_and_inputs(inp: StepInputs) -> tuple[str, list]:
     return mode, [x for i, fw in enumerate(rec.forwards) for x in nonfinite_leaves(fw.inputs, _batch_root(rec, False, i))]
 
 
-def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool) -> None:
+def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool,
+             deterministic: bool = True) -> None:
     """Run the step under its recorded RNG states and the monitors: forward with the loss
     function or the recorded cotangent, backward, and the scaler's unscale when the recorded
     gradients were unscaled. The monitors are closed and the RNG hook removed whatever happens."""
@@ -353,7 +366,7 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
-        with rng, _deterministic(), _anomaly(anomaly), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
+        with rng, _deterministic(deterministic), _anomaly(anomaly), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
             rng.load(rec.rng)
             if rng.shared:
                 run.warnings.append(
@@ -374,7 +387,7 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
 
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
              runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
-             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True) -> ReplayResult:
+             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True, deterministic: bool = True) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -408,6 +421,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
         backward: ``False`` stops after the forward pass and the loss (no gradients; the
             outputs' and losses' health only), for the per-sample replays of a forward or loss
             birth: about a third of a step's time.
+        deterministic: run with deterministic algorithms (the default: replays compare); ``False``
+            for a search replaying a recording that ran without them (``bisect --over config``).
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -438,7 +453,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             run.opmon.facts.seed(p, "weights")
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
-    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None)
+    _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None, deterministic=deterministic)
     live_grads = [p.grad for p in model.parameters() if p.grad is not None]
     reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None and watch is None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
