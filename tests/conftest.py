@@ -71,3 +71,17 @@ def unreproducible_bundle(out_dir) -> Path:
     import scenarios
 
     return Path(scenarios.unreproducible(out_dir).bundle_path)
+
+
+@pytest.fixture(scope="session")
+def autocast_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """(A, B): the float16 run's bundle of its failing step 22 and the bfloat16 run's spike bundle
+    of the same step: two runs that differ in the autocast dtype alone (scenarios.autocast_run)."""
+    import scenarios
+
+    fp16 = scenarios.autocast_run(tmp_path_factory.mktemp("fp16"), torch.float16)
+    bf16 = scenarios.autocast_run(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
+    (a,) = fp16.bundles
+    (b,) = bf16._dump.spike_bundles
+    assert not bf16.bundles and scenarios.AUTOCAST_BAD_STEP in fp16.nonfinite_steps
+    return a, b

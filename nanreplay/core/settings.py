@@ -202,6 +202,8 @@ def settings_of(meta: Mapping[str, Any]) -> Recorded:
     if isinstance(comp, dict):
         _compile_settings(comp, v, families)
     _config_settings(meta, v)
+    if isinstance(meta.get("config"), dict):
+        families.add("distributed.")  # the run's side is recorded: a reduce dtype it lacks was not set
     data = {}
     for row in _obj(meta.get("config")).get("data") or []:
         if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("sha256"), str):
@@ -249,7 +251,7 @@ def _config_settings(meta: Mapping[str, Any], v: dict[str, Any]) -> None:
     ws = meta.get("world_size") if meta.get("world_size") is not None else dist.get("world_size")
     if ws is not None or "config" in meta:
         v["distributed.world_size"] = ws if isinstance(ws, int) else 1
-    for k, x in _obj(cfg.get("distributed")).items():
+    for k, x in _obj(cfg.get("distributed")).items():  # a run with a config and no distributed entry ran in one process
         v[f"distributed.{k}"] = _scalar(x)
 
 

@@ -1,0 +1,154 @@
+"""bisect --over config: the recorded setting whose change makes the failing step finite, within
+the replay bound of binary splitting; --against B; what cannot be toggled; the search's algorithm
+on its own (every culprit position, two culprits together, none)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from nanreplay import open_bundle
+from nanreplay.cli import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, main
+from nanreplay.format.bundle import write_bundle
+from nanreplay.search.api import bisect
+from nanreplay.search.config import Candidate, _find
+
+
+@pytest.fixture
+def runs(autocast_runs):
+    return autocast_runs
+
+
+def _bound(n: int) -> int:
+    """The replays binary splitting needs for one culprit among ``n`` candidates: the replay as
+    recorded, ceil(log2 n) halvings, the culprit alone when the last halving said no."""
+    return math.ceil(math.log2(n)) + 2
+
+
+def test_the_autocast_dtype_is_named_within_the_bound(runs):
+    a, _ = runs
+    with open_bundle(a) as b:
+        assert b.step(b.failing_step).autocast == {"device_type": "cpu", "dtype": "float16"}
+    res = bisect(a, over="config")
+    assert res["status"] == "found"
+    (c,) = res["culprits"]
+    assert (c["setting"], c["recorded"], c["changed_to"]) == ("autocast", "float16", "off")
+    n = len(res["details"]["candidates"])
+    assert n >= 2 and res["replays"] <= _bound(n)
+    first, *rest = res["trials"]
+    assert first["varied"] == "the recorded configuration" and first["nonfinite"] is True
+    assert any(t["varied"] == "autocast float16 -> off (float32)" and t["nonfinite"] is False for t in rest)
+    assert res["answer"].startswith("Step 22 becomes finite when autocast changes from float16 to off (float32)")
+    # on a CPU the TF32 and cuDNN flags change nothing: left out, and said so
+    left = {r["setting"] for r in res["details"]["left_out"]}
+    assert "numerics.cudnn_tf32" in left and all("cudnn" not in c["setting"] for c in res["details"]["candidates"])
+    assert any("change nothing" in w and "--device cuda" in w for w in res["warnings"])
+
+
+def test_against_the_healthy_run_moves_to_its_value(runs):
+    a, b = runs
+    res = bisect(a, over="config", against=b)
+    assert res["status"] == "found"
+    (c,) = res["culprits"]
+    assert (c["setting"], c["recorded"], c["changed_to"]) == ("autocast", "float16", "bfloat16")
+    assert [x["setting"] for x in res["details"]["candidates"]] == ["autocast"]  # the one setting the runs differ in
+    assert res["replays"] == 2 == _bound(1)
+    assert "(the value in nanreplay-spike-step22" in res["answer"]
+    assert res["details"]["diff"]["differences"][0]["key"] == "autocast"
+
+
+def _with_meta(src, dst, edit) -> str:
+    """A copy of bundle ``src`` whose metadata ``edit(extra_meta)`` changed (the environment and
+    the run's config are kept on a rewrite, so an edit of them is what the copy records)."""
+    with open_bundle(src) as b:
+        content = b.content()
+    edit(content.extra_meta)
+    write_bundle(dst, content, trusted=True)
+    return str(dst)
+
+
+def test_one_culprit_among_many_differences_within_the_bound(runs, tmp_path):
+    """B differs from A in four settings a CPU replay can change; only the autocast dtype
+    matters: it is named within ceil(log2 4) + 2 replays, and the differences no replay can make
+    (the torch version, the world size, the reduce dtype) are reported, not searched."""
+    a, b = runs
+
+    def other_run(meta):
+        env = meta["environment"]
+        env["numerics"].update({"float32_matmul_precision": "high", "sdpa_flash": False, "mkldnn_enabled": False})
+        env["torch"] = "2.99.0"
+        meta["config"]["distributed"] = {"reduce_dtype": "bfloat16"}
+        meta["world_size"] = 2
+    b2 = _with_meta(b, tmp_path / "b2.h5", other_run)
+    res = bisect(a, over="config", against=b2)
+    cands = [c["setting"] for c in res["details"]["candidates"]]
+    assert cands[0] == "autocast" and len(cands) == 4, cands
+    assert res["status"] == "found" and [c["setting"] for c in res["culprits"]] == ["autocast"]
+    assert res["replays"] <= _bound(len(cands))
+    cannot = {r["setting"] for r in res["details"]["cannot_toggle"]}
+    assert {"version.torch", "distributed.world_size", "distributed.reduce_dtype"} <= cannot
+    assert "no replay can change" in res["answer"] and "version.torch" in res["answer"]
+
+
+def test_a_failure_no_setting_explains_is_not_in_the_search_space(sqrt_bundle):
+    res = bisect(sqrt_bundle, over="config")
+    assert res["status"] == "not in search space"
+    assert res["culprits"] == [] and res["replays"] == 1 + len(res["details"]["candidates"]) >= 2
+    assert "is not the cause" in res["answer"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+def test_binary_splitting_names_any_single_culprit_within_the_bound(n):
+    """The search alone, on a predicate: for every position of one culprit among ``n``, the
+    halvings and the final check stay within ceil(log2 n) + 1 tests (the replay as recorded is
+    the bound's other one), and never test a set twice."""
+    cands = [Candidate(f"s{i}", True, False) for i in range(n)]
+    for culprit in range(n):
+        tried: list[frozenset] = []
+
+        class Trials:
+            def fixes(self, changed):
+                key = frozenset(c.key for c in changed)
+                assert key not in tried
+                tried.append(key)
+                return f"s{culprit}" in key
+
+        found, how = _find(Trials(), cands)
+        assert [c.key for c in found] == [f"s{culprit}"] and how == "binary splitting"
+        assert len(tried) <= _bound(n) - 1
+
+
+def test_two_settings_that_only_fail_together_fall_back_to_delta_debugging():
+    cands = [Candidate(f"s{i}", True, False) for i in range(6)]
+
+    class Trials:  # the step is finite only when s1 and s4 both change
+        def fixes(self, changed):
+            return {"s1", "s4"} <= {c.key for c in changed}
+
+    found, how = _find(Trials(), cands)
+    assert sorted(c.key for c in found) == ["s1", "s4"] and how == "delta debugging"
+
+    class Never:
+        def fixes(self, changed):
+            return False
+
+    assert _find(Never(), cands) == (None, "binary splitting")
+
+
+def test_cli_bisect_over_config_against(runs):
+    a, b = runs
+    r = CliRunner().invoke(main, ["bisect", str(a), "--over", "config", "--against", str(b), "--json"], catch_exceptions=False)
+    assert r.exit_code == EXIT_OK, r.output
+    out = json.loads(r.stdout)
+    assert out["over"] == "config" and out["culprits"][0]["setting"] == "autocast"
+    r = CliRunner().invoke(main, ["bisect", str(a), "--over", "layers", "--against", str(b)])
+    assert r.exit_code == EXIT_USAGE and "--against goes with --over config" in r.output
+
+
+def test_cli_bisect_over_config_names_no_culprit_with_exit_6(sqrt_bundle):
+    r = CliRunner().invoke(main, ["bisect", str(sqrt_bundle), "--over", "config"], catch_exceptions=False)
+    assert r.exit_code == EXIT_NOT_FOUND and "not in search space" in r.output
