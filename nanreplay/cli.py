@@ -724,6 +724,13 @@ def bisect(bundle: Path, over: str, against: Optional[Path], max_replays: int, t
                 f"    step {row['step']:>5}  loss {_g(num.get('loss')):<12} grad norm {_g(num.get('grad_norm')):<12} update {_g(num.get('update_norm')):<12}"
                 f" recorded ok {row['matches_recording']!s:<5} {st('; '.join(row['anomalies']), fg='red')}"
             )
+        if over == "config":  # the settings tried and those no replay can change (search.config)
+            from .core.settings import show_value
+
+            for c in d.get("candidates", []):
+                echo(f"    candidate {c['setting']}: {show_value(c['recorded'])} -> {show_value(c['changed_to'])}")
+            for c in d.get("cannot_toggle", [])[:10]:
+                echo(f"    not replayable {c['setting']}: {show_value(c['a'])} vs {show_value(c['b'])} (nanreplay diff)")
         for r, num in zip(d.get("largest_moves", [])[:5], raw.get("largest_moves", [])):
             echo(f"    moved {r['layer'] or '(root)':<28} relative change {_g(num.get('relative_change')):<12} max |change| {_g(num.get('max_abs_diff'))}")
         for w in res_text["warnings"]:

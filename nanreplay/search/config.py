@@ -195,7 +195,9 @@ def _plan(search: Search) -> _Plan:
     cannot: list[dict] = []
     if search.against is None:
         wanted = [(k, v, toggle_for(k).reference) for k, v in base.items()]  # type: ignore[union-attr]
-        wanted = [(k, v, ref) for k, v, ref in wanted if ref is not NO_REFERENCE and v != ref and not (k.startswith("optimizer.") and v is not True)]
+        # None is torch's default (an inductor mode, foreach): no candidate; an optimizer kernel flag only when it was on
+        wanted = [(k, v, ref) for k, v, ref in wanted
+                  if ref is not NO_REFERENCE and v is not None and v != ref and not (k.startswith("optimizer.") and v is not True)]
     else:
         theirs = search.against.meta
         if not (compile_state or {}).get("compiled") and (theirs.get("compile") or {}).get("compiled"):

@@ -94,6 +94,20 @@ def test_one_culprit_among_many_differences_within_the_bound(runs, tmp_path):
     assert "no replay can change" in res["answer"] and "version.torch" in res["answer"]
 
 
+def test_a_compiled_recording_replays_compiled(runs, tmp_path):
+    """A bundle that says its model ran under torch.compile (aot_eager: Dynamo and AOTAutograd,
+    cheap on a CPU) is replayed compiled, and eager is a candidate."""
+    a, _ = runs
+    a2 = _with_meta(a, tmp_path / "compiled.h5", lambda m: m.update(compile={
+        "compiled": True, "backend": "aot_eager", "mode": None, "modules": [], "options": None, "dynamic": False, "fullgraph": False}))
+    res = bisect(a2, over="config")
+    cands = [c["setting"] for c in res["details"]["candidates"]]
+    assert cands[:2] == ["autocast", "compile.compiled"] and "compile.mode" not in cands  # no mode recorded: nothing to change
+    assert res["details"]["recorded"]["compile.backend"] == "aot_eager"
+    assert res["trials"][0]["nonfinite"] is True and res["culprits"][0]["setting"] == "autocast"
+    assert res["replays"] <= _bound(len(cands))
+
+
 def test_a_failure_no_setting_explains_is_not_in_the_search_space(sqrt_bundle):
     res = bisect(sqrt_bundle, over="config")
     assert res["status"] == "not in search space"
