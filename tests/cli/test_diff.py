@@ -120,3 +120,28 @@ def test_html_page_and_inert_strings(autocast_runs, tmp_path):
     html = page.read_text()
     assert '<section id="config-diff">' in html and 'id="nanreplay-diff"' in html
     assert "<script>" not in html.split('id="nanreplay-diff"')[0] and "Simple\\x1b[2J&lt;script&gt;" in html
+
+
+def test_the_worked_example_of_docs_bisect(tmp_path, monkeypatch):
+    """examples/amp_config.py run twice, then the diff and the two searches of docs/bisect.md
+    ("A worked example"): their output is the one the page shows."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("amp_config_example", root / "examples" / "amp_config.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.chdir(tmp_path)
+    assert mod.main(["--dtype", "float16", "--out-dir", "runs/fp16"]) == 0
+    assert mod.main(["--dtype", "bfloat16", "--out-dir", "runs/bf16"]) == 0
+    doc = (root / "docs" / "bisect.md").read_text()
+    block = doc.split("### A worked example", 1)[1].split("```", 2)[1]
+    commands = re.findall(r"^\$ nanreplay (.+)$", block, flags=re.M)
+    assert [c.split()[0] for c in commands] == ["diff", "bisect", "bisect"]
+    for cmd in commands:
+        r = _run(*cmd.split())
+        assert r.exit_code == EXIT_OK, r.output
+        shown = block.split(f"$ nanreplay {cmd}\n", 1)[1].split("\n$ ", 1)[0].strip()
+        assert r.output.strip() == shown, cmd
