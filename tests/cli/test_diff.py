@@ -144,4 +144,5 @@ def test_the_worked_example_of_docs_bisect(tmp_path, monkeypatch):
         r = _run(*cmd.split())
         assert r.exit_code == EXIT_OK, r.output
         shown = block.split(f"$ nanreplay {cmd}\n", 1)[1].split("\n$ ", 1)[0].strip()
-        assert r.output.strip() == shown, cmd
+        same = re.compile(r"^\d+ setting\(s\) the same", re.M)  # how many variables the process has set varies
+        assert same.sub("N", r.output.strip()) == same.sub("N", shown), cmd
