@@ -650,10 +650,19 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
             echo(f"    {k:<60} {dtype} {str(v['shape']):<20} {v['nbytes']} B")
 
 
+def _against_config(ctx: click.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:
+    """``--against`` goes with ``--over config`` (a usage error, exit 2, otherwise)."""
+    over = ctx.params.get("over", "layers")
+    if value is not None and over != "config":
+        raise click.BadParameter(f"--against goes with --over config, not --over {over}")
+    return value
+
+
 @main.command()
 @_bundle_arg
-@click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples", "config"]), default="layers", show_default=True, help="What to search over.")
-@click.option("--against", type=click.Path(dir_okay=True, path_type=Path), metavar="BUNDLE_B",
+@click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples", "config"]), default="layers", show_default=True,
+              is_eager=True, help="What to search over.")  # eager: --against's check reads it wherever it is written
+@click.option("--against", type=click.Path(dir_okay=True, path_type=Path), metavar="BUNDLE_B", callback=_against_config,
               help="--over config: another run's bundle (a healthy run's, e.g. a spike bundle); the search sets the settings the two runs "
                    "differ in to B's values instead of to their conservative ones. Only B's metadata is read; nothing it names runs.")
 @click.option("--max-replays", default=64, show_default=True, type=click.IntRange(min=1), help="Most replays the search may run.")
@@ -683,8 +692,6 @@ def bisect(bundle: Path, over: str, against: Optional[Path], max_replays: int, t
     from .report.text import styler
     from .search.api import bisect as run
 
-    if against is not None and over != "config":
-        raise click.BadParameter(f"--against goes with --over config, not --over {over}", param_hint="--against")
     if html is not None:
         _require_report_extra()
     types = _import_types(batch_types)
@@ -724,13 +731,7 @@ def bisect(bundle: Path, over: str, against: Optional[Path], max_replays: int, t
                 f"    step {row['step']:>5}  loss {_g(num.get('loss')):<12} grad norm {_g(num.get('grad_norm')):<12} update {_g(num.get('update_norm')):<12}"
                 f" recorded ok {row['matches_recording']!s:<5} {st('; '.join(row['anomalies']), fg='red')}"
             )
-        if over == "config":  # the settings tried and those no replay can change (search.config)
-            from .core.settings import show_value
-
-            for c in d.get("candidates", []):
-                echo(f"    candidate {c['setting']}: {show_value(c['recorded'])} -> {show_value(c['changed_to'])}")
-            for c in d.get("cannot_toggle", [])[:10]:
-                echo(f"    not replayable {c['setting']}: {show_value(c['a'])} vs {show_value(c['b'])} (nanreplay diff)")
+        _config_lines(d, echo)  # --over config: the settings tried
         for r, num in zip(d.get("largest_moves", [])[:5], raw.get("largest_moves", [])):
             echo(f"    moved {r['layer'] or '(root)':<28} relative change {_g(num.get('relative_change')):<12} max |change| {_g(num.get('max_abs_diff'))}")
         for w in res_text["warnings"]:
@@ -790,6 +791,16 @@ def diff(bundle_a: Path, bundle_b: Optional[Path], here: bool, as_json: bool, ht
 
         _write_page(html, render_diff_html(result))
         click.echo(f"diff page written to {inert(html)}", err=as_json)
+
+
+def _config_lines(d: dict, echo: Callable[[str], None]) -> None:
+    """``bisect --over config``'s details in words: the settings tried, those no replay can change."""
+    from .core.settings import show_value
+
+    for c in d.get("candidates", []):
+        echo(f"    candidate {c['setting']}: {show_value(c['recorded'])} -> {show_value(c['changed_to'])}")
+    for c in d.get("cannot_toggle", [])[:10]:
+        echo(f"    not replayable {c['setting']}: {show_value(c['a'])} vs {show_value(c['b'])} (nanreplay diff)")
 
 
 def _require_report_extra() -> None:

@@ -580,16 +580,22 @@ def render_bisect_html(res: BisectResult, *, meta: Optional[dict] = None) -> str
     if d.get("largest_moves"):
         out.append(h('<section id="moves"><h2>Weight movement by layer</h2>{}</section>',
                      _svg(moves_svg(d["largest_moves"], [c.get("layer") for c in culprits if "layer" in c]))))
-    if isinstance(d.get("diff"), dict):  # --over config --against B: what the two runs differ in
-        out.append(diff_section(d["diff"]))
-    env = environment_rows(meta)
-    if env:
-        out.append(h('<section id="environment"><h2>Environment of the recording</h2>{}</section>', _kv(env)))
+    out.extend(_context_sections(d, meta))
     if res.get("warnings"):
         out.append(h('<section id="warnings"><h2>Warnings</h2><ul>{}</ul></section>', join(h("<li>{}</li>", w) for w in res["warnings"])))
     out.append(h("<details><summary>details (JSON)</summary><pre>{}</pre></details>", json.dumps(d, indent=1, default=str)))
     out.append(h("<footer>Written by <code>nanreplay bisect --html</code>; this page loads nothing from the network.</footer>{}", _json_script(res, "nanreplay-bisect")))
     return _page(f"nanreplay bisect: step {res.get('step')}: {status}", join(out, "\n"))
+
+
+def _context_sections(details: dict, meta: Optional[dict]) -> list[Markup]:
+    """The bisect page's context: what the two runs differ in (``--over config --against B``),
+    then the environment of the recording."""
+    out = [diff_section(details["diff"])] if isinstance(details.get("diff"), dict) else []
+    env = environment_rows(meta)
+    if env:
+        out.append(h('<section id="environment"><h2>Environment of the recording</h2>{}</section>', _kv(env)))
+    return out
 
 
 def _diff_side(side: dict) -> str:

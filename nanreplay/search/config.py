@@ -179,8 +179,32 @@ class _Trials:
 def _plan(search: Search) -> _Plan:
     """The recorded configuration and the candidates (see the module docstring)."""
     meta = search.bundle.meta
-    mine = settings_of(meta).values
     update = bool((meta.get("reason") or {}).get("nonfinite_update"))
+    base = _recorded(search, settings_of(meta).values)
+    compile_state = meta.get("compile")
+    cannot: list[dict] = []
+    left_out: list[dict] = []
+    if search.against is None:
+        wanted = _towards_conservative(base)
+    else:
+        theirs = search.against.meta
+        if not (compile_state or {}).get("compiled") and (theirs.get("compile") or {}).get("compiled"):
+            compile_state = theirs["compile"]  # compiling a step the recording ran eagerly: the other run's way
+        wanted = _towards_other(meta, theirs, left_out, cannot)
+    cands = []
+    for key, value, to in sorted(wanted, key=lambda w: _order(w[0])):
+        why = _left_out_why(search, key, update)
+        if why:
+            left_out.append({"setting": key, "value": value, "why": why})
+        else:
+            cands.append(Candidate(key, value, to))
+    _warn(search, left_out, cannot)
+    return _Plan(base, cands, left_out, cannot, compile_state, update)
+
+
+def _recorded(search: Search, mine: dict[str, Any]) -> dict[str, Any]:
+    """The recorded settings a replay can set (a value a toggle refuses is left out, and said so);
+    a compiled recording whose backend cannot run is replayed eagerly."""
     base: dict[str, Any] = {}
     for key, value in mine.items():
         t = toggle_for(key)
@@ -189,39 +213,51 @@ def _plan(search: Search) -> _Plan:
         elif t is not None:
             search.warnings.append(f"the recorded {key} = {show_value(value)} is not one a replay may set; the replays run without it")
     if mine.get("compile.compiled") and "compile.backend" not in base:
-        base = {k: v for k, v in base.items() if not k.startswith("compile.")}  # replayed eagerly: its backend cannot run
-    compile_state = meta.get("compile")
-    left_out: list[dict] = []
-    cannot: list[dict] = []
-    if search.against is None:
-        wanted = [(k, v, toggle_for(k).reference) for k, v in base.items()]  # type: ignore[union-attr]
-        # None is torch's default (an inductor mode, foreach): no candidate; an optimizer kernel flag only when it was on
-        wanted = [(k, v, ref) for k, v, ref in wanted
-                  if ref is not NO_REFERENCE and v is not None and v != ref and not (k.startswith("optimizer.") and v is not True)]
-    else:
-        theirs = search.against.meta
-        if not (compile_state or {}).get("compiled") and (theirs.get("compile") or {}).get("compiled"):
-            compile_state = theirs["compile"]  # compiling a step the recording ran eagerly: the other run's way
-        wanted = []
-        for row in diff_settings(meta, theirs)["differences"]:
-            t = toggle_for(row["key"])
-            if t is None or not row["replayable"]:
-                if row["numerics"]:
-                    cannot.append({"setting": row["key"], "a": row["a"], "b": row["b"], "why": "a replay cannot change it: compare the runs with nanreplay diff"})
-            elif not t.accepts(row["b"]) or (row["a"] != UNSET and not t.accepts(row["a"])):
-                left_out.append({"setting": row["key"], "value": row["b"], "why": "the other run's value is not one a replay may set"})
-            else:
-                wanted.append((row["key"], row["a"], row["b"]))
-    cands = []
-    for key, value, to in sorted(wanted, key=lambda w: _order(w[0])):
-        t = toggle_for(key)
-        assert t is not None
-        if search.device.type not in t.devices:
-            left_out.append({"setting": key, "value": value, "why": f"it changes nothing on {search.device.type}; replay on {'/'.join(sorted(t.devices))} (--device) to test it"})
-        elif t.scope == "update" and not update:
-            left_out.append({"setting": key, "value": value, "why": f"only the optimizer update depends on it, and step {search.step}'s failure comes before the update"})
+        base = {k: v for k, v in base.items() if not k.startswith("compile.")}
+    return base
+
+
+def _towards_conservative(base: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, recorded, conservative value)`` of each recorded setting not at its conservative
+    value. ``None`` is torch's default (an inductor mode, foreach): no candidate; an optimizer
+    kernel flag only when it was on."""
+    out = []
+    for k, v in base.items():
+        ref = toggle_for(k).reference  # type: ignore[union-attr]
+        if ref is not NO_REFERENCE and v is not None and v != ref and not (k.startswith("optimizer.") and v is not True):
+            out.append((k, v, ref))
+    return out
+
+
+def _towards_other(meta: dict, theirs: dict, left_out: list[dict], cannot: list[dict]) -> list[tuple[str, Any, Any]]:
+    """``(key, recorded, the other run's value)`` of each difference a replay can set; the
+    numerics-relevant differences no replay can make go to ``cannot``, values a toggle refuses to
+    ``left_out``."""
+    out = []
+    for row in diff_settings(meta, theirs)["differences"]:
+        t = toggle_for(row["key"])
+        if t is None or not row["replayable"]:
+            if row["numerics"]:
+                cannot.append({"setting": row["key"], "a": row["a"], "b": row["b"], "why": "a replay cannot change it: compare the runs with nanreplay diff"})
+        elif not t.accepts(row["b"]) or (row["a"] != UNSET and not t.accepts(row["a"])):
+            left_out.append({"setting": row["key"], "value": row["b"], "why": "the other run's value is not one a replay may set"})
         else:
-            cands.append(Candidate(key, value, to))
+            out.append((row["key"], row["a"], row["b"]))
+    return out
+
+
+def _left_out_why(search: Search, key: str, update: bool) -> Optional[str]:
+    """Why a setting is not a candidate on this replay, or ``None`` when it is."""
+    t = toggle_for(key)
+    assert t is not None
+    if search.device.type not in t.devices:
+        return f"it changes nothing on {search.device.type}; replay on {'/'.join(sorted(t.devices))} (--device) to test it"
+    if t.scope == "update" and not update:
+        return f"only the optimizer update depends on it, and step {search.step}'s failure comes before the update"
+    return None
+
+
+def _warn(search: Search, left_out: list[dict], cannot: list[dict]) -> None:
     elsewhere = [r["setting"] for r in left_out if "changes nothing on" in r["why"]]
     if elsewhere:
         search.warnings.append(f"the replays run on {search.device.type}, where {len(elsewhere)} recorded setting(s) change nothing "
@@ -229,7 +265,6 @@ def _plan(search: Search) -> _Plan:
     if cannot:
         search.warnings.append(f"the runs differ in {len(cannot)} numerics-relevant setting(s) no replay can change "
                                f"({', '.join(r['setting'] for r in cannot[:6])}{', ...' if len(cannot) > 6 else ''}): nanreplay diff lists them")
-    return _Plan(base, cands, left_out, cannot, compile_state, update)
 
 
 def _order(key: str) -> tuple[int, int, str]:

@@ -153,14 +153,19 @@ def test_two_settings_that_only_fail_together_fall_back_to_delta_debugging():
     assert _find(Never(), cands) == (None, "binary splitting")
 
 
-def test_cli_bisect_over_config_against(runs):
+def test_cli_bisect_over_config_against(runs, tmp_path):
+    pytest.importorskip("matplotlib")
     a, b = runs
-    r = CliRunner().invoke(main, ["bisect", str(a), "--over", "config", "--against", str(b), "--json"], catch_exceptions=False)
+    page = tmp_path / "bisect.html"
+    r = CliRunner().invoke(main, ["bisect", str(a), "--against", str(b), "--over", "config", "--json", f"--html={page}"], catch_exceptions=False)
     assert r.exit_code == EXIT_OK, r.output
     out = json.loads(r.stdout)
     assert out["over"] == "config" and out["culprits"][0]["setting"] == "autocast"
-    r = CliRunner().invoke(main, ["bisect", str(a), "--over", "layers", "--against", str(b)])
-    assert r.exit_code == EXIT_USAGE and "--against goes with --over config" in r.output
+    html = page.read_text()
+    assert '<section id="config-diff">' in html and "<code>autocast</code>" in html
+    for args in (["--over", "layers", "--against", str(b)], ["--against", str(b)]):
+        r = CliRunner().invoke(main, ["bisect", str(a), *args])
+        assert r.exit_code == EXIT_USAGE and "--against goes with --over config" in r.output
 
 
 def test_cli_bisect_over_config_names_no_culprit_with_exit_6(sqrt_bundle):
