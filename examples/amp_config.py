@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="the autocast dtype")
     p.add_argument("--out-dir", default="runs/amp", help="where the bundles go")
     p.add_argument("--steps", type=int, default=BAD_STEP + 1)
+    p.add_argument("--scale", type=float, default=SCALE, help="how much larger step 22's features are")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(0)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
             if step == BAD_STEP:
-                x = x * SCALE
+                x = x * args.scale
             rec.record((x, y))
             with torch.autocast("cpu", dtype=dtype):
                 loss = step_loss(model, (x, y))

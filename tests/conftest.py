@@ -76,12 +76,12 @@ def unreproducible_bundle(out_dir) -> Path:
 @pytest.fixture(scope="session")
 def autocast_runs(tmp_path_factory) -> tuple[Path, Path]:
     """(A, B): the float16 run's bundle of its failing step 22 and the bfloat16 run's spike bundle
-    of the same step: two runs that differ in the autocast dtype alone (scenarios.autocast_run)."""
+    of the same step (examples/amp_config.py, scenarios.autocast_run), in ``<tmp>/runs/fp16`` and
+    ``<tmp>/runs/bf16``: two runs that differ in the autocast dtype alone."""
     import scenarios
 
-    fp16 = scenarios.autocast_run(tmp_path_factory.mktemp("fp16"), torch.float16)
-    bf16 = scenarios.autocast_run(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
-    (a,) = fp16.bundles
-    (b,) = bf16._dump.spike_bundles
-    assert not bf16.bundles and scenarios.AUTOCAST_BAD_STEP in fp16.nonfinite_steps
+    root = tmp_path_factory.mktemp("amp")
+    (a,) = scenarios.autocast_run(root / "runs" / "fp16", "float16")
+    (b,) = scenarios.autocast_run(root / "runs" / "bf16", "bfloat16")
+    assert a.name == "nanreplay-step22.h5" and b.name == "nanreplay-spike-step22.h5"
     return a, b

@@ -376,22 +376,3 @@ class SqrtHead(nn.Module):
 def make_sqrt_head() -> nn.Module:
     torch.manual_seed(4321)  # the same weights on every rank and in replay
     return SqrtHead()
-
-
-class WideNet(nn.Module):
-    """Two Linear layers whose outputs reach about 1e5 on an unnormalised batch: past float16's
-    largest finite value (65504), within bfloat16's and float32's range. Under float16 autocast
-    that batch makes the loss +Inf and the gradients NaN; under bfloat16 autocast or in float32
-    the step is finite (``bisect --over config``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 32)
-        self.fc2 = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def make_wide() -> nn.Module:
-    return WideNet()

@@ -78,34 +78,23 @@ def hook_count(model: torch.nn.Module, opt=None) -> int:
     return n
 
 
-#: the step whose batch is unnormalised in :func:`autocast_run`, and the steps it runs
-AUTOCAST_BAD_STEP, AUTOCAST_STEPS = 22, 23
+#: the step whose batch is unnormalised in examples/amp_config.py
+AUTOCAST_BAD_STEP = 22
 
 
-def autocast_run(out_dir, dtype: torch.dtype, *, scale: float = 3e3, **opts) -> Recorder:
-    """Two runs of one loop that differ in one setting, the autocast dtype: ``models.WideNet``,
-    AdamW, ``models.mse_loss`` under ``torch.autocast("cpu", dtype)``, 23 steps of seeded batches;
-    the batch of step 22 is ``scale`` times larger, so ``fc2``'s outputs reach about 1e5. Under
-    float16 (largest finite value 65504) step 22's gradients are non-finite and a bundle is
-    written (``action="warn"``: the run goes on); under bfloat16 the step is finite, a spike of
-    the loss, and ``on_spike="dump"`` writes a spike bundle of it: the healthy run's record.
-    Returns the closed Recorder (``bundles``, ``_dump.spike_bundles``)."""
-    torch.manual_seed(0)
-    model = models.make_wide()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opts = {"loss_fn": models.mse_loss, "model_factory": models.make_wide, "out_dir": out_dir, "diagnose": False, "embed_program": False,
-            "action": "warn", "on_spike": "dump", **opts}
-    with Recorder(model, opt, **opts) as rec:
-        for step in range(AUTOCAST_STEPS):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
-            if step == AUTOCAST_BAD_STEP:
-                x = x * scale
-            rec.record((x, y))
-            with torch.autocast("cpu", dtype=dtype):
-                loss = models.mse_loss(model, (x, y))
-            rec.log_loss(loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return rec
+def autocast_run(out_dir, dtype: str, *, scale: float = 3e3) -> list:
+    """``examples/amp_config.py``: two runs of one loop that differ in one setting, the autocast
+    dtype (``"float16"`` or ``"bfloat16"``). The batch of step 22 is ``scale`` times larger, so
+    the last layer's outputs reach about 1.5e5 (at 3e3): under float16 (largest finite value
+    65504) step 22's gradients are non-finite and ``nanreplay-step22.h5`` is written; under
+    bfloat16 the step is a finite spike of the loss and ``on_spike="dump"`` writes
+    ``nanreplay-spike-step22.h5``, the healthy run's record. Returns the bundles written, sorted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "amp_config.py"
+    spec = importlib.util.spec_from_file_location("amp_config_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dtype", dtype, "--out-dir", str(out_dir), "--scale", str(scale)]) == 0
+    return sorted(Path(out_dir).glob("nanreplay-*.h5"))

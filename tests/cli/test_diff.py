@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
+
+from helpers import with_meta
 
 import scenarios
 from nanreplay import open_bundle
 from nanreplay.cli import EXIT_BAD_BUNDLE, EXIT_OK, EXIT_USAGE, main
 from nanreplay.core import schema
 from nanreplay.core.settings import diff_settings
-from nanreplay.format.bundle import write_bundle
 
 
 def _run(*args):
@@ -44,14 +44,6 @@ def test_json_follows_the_shipped_schema(autocast_runs):
     assert out["a"] == {"bundle": str(a), "step": 22, "here": False} and out["unknown"] == [] and out["same"] > 30
 
 
-def _with_meta(src, dst, edit) -> str:
-    with open_bundle(src) as bundle:
-        content = bundle.content()
-    edit(content.extra_meta)
-    write_bundle(dst, content, trusted=True)
-    return str(dst)
-
-
 def test_numerics_first_then_by_rank_whatever_else_differs(autocast_runs, tmp_path):
     """B also runs another torch, TF32 matmuls, another learning rate and NCCL_ALGO, another
     platform and a logging variable: the precision settings come first, then the optimizer, then
@@ -64,7 +56,7 @@ def test_numerics_first_then_by_rank_whatever_else_differs(autocast_runs, tmp_pa
         env["torch"], env["platform"] = "2.99.0", "Plan9"
         env["variables"].update({"NCCL_ALGO": "Tree", "TORCH_LOGS": "+dynamo"})
         meta["config"]["optimizer"]["param_groups"][0]["lr"] = 0.01
-    b2 = _with_meta(b, tmp_path / "b2.h5", other)
+    b2 = with_meta(b, tmp_path / "b2.h5", other)
     with open_bundle(a) as A, open_bundle(b2) as B:
         d = diff_settings(A.meta, B.meta)
     keys = [r["key"] for r in d["differences"]]
@@ -79,8 +71,8 @@ def test_numerics_first_then_by_rank_whatever_else_differs(autocast_runs, tmp_pa
 def test_different_data_at_a_step_is_one_row(tmp_path):
     """Two float16 runs whose step 22 batches differ (scaled 3e3 and 4e3): the data row names the
     step; the steps before it read the same data."""
-    a = scenarios.autocast_run(tmp_path / "a", torch.float16).bundles[0]
-    b = scenarios.autocast_run(tmp_path / "b", torch.float16, scale=4e3).bundles[0]
+    (a,) = scenarios.autocast_run(tmp_path / "a", "float16")
+    (b,) = scenarios.autocast_run(tmp_path / "b", "float16", scale=4e3)
     with open_bundle(a) as A, open_bundle(b) as B:
         d = diff_settings(A.meta, B.meta)
     (row,) = [r for r in d["differences"] if r["category"] == "data"]
@@ -113,7 +105,7 @@ def test_html_page_and_inert_strings(autocast_runs, tmp_path):
     """A variable whose value carries terminal escapes (a hostile bundle) shows escaped in the
     text and in the page; the page holds the diff section and the JSON."""
     a, b = autocast_runs
-    b2 = _with_meta(b, tmp_path / "b2.h5", lambda m: m["environment"]["variables"].update({"NCCL_PROTO": "Simple\x1b[2J<script>"}))
+    b2 = with_meta(b, tmp_path / "b2.h5", lambda m: m["environment"]["variables"].update({"NCCL_PROTO": "Simple\x1b[2J<script>"}))
     page = tmp_path / "diff.html"
     r = _run("diff", a, b2, "--html", page)
     assert r.exit_code == EXIT_OK and "\x1b" not in r.output and "Simple\\x1b[2J<script>" in r.output
@@ -122,27 +114,22 @@ def test_html_page_and_inert_strings(autocast_runs, tmp_path):
     assert "<script>" not in html.split('id="nanreplay-diff"')[0] and "Simple\\x1b[2J&lt;script&gt;" in html
 
 
-def test_the_worked_example_of_docs_bisect(tmp_path, monkeypatch):
-    """examples/amp_config.py run twice, then the diff and the two searches of docs/bisect.md
-    ("A worked example"): their output is the one the page shows."""
-    import importlib.util
+def test_the_worked_example_of_docs_bisect(autocast_runs, monkeypatch):
+    """examples/amp_config.py run twice (the fixture), then the diff and the two searches of
+    docs/bisect.md ("A worked example") from the directory holding runs/: their output is the one
+    the page shows."""
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("amp_config_example", root / "examples" / "amp_config.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.chdir(tmp_path)
-    assert mod.main(["--dtype", "float16", "--out-dir", "runs/fp16"]) == 0
-    assert mod.main(["--dtype", "bfloat16", "--out-dir", "runs/bf16"]) == 0
-    doc = (root / "docs" / "bisect.md").read_text()
+    a, _ = autocast_runs
+    monkeypatch.chdir(Path(a).parents[2])
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "bisect.md").read_text()
     block = doc.split("### A worked example", 1)[1].split("```", 2)[1]
     commands = re.findall(r"^\$ nanreplay (.+)$", block, flags=re.M)
     assert [c.split()[0] for c in commands] == ["diff", "bisect", "bisect"]
+    same = re.compile(r"^\d+ setting\(s\) the same", re.M)  # how many variables the process has set varies
     for cmd in commands:
         r = _run(*cmd.split())
         assert r.exit_code == EXIT_OK, r.output
         shown = block.split(f"$ nanreplay {cmd}\n", 1)[1].split("\n$ ", 1)[0].strip()
-        same = re.compile(r"^\d+ setting\(s\) the same", re.M)  # how many variables the process has set varies
         assert same.sub("N", r.output.strip()) == same.sub("N", shown), cmd

@@ -11,9 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from helpers import with_meta
+
 from nanreplay import open_bundle
 from nanreplay.cli import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, main
-from nanreplay.format.bundle import write_bundle
 from nanreplay.search.api import bisect
 from nanreplay.search.config import Candidate, _find
 
@@ -61,16 +62,6 @@ def test_against_the_healthy_run_moves_to_its_value(runs):
     assert res["details"]["diff"]["differences"][0]["key"] == "autocast"
 
 
-def _with_meta(src, dst, edit) -> str:
-    """A copy of bundle ``src`` whose metadata ``edit(extra_meta)`` changed (the environment and
-    the run's config are kept on a rewrite, so an edit of them is what the copy records)."""
-    with open_bundle(src) as b:
-        content = b.content()
-    edit(content.extra_meta)
-    write_bundle(dst, content, trusted=True)
-    return str(dst)
-
-
 def test_one_culprit_among_many_differences_within_the_bound(runs, tmp_path):
     """B differs from A in four settings a CPU replay can change; only the autocast dtype
     matters: it is named within ceil(log2 4) + 2 replays, and the differences no replay can make
@@ -83,7 +74,7 @@ def test_one_culprit_among_many_differences_within_the_bound(runs, tmp_path):
         env["torch"] = "2.99.0"
         meta["config"]["distributed"] = {"reduce_dtype": "bfloat16"}
         meta["world_size"] = 2
-    b2 = _with_meta(b, tmp_path / "b2.h5", other_run)
+    b2 = with_meta(b, tmp_path / "b2.h5", other_run)
     res = bisect(a, over="config", against=b2)
     cands = [c["setting"] for c in res["details"]["candidates"]]
     assert cands[0] == "autocast" and len(cands) == 4, cands
@@ -98,7 +89,7 @@ def test_a_compiled_recording_replays_compiled(runs, tmp_path):
     """A bundle that says its model ran under torch.compile (aot_eager: Dynamo and AOTAutograd,
     cheap on a CPU) is replayed compiled, and eager is a candidate."""
     a, _ = runs
-    a2 = _with_meta(a, tmp_path / "compiled.h5", lambda m: m.update(compile={
+    a2 = with_meta(a, tmp_path / "compiled.h5", lambda m: m.update(compile={
         "compiled": True, "backend": "aot_eager", "mode": None, "modules": [], "options": None, "dynamic": False, "fullgraph": False}))
     res = bisect(a2, over="config")
     cands = [c["setting"] for c in res["details"]["candidates"]]
