@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from typing import Any, Optional
 
 import torch
@@ -168,7 +167,7 @@ class _Trials:
                                   source=str(s.bundle.path), trusted=s.bundle.trusted)
         for g, lr in zip(opt.param_groups, s.failing.lrs):
             g.update({k: val for k, val in v.optimizer.items() if k in g})
-            if lr is not None and math.isfinite(lr):
+            if lr is not None:  # as the step ran: a non-finite learning rate is a cause the update must show
                 g["lr"] = lr
         with torch.no_grad():
             opt.step()
@@ -192,7 +191,8 @@ def _plan(search: Search) -> _Plan:
             compile_state = theirs["compile"]  # compiling a step the recording ran eagerly: the other run's way
         wanted = _towards_other(meta, theirs, left_out, cannot)
     cands = []
-    for key, value, to in sorted(wanted, key=lambda w: _order(w[0])):
+    # most numerics-relevant first; the optimizer's kernels first of all when the failure is the update's
+    for key, value, to in sorted(wanted, key=lambda w: (not (update and w[0].startswith("optimizer.")), *_order(w[0]))):
         why = _left_out_why(search, key, update)
         if why:
             left_out.append({"setting": key, "value": value, "why": why})

@@ -106,6 +106,36 @@ def test_a_failure_no_setting_explains_is_not_in_the_search_space(sqrt_bundle):
     assert "is not the cause" in res["answer"]
 
 
+def test_a_failed_update_replays_the_update_with_the_optimizer_kernels(tmp_path):
+    """check_update found step 2's update non-finite (a NaN learning rate, finite gradients): the
+    search replays the update after each backward pass, and the foreach kernel (recorded on) is a
+    candidate; switching it off does not help, so no setting is named."""
+    import models
+    from nanreplay import Recorder
+
+    torch.manual_seed(0)
+    model = models.make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    with Recorder(model, opt, loss_fn=models.mse_loss, model_factory=models.make_mlp, out_dir=tmp_path, check_update=True, action="warn",
+                  diagnose=False, embed_program=False) as rec:
+        for step in range(3):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            rec.record((x, y))
+            loss = models.mse_loss(model, (x, y))
+            opt.zero_grad()
+            loss.backward()
+            if step == 2:
+                opt.param_groups[0]["lr"] = float("nan")
+            opt.step()
+    (path,) = rec.bundles
+    res = bisect(path, over="config")
+    assert res["details"]["replays_update"] is True
+    assert [c["setting"] for c in res["details"]["candidates"]] == ["optimizer.foreach", "numerics.sdpa_flash"]
+    assert res["trials"][0]["nonfinite"] is True and res["trials"][0]["update_nonfinite"] is True  # the backward pass is finite
+    # as recorded; the first half (foreach off); the second half alone; every candidate together
+    assert res["status"] == "not in search space" and res["replays"] == 4
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
 def test_binary_splitting_names_any_single_culprit_within_the_bound(n):
     """The search alone, on a predicate: for every position of one culprit among ``n``, the
