@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ..errors import ReplayError
 from ..format.records import StepRecord
 from .compiled import BUNDLE_BACKENDS, MODES, CompileSettings, recorded_compile, replayable_options
 
@@ -132,14 +133,22 @@ def _try_get(get: Callable[[], Any]) -> Any:
 def process_flags(values: dict[str, Any]) -> Iterator[None]:
     """Set the ``process`` settings among ``values`` (setting key -> value, each accepted by its
     toggle) for the block; every flag, and torch's newer ``fp32_precision`` flags that the older
-    ones move, is put back after, whatever happens."""
+    ones move, is put back after, whatever happens.
+
+    Raises:
+        ReplayError: this torch refuses to set one of them.
+    """
     flags = [t for t in TOGGLES if t.scope == "process" and t.get is not None]
     saved = [(t, _try_get(t.get)) for t in flags]
     saved_new = [(put, _try_get(get)) for get, put in _FP32_PRECISION]
     try:
         for t in flags:  # in table order: the matmul precision before the TF32 flag it implies
             if t.pattern in values and t.put is not None:
-                t.put(values[t.pattern])
+                try:
+                    t.put(values[t.pattern])
+                except Exception as e:  # noqa: BLE001 - this torch refuses the flag: the replay would not run as asked
+                    raise ReplayError(f"could not set {t.pattern} = {values[t.pattern]!r} for the replay ({type(e).__name__}: {e}); "
+                                      "this torch does not take that setting: replay under the torch that recorded it") from e
         yield
     finally:
         for t, v in saved:

@@ -192,3 +192,31 @@ def test_cli_bisect_over_config_against(runs, tmp_path):
 def test_cli_bisect_over_config_names_no_culprit_with_exit_6(sqrt_bundle):
     r = CliRunner().invoke(main, ["bisect", str(sqrt_bundle), "--over", "config"], catch_exceptions=False)
     assert r.exit_code == EXIT_NOT_FOUND and "not in search space" in r.output
+
+
+def test_process_flags_are_put_back():
+    """The flags a replay sets are the process's own again after it, even when the block raises."""
+    from nanreplay.engine.settings import process_flags
+
+    before = (torch.get_float32_matmul_precision(), torch.backends.cuda.flash_sdp_enabled(), torch.backends.mkldnn.enabled,
+              torch.backends.mkldnn.matmul.fp32_precision)
+    with pytest.raises(RuntimeError, match="inside"):
+        with process_flags({"numerics.float32_matmul_precision": "medium", "numerics.sdpa_flash": False, "numerics.mkldnn_enabled": False}):
+            assert torch.get_float32_matmul_precision() == "medium" and not torch.backends.cuda.flash_sdp_enabled()
+            assert not torch.backends.mkldnn.enabled
+            raise RuntimeError("inside")
+    assert (torch.get_float32_matmul_precision(), torch.backends.cuda.flash_sdp_enabled(), torch.backends.mkldnn.enabled,
+            torch.backends.mkldnn.matmul.fp32_precision) == before
+
+
+def test_the_settings_a_replay_can_change_are_the_toggles():
+    """core.settings.SETTINGS marks ``replay`` exactly the rows engine.settings.TOGGLES sets, and
+    every toggle's conservative value is one it accepts."""
+    import fnmatch
+
+    from nanreplay.core.settings import SETTINGS, rule_for
+    from nanreplay.engine.settings import NO_REFERENCE, TOGGLES
+
+    assert all(rule_for(t.pattern.replace("*", "x")).replay for t in TOGGLES)
+    assert all(any(fnmatch.fnmatchcase(t.pattern, r.pattern) for t in TOGGLES) for r in SETTINGS if r.replay)
+    assert all(t.reference is NO_REFERENCE or t.accepts(t.reference) for t in TOGGLES)
