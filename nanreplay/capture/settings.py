@@ -95,6 +95,20 @@ def _ddp(wrapper: Any) -> Optional[Any]:
     return None
 
 
+def _user_hook(hook: Any) -> Optional[str]:
+    """The import path (or name) of the comm hook the loop registered: nanreplay's origin hook
+    (:func:`nanreplay.capture.ddp`) is looked through to the hook it wraps; torch's default
+    all-reduce, the hook DDP runs without one, is ``None``."""
+    if str(getattr(hook, "__module__", "")).startswith("nanreplay."):
+        cells = [c.cell_contents for c in getattr(hook, "__closure__", None) or () if c.cell_contents is not None]
+        hook = next((v for v in cells if callable(v) and not str(getattr(v, "__module__", "")).startswith("nanreplay.")), None)
+        if hook is None:
+            return None
+    if getattr(hook, "__name__", None) == "allreduce_hook" and str(getattr(hook, "__module__", "")).startswith("torch.distributed"):
+        return None
+    return str(callable_path(hook) or getattr(hook, "__qualname__", None) or type(hook).__name__)
+
+
 def reduce_settings(wrapper: Any, model: torch.nn.Module) -> dict:
     """How gradients are reduced across ranks: ``comm_hook`` (the import paths of the DDP comm
     hooks the loop registered, nanreplay's own left out), ``param_dtype`` / ``reduce_dtype`` (DDP's
@@ -103,8 +117,8 @@ def reduce_settings(wrapper: Any, model: torch.nn.Module) -> dict:
     out: dict[str, Any] = {}
     ddp = _ddp(wrapper)
     if ddp is not None:
-        hooks = [callable_path(h) or type(h).__name__ for h, _ in getattr(ddp, "_comm_hooks", None) or []]
-        hooks = [h for h in hooks if not str(h).startswith("nanreplay.")]
+        hooks = [_user_hook(h) for h, _ in getattr(ddp, "_comm_hooks", None) or []]
+        hooks = [h for h in hooks if h is not None]
         out["comm_hook"] = ", ".join(map(str, hooks))[:_MAX_STR] if hooks else None
         mp = getattr(ddp, "mixed_precision", None)
         if mp is not None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import fnmatch
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from .results import ConfigDiff, DiffSide, SettingDiff, UnknownSetting
 
-__all__ = ["Rule", "SETTINGS", "CATEGORIES", "INFORMATIVE", "rule_for", "settings_of", "diff_settings", "differing", "show_value",
+__all__ = ["Rule", "SETTINGS", "CATEGORIES", "INFORMATIVE", "rule_for", "settings_of", "diff_settings", "show_value",
            "Recorded", "UNSET"]
 
 #: the categories, in the order ``diff`` groups them when ranks tie
@@ -334,8 +334,3 @@ def _data_row(a: dict[int, str], b: dict[int, str]) -> Optional[SettingDiff]:
     return {"key": "data.batches", "category": rule.category, "rank": rule.rank, "numerics": rule.numerics,
             "a": [a[s][:12] for s in differ[:8]], "b": [b[s][:12] for s in differ[:8]], "replayable": False,
             "why": f"{len(differ)} of the {len(both)} step(s) both bundles hold read different data (steps {shown})"}
-
-
-def differing(diff: ConfigDiff, *, numerics: bool = True) -> Iterable[SettingDiff]:
-    """The rows of ``diff`` that change numerics (or, with ``numerics=False``, the others)."""
-    return (r for r in diff["differences"] if r["numerics"] == numerics)

@@ -32,7 +32,7 @@ import torch
 
 from ..core.version import __version__
 
-__all__ = ["environment", "numerics_flags", "library_versions", "recorded_variables", "looks_secret", "LIBRARIES",
+__all__ = ["environment", "numerics_flags", "NUMERICS_FLAGS", "library_versions", "recorded_variables", "looks_secret", "LIBRARIES",
            "VARIABLE_PREFIXES", "VARIABLE_NAMES", "SECRET_WORDS", "MAX_VARIABLES", "MAX_VALUE"]
 
 #: the distributions whose versions a bundle records when installed (read from their metadata,

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.numerics import any_nonfinite
-from ..core.settings import UNSET, diff_settings, rule_for, settings_of, show_value
+from ..core.settings import SETTINGS, UNSET, diff_settings, rule_for, settings_of, show_value
 from ..engine.compiled import compiled_replay
 from ..engine.settings import AUTOCAST_OFF, NO_REFERENCE, Variant, process_flags, toggle_for, variant
 from ..engine.state import load_state, optimizer_from_info
@@ -84,7 +84,7 @@ def bisect_config(search: Search) -> dict:
     details: dict[str, Any] = {
         "against": str(search.against.path) if search.against is not None else None,
         "candidates": [c.row() for c in plan.candidates], "left_out": plan.left_out, "cannot_toggle": plan.cannot,
-        "recorded": {k: v for k, v in plan.base.items()}, "replays_update": plan.update,
+        "recorded": dict(plan.base), "replays_update": plan.update,
     }
     if search.against is not None:
         details["diff"] = trials.diff
@@ -268,8 +268,6 @@ def _warn(search: Search, left_out: list[dict], cannot: list[dict]) -> None:
 
 
 def _order(key: str) -> tuple[int, int, str]:
-    from ..core.settings import SETTINGS
-
     rule = rule_for(key)
     return rule.rank, SETTINGS.index(rule), key
 
