@@ -104,3 +104,23 @@ def test_ddp_comm_hook_and_backend(tmp_path):
         assert reduce_settings(model, model) == {}  # not wrapped: nothing distributed to say
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_mixed_precision_policy():
+    """FSDP2 (``fully_shard``) on one CPU rank: the outermost module's MixedPrecisionPolicy gives
+    the param and reduce dtypes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = models.make_mlp()
+        fully_shard(model.fc1, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        assert reduce_settings(model, model) == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "backend": "gloo"}
+    finally:
+        dist.destroy_process_group()
