@@ -707,9 +707,21 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
             echo(f"    {k:<60} {dtype} {str(v['shape']):<20} {v['nbytes']} B")
 
 
+def _against_config(ctx: click.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:
+    """``--against`` goes with ``--over config`` (a usage error, exit 2, otherwise)."""
+    over = ctx.params.get("over", "layers")
+    if value is not None and over != "config":
+        raise click.BadParameter(f"--against goes with --over config, not --over {over}")
+    return value
+
+
 @main.command()
 @_bundle_arg
-@click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples"]), default="layers", show_default=True, help="What to search over.")
+@click.option("--over", type=click.Choice(["layers", "precision", "steps", "samples", "config"]), default="layers", show_default=True,
+              is_eager=True, help="What to search over.")  # eager: --against's check reads it wherever it is written
+@click.option("--against", type=click.Path(dir_okay=True, path_type=Path), metavar="BUNDLE_B", callback=_against_config,
+              help="--over config: another run's bundle (a healthy run's, e.g. a spike bundle); the search sets the settings the two runs "
+                   "differ in to B's values instead of to their conservative ones. Only B's metadata is read; nothing it names runs.")
 @click.option("--max-replays", default=64, show_default=True, type=click.IntRange(min=1), help="Most replays the search may run.")
 @click.option("--threshold", default=10.0, show_default=True, type=click.FloatRange(min=1, min_open=True), help="--over steps (and the walk of --over layers to the first abnormal step): a grad norm or update norm above THRESHOLD x the median of the earlier steps leaves the healthy range.")
 @click.option("--model-factory", metavar="MODULE:FUNCTION", help="Zero-argument function returning the model (default: the one recorded in the bundle).")
@@ -724,12 +736,14 @@ def _echo_summary(info: dict, keys: bool, color: Optional[bool] = None) -> None:
 @_batch_type_opt
 @_sandbox_options
 @_color_option
-def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str], device: Optional[str],
-           as_json: bool, html: Optional[str], trust: bool, batch_types: tuple, timeout: float, memory_limit: Optional[float],
+def bisect(bundle: Path, over: str, against: Optional[Path], max_replays: int, threshold: float, model_factory: Optional[str], loss_fn: Optional[str],
+           device: Optional[str], as_json: bool, html: Optional[str], trust: bool, batch_types: tuple, timeout: float, memory_limit: Optional[float],
            color: Optional[bool]) -> None:
     """Search BUNDLE for the cause of its non-finite step by replaying variations of it:
     the layers whose weight change makes it non-finite, the first layer that must run in float32,
-    the first step that left the healthy range, or the smallest bad subset of the batch.
+    the first step that left the healthy range, the smallest bad subset of the batch, or the
+    recorded setting (autocast dtype, TF32, matmul precision, attention kernel, compile backend
+    and mode, fused optimizer) whose change makes it finite (--over config, --against B).
 
     Prints one sentence, then details. Exit code 0 when a culprit was named, 6 when not, 7 when
     refused as untrusted (see `nanreplay replay --help`). The bundle is never modified.
@@ -744,7 +758,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
     show = err.isatty()
     with click.progressbar(length=max_replays, label=f"bisect --over {over}", file=err) if show else contextlib.nullcontext() as bar:
         res: BisectResult = _guard(lambda: run(bundle, over=over, max_replays=max_replays, threshold=threshold, model_factory=model_factory, loss_fn=loss_fn, device=device, progress=bar.update if bar is not None else None,
-                                 trust=trust, batch_types=types, sandbox=_limits(timeout, memory_limit)))
+                                 trust=trust, batch_types=types, against=against, sandbox=_limits(timeout, memory_limit)))
     if as_json:
         click.echo(_dump_json(_versioned(res)))
     else:
@@ -776,6 +790,7 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
                 f"    step {row['step']:>5}  loss {_g(num.get('loss')):<12} grad norm {_g(num.get('grad_norm')):<12} update {_g(num.get('update_norm')):<12}"
                 f" recorded ok {row['matches_recording']!s:<5} {st('; '.join(row['anomalies']), fg='red')}"
             )
+        _config_lines(d, echo)  # --over config: the settings tried
         for r, num in zip(d.get("largest_moves", [])[:5], raw.get("largest_moves", [])):
             echo(f"    moved {r['layer'] or '(root)':<28} relative change {_g(num.get('relative_change')):<12} max |change| {_g(num.get('max_abs_diff'))}")
         for w in res_text["warnings"]:
@@ -789,6 +804,62 @@ def bisect(bundle: Path, over: str, max_replays: int, threshold: float, model_fa
         click.echo(f"bisect page written to {inert(out)}", err=as_json)
     if res["status"] != "found":
         sys.exit(EXIT_NOT_FOUND)
+
+
+@main.command()
+@click.argument("bundle_a", metavar="A", type=click.Path(dir_okay=True, path_type=Path))
+@click.argument("bundle_b", metavar="[B]", required=False, type=click.Path(dir_okay=True, path_type=Path))
+@click.option("--here", is_flag=True, help="Compare A with this process's environment (versions, numerics flags, environment variables) instead of a bundle B.")
+@click.option("--json", "as_json", is_flag=True, help="Print the difference as JSON (nanreplay/schema/diff.schema.json).")
+@click.option("--html", "html", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the difference as a self-contained HTML page.")
+@click.option("--rows", default=40, show_default=True, type=click.IntRange(min=1), help="Rows of each group in the text output.")
+@_color_option
+def diff(bundle_a: Path, bundle_b: Optional[Path], here: bool, as_json: bool, html: Optional[Path], rows: int, color: Optional[bool]) -> None:
+    """What differs between the runs that wrote bundles A and B: library versions, numerics
+    flags, autocast, compile settings, the optimizer, distributed reduce dtypes, environment
+    variables, the data each step read. The differences that can change a step's numbers come
+    first, most likely first; those `bisect A --over config --against B` can toggle in a replay
+    are marked.
+
+    With --here instead of B: A against this process (versions, flags, variables). Reads only
+    the bundles' metadata: nothing they name runs. Exit 0 when compared, 2 for a usage error,
+    4 for an unreadable bundle.
+    """
+    from .core.settings import diff_settings
+    from .report.text import render_diff
+
+    if (bundle_b is None) == (not here):
+        raise click.UsageError("give a second bundle B, or --here to compare A with this process's environment (not both)")
+    meta_a = _guard(lambda: _bundle_meta(bundle_a))
+    if here:
+        from .format.environment import environment
+
+        meta_b: dict = {"environment": environment()}
+        name_b = "this process"
+    else:
+        assert bundle_b is not None
+        meta_b = _guard(lambda: _bundle_meta(bundle_b))
+        name_b = str(bundle_b)
+    result = diff_settings(meta_a, meta_b, a_name=str(bundle_a), b_name=name_b, b_here=here)
+    if as_json:
+        click.echo(_dump_json(_versioned(result)), color=False)
+    else:
+        click.echo(render_diff(result, color=color is not False, rows=rows), color=color)
+    if html is not None:
+        from .report.html import render_diff_html
+
+        _write_page(html, render_diff_html(result))
+        click.echo(f"diff page written to {inert(html)}", err=as_json)
+
+
+def _config_lines(d: dict, echo: Callable[[str], None]) -> None:
+    """``bisect --over config``'s details in words: the settings tried, those no replay can change."""
+    from .core.settings import show_value
+
+    for c in d.get("candidates", []):
+        echo(f"    candidate {c['setting']}: {show_value(c['recorded'])} -> {show_value(c['changed_to'])}")
+    for c in d.get("cannot_toggle", [])[:10]:
+        echo(f"    not replayable {c['setting']}: {show_value(c['a'])} vs {show_value(c['b'])} (nanreplay diff)")
 
 
 def _require_report_extra() -> None:

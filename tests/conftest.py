@@ -71,3 +71,17 @@ def unreproducible_bundle(out_dir) -> Path:
     import scenarios
 
     return Path(scenarios.unreproducible(out_dir).bundle_path)
+
+
+@pytest.fixture(scope="session")
+def autocast_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """(A, B): the float16 run's bundle of its failing step 22 and the bfloat16 run's spike bundle
+    of the same step (examples/amp_config.py, scenarios.autocast_run), in ``<tmp>/runs/fp16`` and
+    ``<tmp>/runs/bf16``: two runs that differ in the autocast dtype alone."""
+    import scenarios
+
+    root = tmp_path_factory.mktemp("amp")
+    (a,) = scenarios.autocast_run(root / "runs" / "fp16", "float16")
+    (b,) = scenarios.autocast_run(root / "runs" / "bf16", "bfloat16")
+    assert a.name == "nanreplay-step22.h5" and b.name == "nanreplay-spike-step22.h5"
+    return a, b

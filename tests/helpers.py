@@ -84,3 +84,17 @@ def raw_controls(text: str) -> list[str]:
     """Control characters in ``text`` other than newline, tab and nanreplay's own SGR styles."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     return [c for c in text if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F or c == "\u202e"]
+
+
+def with_meta(src, dst, edit) -> str:
+    """A copy of bundle ``src`` at ``dst`` whose metadata ``edit(extra_meta)`` changed (the
+    environment and the run's config are kept on a rewrite, so an edit of them is what the copy
+    records); trusted, as the Recorder's own."""
+    from nanreplay import open_bundle
+    from nanreplay.format.bundle import write_bundle
+
+    with open_bundle(src) as b:
+        content = b.content()
+    edit(content.extra_meta)
+    write_bundle(dst, content, trusted=True)
+    return str(dst)

@@ -107,3 +107,25 @@ def hook_count(model: torch.nn.Module, opt=None) -> int:
     if opt is not None:
         n += len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
     return n
+
+
+#: the step whose batch is unnormalised in examples/amp_config.py
+AUTOCAST_BAD_STEP = 22
+
+
+def autocast_run(out_dir, dtype: str, *, scale: float = 3e3) -> list:
+    """``examples/amp_config.py``: two runs of one loop that differ in one setting, the autocast
+    dtype (``"float16"`` or ``"bfloat16"``). The batch of step 22 is ``scale`` times larger, so
+    the last layer's outputs reach about 1.5e5 (at 3e3): under float16 (largest finite value
+    65504) step 22's gradients are non-finite and ``nanreplay-step22.h5`` is written; under
+    bfloat16 the step is a finite spike of the loss and ``on_spike="dump"`` writes
+    ``nanreplay-spike-step22.h5``, the healthy run's record. Returns the bundles written, sorted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "amp_config.py"
+    spec = importlib.util.spec_from_file_location("amp_config_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dtype", dtype, "--out-dir", str(out_dir), "--scale", str(scale)]) == 0
+    return sorted(Path(out_dir).glob("nanreplay-*.h5"))

@@ -73,6 +73,7 @@ class Dump:
         self.replaying = False
         self.history: Any = None  # the Recorder's capture.early.ScalarHistory, stored in every bundle
         self.compile_state: Optional[Callable[[], dict]] = None  # the model's torch.compile state (capture.compiled), meta["compile"]
+        self.run_config: Optional[Callable[[list], dict]] = None  # the run's configuration for these steps (capture.settings), meta["config"]
         self.spike_bundles: list[Path] = []
         self.spike_attempts = 0
         # log_to: the user's experiment trackers, told of every bundle and spike episode (capture.trackers)
@@ -134,7 +135,8 @@ class Dump:
             loss_fn=self.loss_fn_path,
             extra_meta={"replay_options": {"allow_nonfinite": [str(r) for r in self.config.allow_nonfinite]}, **self.extra_meta,
                         **({"scalar_history": self.history.to_meta(rec.step)} if self.history is not None else {}),
-                        **({"compile": self.compile_state()} if self.compile_state is not None else {})},
+                        **({"compile": self.compile_state()} if self.compile_state is not None else {}),
+                        **({"config": self.run_config(steps)} if self.run_config is not None else {})},
         )
 
     def __call__(self, rec: StepRecord, grads: list, state: StateSource, *, bad_grad: bool = False, bad_loss: bool = False,

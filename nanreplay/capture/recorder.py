@@ -49,6 +49,7 @@ from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import local
 from .compiled import compile_state
+from .settings import run_config
 from .snapshots import attach_scan, live_state
 from .steps import StepStart
 from .update import UpdateCheck, check_update
@@ -196,6 +197,7 @@ class Recorder:
                                 snapshot_every=self.config.snapshot_every, snapshot_state=self._live, capture_cotangent=self.config.capture_cotangent)
         self._tap = ForwardTap(model, self._steps.forward_pre, self._steps.forward_post)
         self._dump.compile_state = lambda: compile_state(self.wrapper, self.model, self._tap.compiled_wrapper)
+        self._dump.run_config = lambda steps: run_config(self.wrapper, self.model, self.optimizer, steps)  # at the dump, never per step
         self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))

@@ -34,12 +34,13 @@ __all__ = [
     "CompileCheck", "CompiledReplay", "CompiledCulprit", "CompiledOperand", "CompiledRows", "TimelineStep", "ForwardModule", "BatchLeaf",
     "RecordedQuantity", "Difference", "Rung", "Fidelity", "DiagnosisDict", "BisectResult", "BisectWindow", "OPEN",
     "RollbackPlan", "Episode", "EpisodeRun", "RejectedState", "LrJump", "LossScale",
+    "ConfigDiff", "DiffSide", "SettingDiff", "UnknownSetting",
 ]
 
 #: the version of the JSON shape of :class:`DiagnosisDict` and :data:`BisectResult`, written as
 #: ``schema_version`` by ``--json``: bump the minor version when a key is added, the major
 #: version when one is renamed, removed or changes type
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 
 #: a float as JSON holds it: a number, or ``"nan"``, ``"inf"``, ``"-inf"`` (``core.jsonable``)
 JFloat = Union[float, Literal["nan", "inf", "-inf"]]
@@ -503,6 +504,54 @@ class BisectResult(TypedDict):
     trials: list[dict[str, Any]]
     window: NotRequired[BisectWindow]
     model_source: NotRequired[Optional[str]]
+    schema_version: NotRequired[str]
+
+
+class DiffSide(TypedDict):
+    """One side of ``nanreplay diff``: the bundle (its path), its failing step, or ``here``: this
+    process's environment."""
+
+    bundle: str
+    step: Optional[int]
+    here: bool
+
+
+class SettingDiff(TypedDict):
+    """One setting two runs differ in (``nanreplay diff``, ``docs/bisect.md``): its key (e.g.
+    ``autocast``, ``numerics.tf32_matmul``, ``optimizer.lr``, ``env.NCCL_ALGO``), its category and
+    numerics rank (:data:`nanreplay.core.settings.SETTINGS`: 1 = most likely to change a step's
+    numbers, 9 = not at all), the two values (``"(unset)"``: not set in that run; a list for data
+    digests and per-group hyper-parameters), whether ``bisect --over config`` can toggle it in a
+    replay, and why it matters."""
+
+    key: str
+    category: str
+    rank: int
+    numerics: bool
+    a: Any
+    b: Any
+    replayable: bool
+    why: str
+
+
+class UnknownSetting(TypedDict):
+    """A setting only one of the two bundles records (an older writer, a record it lacks)."""
+
+    key: str
+    recorded_in: Literal["a", "b"]
+
+
+class ConfigDiff(TypedDict):
+    """The result of ``nanreplay diff A B`` / ``diff A --here`` (``docs/bisect.md``): the
+    differences, numerics-relevant first, the count of settings equal in both, the settings only
+    one side records, and notes."""
+
+    a: DiffSide
+    b: DiffSide
+    differences: list[SettingDiff]
+    same: int
+    unknown: list[UnknownSetting]
+    notes: list[str]
     schema_version: NotRequired[str]
 
 

@@ -27,6 +27,7 @@ __all__ = ["schema_for", "SCHEMAS", "schema_path", "shipped_schema", "schema_tex
 SCHEMAS: dict[str, tuple[Any, str]] = {
     "diagnosis": (results.DiagnosisDict, "nanreplay replay --json"),
     "bisect": (results.BisectResult, "nanreplay bisect --json"),
+    "diff": (results.ConfigDiff, "nanreplay diff --json"),
 }
 
 _SCALARS = {int: {"type": "integer"}, float: {"type": "number"}, str: {"type": "string"}, bool: {"type": "boolean"},
@@ -109,7 +110,7 @@ def schema_path(name: str) -> Path:
 
 def shipped_schema(name: str) -> dict:
     """The shipped JSON Schema of ``name`` (``"diagnosis"``: ``replay --json``; ``"bisect"``:
-    ``bisect --json``), for tools that validate nanreplay's output."""
+    ``bisect --json``; ``"diff"``: ``diff --json``), for tools that validate nanreplay's output."""
     return json.loads(schema_path(name).read_text(encoding="utf-8"))
 
 

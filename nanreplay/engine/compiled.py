@@ -44,7 +44,7 @@ from .run import ReplayResult, StepInputs, run_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_check", "recorded_compile", "replayable_options", "eager_modules", "compiled_as", "CompileSettings", "DEFAULT_BACKEND",
+__all__ = ["compile_check", "recorded_compile", "replayable_options", "eager_modules", "compiled_as", "compiled_replay", "CompileSettings", "DEFAULT_BACKEND",
            "REFERENCE_BACKEND", "BUNDLE_BACKENDS", "MODES", "STAGES"]
 
 #: the backend ``torch.compile`` uses by default
@@ -284,20 +284,34 @@ def eager_modules(model: torch.nn.Module) -> Iterator[None]:
             m._compiled_call_impl = impl
 
 
-def _compiled_replay(model: torch.nn.Module, inp: StepInputs, settings: CompileSettings, modules: Sequence[str],
-                     device: Optional[torch.device]) -> tuple[ReplayResult, str]:
-    """The step replayed bare with what the recording compiled compiled (:func:`compiled_as`);
-    the step-start buffers are put back after."""
+@contextlib.contextmanager
+def compiled_replay(model: torch.nn.Module, settings: CompileSettings, modules: Sequence[str] = ()) -> Iterator[str]:
+    """For the block, a replay of ``model`` runs what the recording compiled compiled
+    (:func:`compiled_as`), outside any Python dispatch mode and with room for this replay's
+    recompilations; run the step inside with ``run_step(model, inp, ops=False, monitors=False,
+    runner=model)``. Yields the target in words.
+
+    Raises:
+        RuntimeError: a Python dispatch mode is active (Dynamo would run the code eagerly).
+    """
     import torch._dynamo
 
     limit = torch._dynamo.config.recompile_limit + _EXTRA_RECOMPILES
+    with without_private_generators() as bare, torch._dynamo.config.patch(recompile_limit=limit):
+        if not bare:
+            raise RuntimeError("a Python dispatch mode is active around the replay: Dynamo does not trace under one, "
+                               "so the compiled replay would run eagerly")
+        with compiled_as(model, settings, modules) as target:
+            yield target
+
+
+def _compiled_replay(model: torch.nn.Module, inp: StepInputs, settings: CompileSettings, modules: Sequence[str],
+                     device: Optional[torch.device]) -> tuple[ReplayResult, str]:
+    """The step replayed bare with what the recording compiled compiled (:func:`compiled_replay`);
+    the step-start buffers are put back after."""
     try:
-        with without_private_generators() as bare, torch._dynamo.config.patch(recompile_limit=limit):
-            if not bare:
-                raise RuntimeError("a Python dispatch mode is active around the replay: Dynamo does not trace under one, "
-                                   "so the compiled replay would run eagerly")
-            with compiled_as(model, settings, modules) as target:
-                return run_step(model, inp, ops=False, device=device, monitors=False, runner=model), target
+        with compiled_replay(model, settings, modules) as target:
+            return run_step(model, inp, ops=False, device=device, monitors=False, runner=model), target
     finally:
         load_buffers(model, inp.state.buffers)
 

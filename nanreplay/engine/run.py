@@ -112,7 +112,19 @@ class ReplayResult:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def _deterministic(on: bool = True) -> Iterator[None]:
+    """Deterministic algorithms (where torch has them, warning where not) and no cuDNN
+    autotuning for the block; ``on=False`` (``bisect --over config`` replaying a recording that
+    ran without them) turns them off and leaves cuDNN's flags as they are."""
+    if not on:
+        prev = torch.are_deterministic_algorithms_enabled()
+        prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+        return
     prev = torch.are_deterministic_algorithms_enabled()
     prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     prev_bench = torch.backends.cudnn.benchmark
@@ -385,7 +397,7 @@ def _mode_and_inputs(inp: StepInputs) -> tuple[str, list]:
 
 
 def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any, *, anomaly: bool, compiled: bool, cuda: bool,
-             model_inputs: bool = False) -> None:
+             model_inputs: bool = False, deterministic: bool = True) -> None:
     """Run the step under its recorded RNG states and the monitors: forward with the loss
     function or the recorded cotangent, backward, and the scaler's unscale when the recorded
     gradients were unscaled. The monitors are closed and the RNG hook removed whatever happens.
@@ -404,7 +416,7 @@ def _execute(run: "_Run", inp: StepInputs, mode: str, scaler: Any, autocast: Any
     try:
         # the step's random draws come from its recorded states, and no other thread's generator
         # is consumed or rewound (ReplayRNG); the process's states are as before once it returns
-        with rng, _deterministic(), _anomaly(anomaly), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
+        with rng, _deterministic(deterministic), _anomaly(anomaly), run.tracker, (run.opmon if run.opmon is not None else contextlib.nullcontext()):
             rng.load(_replay_state(rec.rng, cuda))
             if rng.shared:
                 run.warnings.append(
@@ -436,7 +448,8 @@ class _Both:
 
 def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, device: Optional[torch.device] = None, monitors: bool = True,
              runner: Optional[torch.nn.Module] = None, lean: bool = False, sources: bool = True,
-             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True, model_inputs: bool = False) -> ReplayResult:
+             watch: Optional[frozenset] = None, settle: bool = False, backward: bool = True, model_inputs: bool = False,
+             deterministic: bool = True) -> ReplayResult:
     """Re-execute one step on ``model``, whose weights and buffers must already hold the
     step-start state: restore the step's RNG states and module modes, run forward (and the loss,
     or the recorded cotangent) and backward under the monitors. Leaves the replayed gradients in
@@ -475,6 +488,8 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
             of what the loss function passes it: the step as the model saw it when code between
             ``record(batch)`` and the model changed the batch (the loss function still supplies
             the rest, e.g. the targets).
+        deterministic: run with deterministic algorithms (the default: replays compare); ``False``
+            for a search replaying a recording that ran without them (``bisect --over config``).
 
     Raises:
         ReplayError: the step holds no batch and no forward call, or the loss function returned
@@ -506,7 +521,7 @@ def run_step(model: torch.nn.Module, inp: StepInputs, *, ops: bool = True, devic
         for n, b in model.named_buffers():
             run.opmon.facts.seed(b, f"buffer:{n}")
     _execute(run, inp, mode, scaler, autocast, anomaly=ops and sources, compiled=runner is not None, cuda=dev.type == "cuda",
-             model_inputs=model_inputs)
+             model_inputs=model_inputs, deterministic=deterministic)
     live_grads = [p.grad for p in model.parameters() if p.grad is not None]
     reaching = run.opmon.taint_of(run.products + live_grads) if run.opmon is not None and watch is None else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

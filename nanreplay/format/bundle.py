@@ -13,12 +13,10 @@ safetensors, manifest, checksums) is :mod:`nanreplay.format.container`.
 from __future__ import annotations
 
 import contextlib
-import platform
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
-import numpy as np
 import torch
 
 from ..core.callables import CallablePath, loss_kwargs_names, model_init_names, torch_optimizer_class
@@ -27,9 +25,9 @@ from ..core.jsonable import fnum, unfnum
 from ..core.rng import RNGState
 from ..core.tree import accepted_types, tree_from_flat, tree_to_flat
 from ..core.trust import is_trusted, mark_trusted, revoke_trust
-from ..core.version import __version__
 from ..errors import BundleFormatError
 from .container import FlatBundle, read_flat, write_flat
+from .environment import environment
 from .meta import MetaError, validate_step_meta
 from .program import validate_program_record
 from .records import BundleContent, ForwardRecord, Snapshot, StepRecord
@@ -95,26 +93,6 @@ class _LazyOptimizerSnapshot(Snapshot):
         self.__dict__["_optimizer"] = value
 
 
-def environment() -> dict:
-    """Versions and determinism flags, recorded in every bundle."""
-    return {
-        "nanreplay": __version__,
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "determinism": {
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-            "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-        },
-        "num_threads": torch.get_num_threads(),
-    }
-
-
 #: the key prefixes of the bundle's own layout (extra tensors go under their own, e.g. ``program/``)
 _LAYOUT_PREFIXES = ("state/", "steps/", "grads/", "gradmask/")
 
@@ -153,7 +131,8 @@ def write_bundle(path: str | Path, content: BundleContent, *, fsync: bool = True
         **content.extra_meta,
         "kind": "nanreplay.step",
         "created_unix": time.time(),
-        "environment": environment(),
+        # the recording's environment: a rewrite (Dump.amend, a sharded run's merge) keeps it
+        "environment": content.extra_meta["environment"] if isinstance(content.extra_meta.get("environment"), dict) else environment(),
         "failing_step": content.failing_step,
         "reason": content.reason,
         "model": content.model_info,
@@ -506,7 +485,7 @@ class Bundle:
         """Everything the bundle holds, as the :class:`~nanreplay.format.records.BundleContent`
         that :func:`write_bundle` takes: ``write_bundle(path2, open_bundle(path).content())``
         writes a bundle with the same content (tensors bit-exact, the same metadata but for
-        ``created_unix`` and ``environment``, which describe the new write; typed batch nodes
+        ``created_unix``, which is the new write's; ``environment`` stays the recording's; typed batch nodes
         not rebuilt through ``types`` are written as the dicts they were read as). The content's
         ``trusted`` is this bundle's :attr:`trusted`, so a rewrite keeps an untrusted bundle
         untrusted. Reads every tensor.
@@ -514,7 +493,7 @@ class Bundle:
         Raises:
             BundleFormatError: the file contradicts its own manifest.
         """
-        known = {"kind", "created_unix", "environment", "failing_step", "reason", "model", "optimizer",
+        known = {"kind", "created_unix", "failing_step", "reason", "model", "optimizer",
                  "model_factory", "loss_fn", "steps", "state", "grads", "grad_digests", "diagnosis", "extra_tensors", "callables"}
         return BundleContent(
             failing_step=self.failing_step,

@@ -428,6 +428,84 @@ def _compile_state(c: "_Checker", v: Any) -> None:
                 raise MetaError(f"{where}.options[{k!r}]", "a boolean, a number or a string", _show(val))
 
 
+def _flat_obj(c: "_Checker", v: Any, where: str, max_keys: int, check: Callable[[Any, str], None], max_key: int = 128) -> dict:
+    """An object of at most ``max_keys`` keys of at most ``max_key`` characters, each value passing ``check``."""
+    o = c.obj(v, where)
+    if len(o) > max_keys:
+        raise MetaError(where, f"at most {max_keys} entries", f"{len(o)}")
+    for k, val in o.items():
+        c.string(k, where, max_len=max_key)
+        check(val, f"{where}[{k[:100]!r}]")
+    return o
+
+
+def _setting_value(c: "_Checker", v: Any, where: str, *, lists: bool = True) -> None:
+    """A recorded setting's value: null, a boolean, an integer, a float (as ``core.jsonable``
+    writes it), a string of at most 512 characters, or (``lists``) a list of at most 16 of these."""
+    if v is None or isinstance(v, (bool, int)):
+        return
+    if isinstance(v, float) or (isinstance(v, str) and v in _FNUM_STRINGS):
+        c.fnum(v, where)
+        return
+    if isinstance(v, str):
+        c.string(v, where, max_len=512)
+        return
+    if lists and isinstance(v, list):
+        for i, x in enumerate(c.array(v, where, 16)):
+            _setting_value(c, x, f"{where}[{i}]", lists=False)
+        return
+    raise MetaError(where, "null, a boolean, a number, a string" + (" or a list of at most 16 of these" if lists else ""), _show(v))
+
+
+def _environment(c: "_Checker", v: Any) -> None:
+    """``meta.environment``: the recording process's versions, numerics flags and environment
+    variables (:mod:`nanreplay.format.environment`); every key optional (older bundles lack the
+    newer ones), every string bounded."""
+    where = "meta.environment"
+    env = c.obj(v, where)
+    for k in ("nanreplay", "torch", "numpy", "python", "platform", "cuda"):
+        c.string(env.get(k), f"{where}.{k}", null=True, max_len=256)
+    c.boolean(env.get("cuda_available"), f"{where}.cuda_available")
+    c.integer(env.get("cudnn"), f"{where}.cudnn", null=True)
+    c.integer(env.get("num_threads"), f"{where}.num_threads", 0, 1 << 20, null=True)
+    if env.get("libraries") is not None:
+        _flat_obj(c, env["libraries"], f"{where}.libraries", 64, lambda x, w: c.string(x, w, max_len=128))
+    if env.get("determinism") is not None:
+        _flat_obj(c, env["determinism"], f"{where}.determinism", 32, lambda x, w: c.boolean(x, w))
+    if env.get("numerics") is not None:
+        _flat_obj(c, env["numerics"], f"{where}.numerics", 64, lambda x, w: _setting_value(c, x, w, lists=False), 64)
+    if env.get("variables") is not None:
+        _flat_obj(c, env["variables"], f"{where}.variables", 256, lambda x, w: c.string(x, w, null=True, max_len=1024))
+
+
+_DATA_SOURCES = ("batches", "inputs")
+
+
+def _run_config(c: "_Checker", v: Any) -> None:
+    """``meta.config``: the run's side of its configuration (:mod:`nanreplay.capture.settings`):
+    the optimizer's param groups without their parameters, activation checkpointing, the reduce
+    dtypes, and one data digest per step held."""
+    where = "meta.config"
+    cfg = c.obj(v, where)
+    opt = c.obj(cfg.get("optimizer") or {}, f"{where}.optimizer")
+    for i, g in enumerate(c.array(opt.get("param_groups") or [], f"{where}.optimizer.param_groups", 10_000)):
+        _flat_obj(c, g, f"{where}.optimizer.param_groups[{i}]", 64, lambda x, w: _setting_value(c, x, w))
+    training = c.obj(cfg.get("training") or {}, f"{where}.training")
+    ckpt = c.obj(training.get("checkpointing") or {}, f"{where}.training.checkpointing")
+    c.names(ckpt.get("gradient_checkpointing") or [], f"{where}.training.checkpointing.gradient_checkpointing", 256)
+    if cfg.get("distributed") is not None:
+        _flat_obj(c, cfg["distributed"], f"{where}.distributed", 16, lambda x, w: _setting_value(c, x, w, lists=False), 64)
+    for i, row in enumerate(c.array(cfg.get("data") or [], f"{where}.data")):
+        w = f"{where}.data[{i}]"
+        row = c.obj(row, w, ("step", "sha256", "of"))
+        c.integer(row["step"], f"{w}.step")
+        sha = c.string(row["sha256"], f"{w}.sha256", max_len=64)
+        if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
+            raise MetaError(f"{w}.sha256", "64 lowercase hex digits", _show(sha))
+        if row["of"] not in _DATA_SOURCES:
+            raise MetaError(f"{w}.of", f"one of {list(_DATA_SOURCES)}", _show(row["of"]))
+
+
 def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
     """Check a step bundle's metadata against the schema and against the tensors in the file.
 
@@ -449,7 +527,9 @@ def validate_step_meta(meta: Any, info: InfoFn) -> MetaFacts:
     if m.get("created_unix") is not None and not isinstance(m["created_unix"], (int, float)):
         raise MetaError("meta.created_unix", "a number", _show(m["created_unix"]))
     if m.get("environment") is not None:
-        c.obj(m["environment"], "meta.environment")
+        _environment(c, m["environment"])
+    if m.get("config") is not None:
+        _run_config(c, m["config"])
     _check_reason(c, m)
     c.integer(m.get("rank"), "meta.rank", null=True)
     c.integer(m.get("world_size"), "meta.world_size", 1 if m.get("world_size") is not None else 0, null=True)

@@ -20,13 +20,14 @@ from html import escape
 from typing import Any, Iterable, Optional, Sequence
 
 from ..core.inert import inert
-from ..core.results import BisectResult, DiagnosisDict, ForwardModule, TimelineStep
+from ..core.results import BisectResult, ConfigDiff, DiagnosisDict, ForwardModule, TimelineStep
+from ..core.settings import show_value
 from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotlib, samples_svg, timeline_svg, trials_svg, moves_svg
 from .summary import difference_phrase, fix_sentence, verdict_phrase
 from ..core.rollback import episode_phrase, restore_phrase, span
 from .text import fmt_health, fmt_indices
 
-__all__ = ["render_html", "render_inline_html", "render_bisect_html", "environment_rows", "Markup", "esc", "h"]
+__all__ = ["render_html", "render_inline_html", "render_bisect_html", "render_diff_html", "diff_section", "environment_rows", "Markup", "esc", "h"]
 
 _CSS = """
 :root { --fg:#263238; --muted:#607d8b; --line:#e0e6ea; --bg:#fafbfc; --card:#fff; --bad:@NAN@; --ok:#2e7d32; --warn:#ef6c00; }
@@ -579,11 +580,62 @@ def render_bisect_html(res: BisectResult, *, meta: Optional[dict] = None) -> str
     if d.get("largest_moves"):
         out.append(h('<section id="moves"><h2>Weight movement by layer</h2>{}</section>',
                      _svg(moves_svg(d["largest_moves"], [c.get("layer") for c in culprits if "layer" in c]))))
-    env = environment_rows(meta)
-    if env:
-        out.append(h('<section id="environment"><h2>Environment of the recording</h2>{}</section>', _kv(env)))
+    out.extend(_context_sections(d, meta))
     if res.get("warnings"):
         out.append(h('<section id="warnings"><h2>Warnings</h2><ul>{}</ul></section>', join(h("<li>{}</li>", w) for w in res["warnings"])))
     out.append(h("<details><summary>details (JSON)</summary><pre>{}</pre></details>", json.dumps(d, indent=1, default=str)))
     out.append(h("<footer>Written by <code>nanreplay bisect --html</code>; this page loads nothing from the network.</footer>{}", _json_script(res, "nanreplay-bisect")))
     return _page(f"nanreplay bisect: step {res.get('step')}: {status}", join(out, "\n"))
+
+
+def _context_sections(details: dict, meta: Optional[dict]) -> list[Markup]:
+    """The bisect page's context: what the two runs differ in (``--over config --against B``),
+    then the environment of the recording."""
+    out = [diff_section(details["diff"])] if isinstance(details.get("diff"), dict) else []
+    env = environment_rows(meta)
+    if env:
+        out.append(h('<section id="environment"><h2>Environment of the recording</h2>{}</section>', _kv(env)))
+    return out
+
+
+def _diff_side(side: dict) -> str:
+    if side.get("here"):
+        return "this process"
+    return f"{side.get('bundle')}" + (f" (failing step {side['step']})" if side.get("step") is not None else "")
+
+
+def diff_section(diff: ConfigDiff) -> Markup:
+    """The ``<section id="config-diff">`` of a :class:`~nanreplay.core.results.ConfigDiff`: the
+    differences that can change numerics, most likely first, with why and whether ``bisect --over
+    config`` can toggle them, then the others. Every value is escaped (:func:`esc`); needs no
+    matplotlib."""
+    differences = diff.get("differences") or []
+
+    def rows(numerics: bool) -> Markup:
+        return join(h('<tr><td class="num">{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class="muted">{}</td></tr>',
+                      r.get("rank"), r.get("key"), show_value(r.get("a")), show_value(r.get("b")), r.get("category"),
+                      "yes" if r.get("replayable") else "", r.get("why")) for r in differences if bool(r.get("numerics")) == numerics)
+
+    head = "<tr><th>rank</th><th>setting</th><th>A</th><th>B</th><th>category</th><th>bisect can toggle</th><th>why it matters</th></tr>"
+    n_num = sum(1 for r in differences if r.get("numerics"))
+    body = h('<p>A: <code>{}</code><br>B: <code>{}</code></p>', _diff_side(diff.get("a") or {}), _diff_side(diff.get("b") or {}))
+    body += h("<h3>{} difference(s) that can change numerics, most likely first</h3>", n_num)
+    if n_num:
+        body += h("<table>" + head + "{}</table>", rows(True))
+    if len(differences) > n_num:
+        body += h("<details><summary>{} other difference(s)</summary><table>" + head + "{}</table></details>", len(differences) - n_num, rows(False))
+    body += h('<p class="muted">{} setting(s) the same; {} recorded in one bundle only.</p>', diff.get("same"), len(diff.get("unknown") or []))
+    for n in diff.get("notes") or []:
+        body += h('<p class="muted">{}</p>', n)
+    return h('<section id="config-diff"><h2>What the runs differ in</h2>{}</section>', body)
+
+
+def render_diff_html(diff: ConfigDiff) -> str:
+    """The HTML page of ``nanreplay diff --html``: :func:`diff_section` and the difference as JSON
+    (``<script type="application/json" id="nanreplay-diff">``); loads nothing from the network."""
+    a, b = _diff_side(diff.get("a") or {}), _diff_side(diff.get("b") or {})
+    n_num = sum(1 for r in diff.get("differences") or [] if r.get("numerics"))
+    out = [h('<header><div class="tool">nanreplay diff</div><h1 class="sentence" id="summary">{} setting(s) that can change numerics differ</h1></header>', n_num),
+           diff_section(diff),
+           h("<footer>Written by <code>nanreplay diff --html</code>; this page loads nothing from the network.</footer>{}", _json_script(diff, "nanreplay-diff"))]
+    return _page(f"nanreplay diff: {a} vs {b}", join(out, "\n"))

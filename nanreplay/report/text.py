@@ -3,14 +3,16 @@ these functions return strings, and the CLI owns the terminal."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
 from ..core.rollback import episode_phrase, restore_phrase, span
-from ..core.results import CompileCheck, DiagnosisDict, Health, Origin
+from ..core.results import CompileCheck, ConfigDiff, DiagnosisDict, Health, Origin
+from ..core.settings import show_value
 from .summary import culprit_phrase, difference_phrase, fix_sentence
 
-__all__ = ["render_report", "fmt_health", "fmt_indices", "styler"]
+__all__ = ["render_report", "render_diff", "fmt_health", "fmt_indices", "styler"]
 
 #: the colour of each reproduction verdict
 _VERDICT_COLOR = {"reproduced exactly": "green", "reproduced": "yellow", "not reproduced": "red"}
@@ -268,3 +270,58 @@ def _health_lines(table: list, rows: int, st: Callable[..., str]) -> list[str]:
             f"    {e['index']:>3}  {(e['module'] or '(root)'):<28.28} {e['class']:<18.18} {role} {h_in} {h_out} {_num(out.get('absmax')):>12}"
         )
     return lines
+
+
+def _side_name(side: dict) -> str:
+    if side.get("here"):
+        return "this process"
+    return f"{side.get('bundle')}" + (f" (failing step {side['step']})" if side.get("step") is not None else "")
+
+
+def render_diff(diff: ConfigDiff, *, color: bool = False, rows: int = 40) -> str:
+    """The text of ``nanreplay diff``: the two sides, then the differences that can change
+    numerics, most likely first (``rank``, :data:`nanreplay.core.settings.SETTINGS`) with why,
+    then the others, the count of equal settings and of those only one side records, and the
+    next command. Every string from a bundle is made inert (``core.inert``); at most ``rows`` of
+    each group are shown (the JSON has them all)."""
+    st = styler(color)
+    d = inert_tree(diff, one_line=True)
+    a, b = d["a"], d["b"]
+    out = [f"A: {st(_side_name(a), bold=True)}", f"B: {st(_side_name(b), bold=True)}"]
+    numerics = [r for r in d["differences"] if r["numerics"]]
+    other = [r for r in d["differences"] if not r["numerics"]]
+    out.append("")
+    if not d["differences"]:
+        out.append(st("No recorded setting differs.", bold=True))
+    else:
+        out.append(st(f"{len(numerics)} difference(s) that can change numerics, most likely first" + (":" if numerics else "."), bold=True))
+    width = max([len(r["key"]) for r in numerics[:rows]] + [7])
+    vw = max([len(show_value(r[k])) for r in numerics[:rows] for k in ("a", "b")] + [4])
+    vw = min(vw, 40)
+    if numerics:
+        out.append(f"  {'rank':<5} {'setting':<{width}}  {'A':<{vw}}  {'B':<{vw}}  category")
+    for r in numerics[:rows]:
+        tag = "  [bisect --over config can toggle it]" if r["replayable"] else ""
+        key = f"{r['key']:<{width}}"
+        out.append(f"  {r['rank']:<5} {st(key, fg='red' if r['rank'] <= 2 else None)}  "
+                   f"{show_value(r['a'])[:vw]:<{vw}}  {show_value(r['b'])[:vw]:<{vw}}  {r['category']}{tag}")
+        out.append(f"  {'':<5} {st(r['why'], fg='bright_black')}")
+    if len(numerics) > rows:
+        out.append(f"  ... and {len(numerics) - rows} more (--json lists them all)")
+    if other:
+        out.append("")
+        out.append(f"{len(other)} other difference(s), which do not change numerics:")
+        for r in other[:rows]:
+            out.append(f"  {r['key']}: {show_value(r['a'])} vs {show_value(r['b'])}")
+        if len(other) > rows:
+            out.append(f"  ... and {len(other) - rows} more")
+    out.append("")
+    unknown = d["unknown"]
+    out.append(f"{d['same']} setting(s) the same" + (f"; {len(unknown)} recorded in one bundle only (an older writer): "
+                                                      + ", ".join(u["key"] for u in unknown[:8]) + (", ..." if len(unknown) > 8 else "") if unknown else "") + ".")
+    for n in d["notes"]:
+        out.append(f"note: {n}")
+    if any(r["replayable"] for r in numerics) and not b.get("here"):
+        out.append(f"next: nanreplay bisect {shlex.quote(a['bundle'])} --over config --against {shlex.quote(b['bundle'])}  "
+                   "(replays A's failing step with the settings a replay can change set to B's values)")
+    return "\n".join(out)

@@ -8,7 +8,10 @@ smallest change that still makes the step non-finite. One module per search:
   the step non-finite (delta debugging, :mod:`~nanreplay.search.ddmin`);
 * :mod:`~nanreplay.search.precision`: the first layer that has to run in float32;
 * :mod:`~nanreplay.search.steps`: the first replayed step that leaves the healthy range;
-* :mod:`~nanreplay.search.samples`: the smallest non-finite subset of the failing batch.
+* :mod:`~nanreplay.search.samples`: the smallest non-finite subset of the failing batch;
+* :mod:`~nanreplay.search.config`: the recorded setting (autocast dtype, TF32, matmul precision,
+  attention kernel, compile backend and mode, fused optimizer...) whose change makes the step
+  finite, optionally moving towards another run's settings (``against``).
 
 What they share (the replay, its budget and progress, the result dict) is in
 :mod:`~nanreplay.search.common`. Every search counts its replays and stops at ``max_replays``.
@@ -18,6 +21,7 @@ needs from the recorder.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -28,8 +32,9 @@ from ..core.quiet import quietly
 from ..core.results import BisectResult
 from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
 from ..engine.state import ReplayRequest, opened_subject
-from ..format.bundle import Bundle, Types
+from ..format.bundle import Bundle, Types, open_bundle
 from .common import STATUSES, Runner, Search
+from .config import bisect_config
 from .ddmin import ddmin
 from .layers import bisect_layers
 from .precision import bisect_precision
@@ -46,6 +51,7 @@ _SEARCH: dict[str, Callable[[Search], dict]] = {
     "precision": bisect_precision,
     "steps": bisect_steps,
     "samples": bisect_samples,
+    "config": bisect_config,
 }
 
 SEARCHES = tuple(_SEARCH)
@@ -66,6 +72,7 @@ def bisect(
     trust: bool = False,
     batch_types: Types = None,
     sandbox: Optional[SandboxLimits] = None,
+    against: Union[str, Path, Bundle, None] = None,
 ) -> BisectResult:
     """Search a bundle for the cause of its non-finite step by replaying variations of it.
 
@@ -80,7 +87,8 @@ def bisect(
             before the failing one, the layer corrupted there and where it spread, see
             :mod:`~nanreplay.search.window`), ``"precision"`` (first layer that must run in float32),
             ``"steps"`` (first step leaving the healthy range; needs a snapshot), or
-            ``"samples"`` (smallest non-finite subset of the batch). See each search's module.
+            ``"samples"`` (smallest non-finite subset of the batch), or ``"config"`` (the recorded
+            setting whose change makes the step finite). See each search's module.
         model: a model of the recorded architecture (its weights are overwritten); else built with
             ``model_factory`` (callable or ``"module:function"``), else the program embedded in the
             bundle, else the recorded factory (:func:`nanreplay.engine.state.replay_subject`).
@@ -98,6 +106,9 @@ def bisect(
         sandbox: the sandbox's limits (:class:`~nanreplay.engine.sandbox.SandboxLimits`): the
             embedded program of an untrusted bundle searches inside it, on the CPU, as for
             :func:`nanreplay.replay`.
+        against: ``over="config"`` only: another run's bundle (a path or an open bundle; only its
+            metadata is read, nothing it names runs): the search changes the settings the two runs
+            differ in to that run's values, instead of to their conservative values.
 
     Returns:
         a JSON-able dict: ``over``, ``bundle``, ``step`` (failing step), ``status`` (one of
@@ -110,7 +121,8 @@ def bisect(
         ``first_abnormal_step``, ``good_step``, ``bad_step``, ``corrupted``, ``spread_to``, ...).
 
     Raises:
-        ValueError: unknown ``over``, ``max_replays`` < 1 or ``threshold`` <= 1.
+        ValueError: unknown ``over``, ``max_replays`` < 1, ``threshold`` <= 1, or ``against`` with
+            another ``over`` than ``"config"``.
         FileNotFoundError, BundleFormatError: unreadable bundle.
         UntrustedBundleError: the bundle is not trusted and names code the search would run.
         ReplayError: the search needs what the bundle lacks (a snapshot, a batch), or no model
@@ -122,21 +134,27 @@ def bisect(
         raise ValueError(f"max_replays must be >= 1, got {max_replays}")
     if not threshold > 1:
         raise ValueError(f"threshold must be > 1 (a multiple of the median of earlier steps), got {threshold}")
+    if against is not None and over != "config":
+        raise ValueError(f"against (another run's bundle) goes with over='config', not over={over!r}")
     request = ReplayRequest(model=model, model_factory=model_factory, loss_fn=loss_fn, device=device, trust=trust, batch_types=batch_types)
-    with sandbox_plan(bundle, request, optimizer=over == "steps") as (b, plan):
+    with sandbox_plan(bundle, request, optimizer=over == "steps") as (b, plan), contextlib.ExitStack() as stack:
+        # the other run's bundle: only its metadata is read (nothing it names runs), before any child
+        other = None if against is None else against if isinstance(against, Bundle) else stack.enter_context(open_bundle(against))
         if plan is None:
-            return _bisect(b, request, over=over, max_replays=max_replays, threshold=threshold, progress=progress)
-        out, _ = plan.run(lambda req, relay: _bisect(b, req, over=over, max_replays=max_replays, threshold=threshold, progress=relay),
+            return _bisect(b, request, over=over, max_replays=max_replays, threshold=threshold, progress=progress, against=other)
+        out, _ = plan.run(lambda req, relay: _bisect(b, req, over=over, max_replays=max_replays, threshold=threshold, progress=relay,
+                                                     against=other),
                           progress=progress, limits=sandbox)
         return conforming(out, "bisect", plan.path)
 
 
 def _bisect(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, over: str, max_replays: int, threshold: float,
-            progress: Optional[Callable[[int], None]]) -> BisectResult:
+            progress: Optional[Callable[[int], None]], against: Optional[Bundle] = None) -> BisectResult:
     """The body of :func:`bisect`: in this process, or in the sandbox's child."""
     with opened_subject(bundle, request, optimizer=over == "steps") as (b, subject, dev):
+        other = against
         search = Search(over=over, bundle=b, model=subject.model, loss_fn=subject.loss_fn, device=dev, runner=Runner(max_replays, progress),
-                        failing=b.step(b.failing_step), state=b.state(), threshold=threshold)
+                        failing=b.step(b.failing_step), state=b.state(), threshold=threshold, against=other)
         search.warnings.extend(subject.notes)
         out = _SEARCH[over](search)
         out["model_source"] = subject.source

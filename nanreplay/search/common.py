@@ -79,6 +79,7 @@ class Search:
     failing: StepRecord
     state: Snapshot
     threshold: float = 10.0        # ``--over steps`` and the walk of ``--over layers``: a multiple of the median of earlier steps
+    against: Optional[Bundle] = None  # ``--over config --against B``: the run whose settings the search moves towards
     warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -86,17 +87,19 @@ class Search:
         """The failing step."""
         return self.bundle.failing_step
 
-    def replay(self, record: StepRecord, state: Snapshot, varied: str) -> Outcome:
+    def replay(self, record: StepRecord, state: Snapshot, varied: str, **run: Any) -> Outcome:
         """Replay ``record`` on the model (weights already loaded; ``state`` is what the replay
         reports as step-start weights) and say whether it is non-finite by the recorder's own rule:
         a non-finite loss or grad norm, or a non-finite cotangent (or output, forward-only). One
-        replay, logged in ``trials`` with ``varied``, what the search changed.
+        replay, logged in ``trials`` with ``varied``, what the search changed. ``run``: more
+        arguments of :func:`~nanreplay.engine.run.run_step` (``deterministic``, a compiled
+        ``runner`` with ``monitors=False``).
 
         Raises:
             BudgetExhausted: ``max_replays`` replays have already run.
         """
         self.runner.tick()
-        res = run_step(self.model, StepInputs(record=record, state=state, recorded_grads={}, loss_fn=self.loss_fn), ops=False, device=self.device)
+        res = run_step(self.model, StepInputs(record=record, state=state, recorded_grads={}, loss_fn=self.loss_fn), ops=False, device=self.device, **run)
         norm_t = fused_norm(list(res.grads.values()))
         gn = float(norm_t) if norm_t is not None else None
         losses = [h for h in res.losses if h is not None]
