@@ -96,14 +96,9 @@ def _ddp(wrapper: Any) -> Optional[Any]:
 
 
 def _user_hook(hook: Any) -> Optional[str]:
-    """The import path (or name) of the comm hook the loop registered: nanreplay's origin hook
-    (:func:`nanreplay.capture.ddp`) is looked through to the hook it wraps; torch's default
+    """The import path (or name) of the comm hook the loop registered (nanreplay registers none:
+    its origin detection works without one, :mod:`nanreplay.capture.ddp`); torch's default
     all-reduce, the hook DDP runs without one, is ``None``."""
-    if str(getattr(hook, "__module__", "")).startswith("nanreplay."):
-        cells = [c.cell_contents for c in getattr(hook, "__closure__", None) or () if c.cell_contents is not None]
-        hook = next((v for v in cells if callable(v) and not str(getattr(v, "__module__", "")).startswith("nanreplay.")), None)
-        if hook is None:
-            return None
     if getattr(hook, "__name__", None) == "allreduce_hook" and str(getattr(hook, "__module__", "")).startswith("torch.distributed"):
         return None
     return str(callable_path(hook) or getattr(hook, "__qualname__", None) or type(hook).__name__)
@@ -111,7 +106,7 @@ def _user_hook(hook: Any) -> Optional[str]:
 
 def reduce_settings(wrapper: Any, model: torch.nn.Module) -> dict:
     """How gradients are reduced across ranks: ``comm_hook`` (the import paths of the DDP comm
-    hooks the loop registered, nanreplay's own left out), ``param_dtype`` / ``reduce_dtype`` (DDP's
+    hooks the loop registered), ``param_dtype`` / ``reduce_dtype`` (DDP's
     ``mixed_precision`` or the outermost FSDP2 module's ``MixedPrecisionPolicy``), ``backend`` (the
     default process group's). Empty when the run is not distributed."""
     out: dict[str, Any] = {}
