@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import types
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -228,10 +229,21 @@ def _keep_program_meta(model: torch.nn.Module) -> None:
 
 
 def _own_entry(fn: Callable) -> Callable:
-    """``fn`` called through a function with a code object of its own. Dynamo keeps its compiled
-    code on the code object of the frame it starts at (``fn`` is inlined): on this one, which dies
-    with the replay, not on the model's ``forward`` or ``Module._call_impl``, which the user's own
-    compiled model shares (its recompilation limit, its cache) in an in-process diagnosis."""
+    """``fn`` with a code object of its own. Dynamo keeps its compiled code on the code object of
+    the frame it starts at: on this copy, which dies with the replay, not on the model's
+    ``forward`` or ``Module._call_impl``, which the user's own compiled model shares (its
+    recompilation limit, its cache) in an in-process diagnosis. A bound method is copied with its
+    own globals, so that Dynamo's first frame reads the globals of the module that defines it, as
+    ``torch.compile(model)`` does (a frame of another module would have Dynamo import the defining
+    module by name, which fails for a module that is not in ``sys.modules``); anything else is
+    called through a small function of its own."""
+    func, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
+    if isinstance(func, types.FunctionType) and owner is not None:
+        copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+        copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+        copy.__dict__.update(func.__dict__)
+        return types.MethodType(copy, owner)
+
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
