@@ -585,7 +585,13 @@ def replay(
             return _replay(b, request, progress=say, **options)
         say("starting the sandboxed replay (the bundle is not trusted)")
         diag, _ = plan.run(lambda req, relay: dict(_replay(b, req, progress=relay, **options)), progress=say, limits=sandbox)
-        return Diagnosis(conforming(diag, "diagnosis", plan.path), meta=plan.meta)
+        diag = conforming(diag, "diagnosis", plan.path)
+        diag["model_source"] = f"{diag.get('model_source')}, {SANDBOXED}"
+        return Diagnosis(diag, meta=plan.meta)
+
+
+#: what ``model_source`` adds when the replay ran in the sandbox (:mod:`nanreplay.engine.sandbox`)
+SANDBOXED = "replayed in the sandbox (a child process under seccomp and resource limits: the bundle is not trusted)"
 
 
 def _replay(bundle: Union[str, Path, Bundle], request: ReplayRequest, *, progress: Progress, allow: Optional[Sequence[str]],

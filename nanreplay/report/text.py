@@ -176,6 +176,8 @@ def render_report(diag: DiagnosisDict, *, rows: int = 8, color: bool = False) ->
     if r.get("detail"):
         lines.append(f"                 {r['detail']}")
     lines.append(f"  replay mode:   {diag.get('mode')}" + (f" on {diag['device']}" if diag.get("device") else ""))
+    if diag.get("model_source"):
+        lines.append(f"  model:         {diag['model_source']}")
     if diag.get("compile"):
         lines.append(f"  torch.compile: {_compile_line(diag['compile'], st)}")
         lines.extend(_compiled_lines(diag["compile"], diag, st))

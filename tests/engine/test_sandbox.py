@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from nanreplay.cli import main
+from nanreplay.diagnosis.api import SANDBOXED
 from nanreplay.engine import sandbox
 from nanreplay.engine.sandbox import SandboxLimits, contained_call
 from nanreplay.errors import ReplayError, SandboxError
@@ -181,6 +182,8 @@ def test_a_replay_in_the_sandbox_gives_the_in_process_diagnosis(program_bundle, 
     assert trusted.exit_code == 0 and len(forks) == 1  # --trust: in this process, no child
     a, b = json.loads(sandboxed.output), json.loads(trusted.output)
     assert a["reproduction"]["verdict"] == "reproduced exactly" and a["model_source"].startswith("the program embedded")
+    # the one difference: the sandboxed replay says where it ran
+    assert a.pop("model_source") == f"{b.pop('model_source')}, {SANDBOXED}"
     assert a == b
 
 
