@@ -7,12 +7,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["episode_phrase", "plan_phrase", "restore_phrase", "span"]
+__all__ = ["episode_phrase", "plan_phrase", "restore_phrase", "skip_phrase", "span"]
 
 
 def span(first: int, last: int) -> str:
     """``120..123``, or ``120`` for one step."""
     return f"{first}..{last}" if last > first else f"{first}"
+
+
+def skip_phrase(first: int, last: int) -> str:
+    """``the batches of steps 120..123``, or ``the batch of step 120`` for one step."""
+    return f"the batches of steps {span(first, last)}" if last > first else f"the batch of step {first}"
 
 
 def episode_phrase(ep: dict) -> str:
@@ -47,7 +52,7 @@ def plan_phrase(plan: Optional[dict[str, Any]]) -> str:
     if not plan or plan.get("step") is None:
         return "no alarm: nothing to roll back"
     first, last = plan["first_abnormal_step"], plan["step"]
-    parts = [restore_phrase(plan), f"skip the batches of steps {span(first, last)}" if last > first else f"skip the batch of step {first}"]
+    parts = [restore_phrase(plan), f"skip {skip_phrase(first, last)}"]
     jump = plan.get("lr_jump")
     if jump:
         parts.append(f"the learning rate jumped to {jump['lr']:.4g} at step {jump['step']} (from {jump['previous']:.4g}): restart "

@@ -24,7 +24,7 @@ from ..core.results import BisectResult, ConfigDiff, DiagnosisDict, ForwardModul
 from ..core.settings import show_value
 from .plots import COLORS, _num, bisect_steps_svg, modules_svg, require_matplotlib, samples_svg, timeline_svg, trials_svg, moves_svg
 from .summary import difference_phrase, fix_sentence, verdict_phrase
-from ..core.rollback import episode_phrase, restore_phrase, span
+from ..core.rollback import episode_phrase, restore_phrase, skip_phrase, span
 from .text import fmt_health, fmt_indices
 
 __all__ = ["render_html", "render_inline_html", "render_bisect_html", "render_diff_html", "diff_section", "environment_rows", "Markup", "esc", "h"]
@@ -328,7 +328,7 @@ def _plan_html(diag: DiagnosisDict) -> Optional[Markup]:
         jump = plan.get("lr_jump")
         body.append(_kv([
             ("restore", restore_phrase(plan)),
-            ("skip", f"the batches of steps {span(first, last)}" + (f" ({len(plan.get('skip_steps') or [])} steps)" if last > first else "")),
+            ("skip", skip_phrase(first, last) + (f" ({len(plan.get('skip_steps') or [])} steps)" if last > first else "")),
             ("episode", episode_phrase(plan["episode"]) if plan.get("episode") else ""),
             ("learning rate", f"jumped to {jump['lr']:.4g} at step {jump['step']} (from {jump['previous']:.4g}): restart below it" if jump else ""),
             ("weights", "corrupted: they took an update with non-finite values" if plan.get("weights_corrupted") else ""),

@@ -7,7 +7,7 @@ import shlex
 from typing import Any, Callable, Optional
 
 from ..core.inert import inert_tree
-from ..core.rollback import episode_phrase, restore_phrase, span
+from ..core.rollback import episode_phrase, restore_phrase, skip_phrase
 from ..core.results import CompileCheck, ConfigDiff, DiagnosisDict, Health, Origin
 from ..core.settings import show_value
 from .summary import culprit_phrase, difference_phrase, fix_sentence
@@ -196,7 +196,7 @@ def _plan_lines(diag: DiagnosisDict) -> list[str]:
     plan = diag.get("rollback") or {}
     if plan.get("step") is not None:
         first, last = plan["first_abnormal_step"], plan["step"]
-        out.append(f"  rollback:      {restore_phrase(plan)}, skip the batches of steps {span(first, last)}")
+        out.append(f"  rollback:      {restore_phrase(plan)}, skip {skip_phrase(first, last)}")
         if plan.get("episode"):
             out.append(f"  episode:       {episode_phrase(plan['episode'])}")
         jump = plan.get("lr_jump")
