@@ -30,8 +30,8 @@ def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist:
     if dist is None and not present:
         return None, None, None
     device = present[0].device if present else dist.device()
-    parts = [t.to(device, torch.float32).reshape(1) for t in present]
-    flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
+    parts = [t.to(device, torch.float32).reshape(()) for t in present]  # 0-dim: the norm already is, the loss from log_loss too
+    flat = torch.stack(parts) if parts else torch.zeros(0, device=device)
     n = len(parts)
     if dist is not None:
         flat = torch.cat([flat, dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])

@@ -47,7 +47,7 @@ from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, check_combination
 from .ring import RingBuffer, check_budget
-from .sharded import local
+from .sharded import is_sharded, local
 from .compiled import compile_state
 from .snapshots import attach_scan, live_state
 from .steps import StepStart
@@ -138,6 +138,7 @@ class Recorder:
         self.loss_fn_path = callable_path(loss_fn)
         self.model_factory_path = callable_path(model_factory)
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
+        self._sharded = is_sharded(self.model)  # DTensor parameters: their gradients are read as local shards
         check_combination(self.config, scaler=scaler)
         check_budget(self.config, self.model, optimizer)
 
@@ -248,7 +249,7 @@ class Recorder:
         """Give the step's loss (a scalar tensor) so a non-finite loss is detected and the loss is
         kept in the ring buffer. No sync: it is read together with the grad norm."""
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._pending_loss = loss.detach().reshape(())
+            self._pending_loss = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
 
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
@@ -258,7 +259,8 @@ class Recorder:
 
     # -- steps ---------------------------------------------------------------------------------
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(self._param_fqn.get(id(p), f"<unnamed:{id(p)}>"), local(p.grad))  # a DTensor's local shard
+        sharded, fqn = self._sharded, self._param_fqn
+        return [(fqn.get(id(p)) or f"<unnamed:{id(p)}>", local(p.grad) if sharded else p.grad)  # a DTensor's local shard
                 for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

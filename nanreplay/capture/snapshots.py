@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import AbstractSet, Any, Iterable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -33,11 +33,12 @@ __all__ = ["attach_scan", "live_state", "SnapshotPool", "restore_into", "StepSta
 SMALL_BUFFER = 1 << 20
 
 
-def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[set[int]] = None) -> int:
+def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[AbstractSet[int]] = None) -> int:
     """Bytes of the storages behind ``tensors`` (non-tensors skipped), each storage counted once:
     a view of a larger tensor keeps its whole storage alive. ``exclude``: storage addresses not to
-    count (the live parameters and buffers, which training holds anyway)."""
-    seen: set[int] = set(exclude or ())
+    count (the live parameters and buffers, which training holds anyway; read, not copied)."""
+    skip = exclude if exclude is not None else frozenset()
+    seen: set[int] = set()
     n = 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -47,7 +48,7 @@ def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[set[int]] = None)
             ptr, size = st.data_ptr(), st.nbytes()
         except RuntimeError:  # no storage to speak of
             ptr, size = id(t), t.numel() * t.element_size()
-        if ptr in seen:
+        if ptr in seen or ptr in skip:
             continue
         seen.add(ptr)
         n += size
@@ -115,6 +116,9 @@ class _Slot:
     key: tuple
     tensors: list
 
+    def __post_init__(self) -> None:
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)  # the shapes never change
+
 
 @dataclass
 class SlotSnapshot(Snapshot):
@@ -164,7 +168,7 @@ class SnapshotPool:
 
     def nbytes(self) -> int:
         """Bytes held in free slots."""
-        return sum(t.numel() * t.element_size() for s in self._free for t in s.tensors)
+        return sum(s.nbytes for s in self._free)
 
 
 class StepStartBuffers:
@@ -182,10 +186,17 @@ class StepStartBuffers:
         self.model = model
         self.mutable: Optional[set[str]] = None
         self._versions: dict[str, int] = {}
+        self._where = _buffer_slots(model)
 
     def capture(self) -> dict[str, torch.Tensor]:
+        """The buffers now: copies of the mutable ones, references to the others. Reads each
+        buffer through its module's ``_buffers`` (found by one walk of the module tree at
+        construction and again after the first step, not per step)."""
         out = {}
-        for name, b in self.model.named_buffers():
+        for name, slots, key in self._where:
+            b = slots.get(key)
+            if b is None:
+                continue
             out[name] = b.detach().clone() if self.mutable is None or name in self.mutable else b.detach()
             self._versions[name] = b._version
         return out
@@ -201,12 +212,24 @@ class StepStartBuffers:
             if b.numel() * b.element_size() <= SMALL_BUFFER
             or b._version != self._versions.get(n) or not _same_tensor(b, start.get(n))
         }
+        self._where = _buffer_slots(self.model)  # buffers a first forward registered
 
     def copied_bytes(self, buffers: Optional[dict[str, torch.Tensor]]) -> int:
         """Bytes of ``buffers`` that are copies, not references to the live buffers."""
         if not buffers:
             return 0
         return storage_bytes(buffers.values(), exclude={b.untyped_storage().data_ptr() for b in self.model.buffers()})
+
+
+def _buffer_slots(model: torch.nn.Module) -> list[tuple[str, dict, str]]:
+    """``(FQN, the owning module's _buffers dict, key)`` for each buffer of ``model`` (one walk;
+    the FQNs and order of ``model.named_buffers()``)."""
+    owners = dict(model.named_modules(remove_duplicate=False))
+    out = []
+    for fqn, _ in model.named_buffers():
+        mod, _, key = fqn.rpartition(".")
+        out.append((fqn, owners[mod]._buffers, key))
+    return out
 
 
 def _same_tensor(live: torch.Tensor, saved: Optional[torch.Tensor]) -> bool:

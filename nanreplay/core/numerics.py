@@ -64,7 +64,7 @@ def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[to
             per = torch._foreach_norm([t.float() for t in ts], ord)
         stacked = torch.stack(per)
         norms.append(stacked.to(device, non_blocking=True) if dev != device else stacked)
-    return torch.linalg.vector_norm(torch.cat(norms), ord)
+    return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), ord)
 
 
 def all_finite_flag(t: torch.Tensor) -> torch.Tensor:
