@@ -1,9 +1,13 @@
-"""The step's program, exported once before any step fails, and re-embedded at the dump.
+"""The step's program: exported at the failing step, or once before any step fails and re-embedded.
 
-``torch.export`` takes seconds (a 42M-parameter GPT: 5-20 s on 2 CPU cores), and the verifying
-replay of :mod:`nanreplay.engine.verify` about one more step. Done at the dump, both fall on the
-failing step, before its diagnosis. :class:`ProgramCache` moves them to the first finite step
-of the run, checked synchronously (``check_every=1``): the Recorder's ``check_step`` calls
+``torch.export`` takes seconds (a 42M-parameter GPT: 2-8 s on 2 CPU cores), and the verifying
+replay of :mod:`nanreplay.engine.verify` about one more step. By default (``export_early=False``)
+both happen at the dump, on the failing step only: a run that never fails never pays them, and
+the terminal says what they cost when they run. The export there skips its own load check, since
+the verifying replay that follows loads the program anyway.
+
+With ``export_early=True``, :class:`ProgramCache` moves them to the first finite step of the run,
+checked synchronously (``check_every=1``): the Recorder's ``check_step`` calls
 :meth:`ProgramCache.early` there, once, with the step's pre-step weights still in the model and
 its gradients in ``.grad``. The export traces with fake tensors and the verifying replay runs on
 detached views of the weights under a :class:`~nanreplay.core.rng.ReplayRNG`, so neither changes
@@ -11,13 +15,16 @@ the step's results nor any RNG stream of the user's (``tests/capture/test_progra
 a run's losses are bit-identical with and without it). What it keeps: the program record (JSON, a
 few hundred KiB) and the program's own tensors (constants ``torch.export`` lifted; the weights
 and buffers are not kept: the program names the bundle's ``state/params/<fqn>`` and
-``state/buffers/<fqn>``), bounded by ``export_cache_bytes``.
+``state/buffers/<fqn>``), bounded by ``max_bytes``. It is not done off the training
+thread: ``torch.export`` patches ``torch.nn.Module.__call__`` and ``__getattr__`` for every thread
+while it traces, so a training step running beside it would be traced too (and on a machine whose
+cores training already uses, a second thread would only take their time).
 
 At the dump, :meth:`ProgramCache.embed` re-embeds the cached record when it still fits the
 failing step: the same modules (class, ``forward``, training mode), parameters and buffers (FQN,
 shape, dtype, device), the same loss function, and every micro-batch of the structure, dtypes and
 shapes the program was exported for (a dimension exported as dynamic may differ). Otherwise it
-exports again, as before. A failure to export is recorded (the bundle says why), never raised;
+exports now. A failure to export is recorded (the bundle says why), never raised;
 the early verification is strict (the step is finite, so its replayed gradients must agree with
 the recorded ones in value); where it cannot run (a GradScaler's scaled gradients,
 ``torch.distributed``'s averaged ones) or does not pass, the dump verifies the program against
@@ -126,7 +133,7 @@ class ProgramCache:
         self._quiet(True)
         try:
             with replay_quiet():
-                meta, tensors = program_content(self.model, rec, self.loss_fn)
+                meta, tensors = program_content(self.model, rec, self.loss_fn, verify=not verify)  # the replay below loads it
                 if verify and meta and meta.get("kind"):
                     snap = state()
                     if rec.buffers is not None:
@@ -194,9 +201,9 @@ class ProgramCache:
             logger.debug("program cache check failed", exc_info=True)
         from ..engine.program import program_content
 
-        logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
-                       "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
-                       rec.step)
+        logger.warning("nanreplay: embedding step %d's program in the bundle, now that a step failed (torch.export and one "
+                       "verifying replay: seconds, longer for large models; Recorder(..., embed_program=False) skips it, and replay "
+                       "then needs the model factory)", rec.step)
 
-        meta, tensors = program_content(self.model, rec, self.loss_fn)
+        meta, tensors = program_content(self.model, rec, self.loss_fn, verify=False)  # the dump's verifying replay loads it
         return meta, tensors, False

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Iterable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core.numerics import all_finite_flag
 from ..core.state import copy_all
 from ..format.records import Snapshot
 from .sharded import is_sharded, local
@@ -248,7 +250,41 @@ def attach_scan(model: torch.nn.Module, step: int) -> dict:
     """The weights and buffers that are already non-finite when the Recorder attaches (a loaded
     checkpoint, the initialisation), scanned once: ``{"step", "nonfinite": [FQN] (up to 64),
     "count"}``; stored in every bundle (``meta["attach_scan"]``) so a diagnosis can tell weights
-    non-finite before recording from weights a recorded step made non-finite."""
-    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-           if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t.detach()).all())]
+    non-finite before recording from weights a recorded step made non-finite. Cost: one read of
+    every weight, fused (:func:`finite_flags`), and one host read."""
+    named = [(n, t.detach()) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+             if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    bad = [n for (n, _), ok in zip(named, finite_flags([t for _, t in named])) if not ok]
     return {"step": step, "nonfinite": bad[:64], "count": len(bad)}
+
+
+def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each floating or complex tensor is finite everywhere. One multi-tensor 2-norm
+    (``_foreach_norm``, in float32) per (device, dtype) and one host read for all: a NaN or Inf
+    makes the norm NaN or Inf, and the few tensors whose norm is not finite are read again with
+    ``aminmax`` (:func:`~nanreplay.core.numerics.all_finite_flag`), since very large finite
+    values overflow a float32 sum of squares too. ``DTensor`` s (their whole value) and dtypes the
+    multi-tensor norm lacks (float8: widened) are checked one by one."""
+    flags: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if local(t) is not t:  # a DTensor: its whole value, as one flag (a collective)
+            flags[i] = torch.tensor(bool(torch.isfinite(t).all()))
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for idx in groups.values():
+        ts = [tensors[i] for i in idx]
+        try:
+            per = [torch.isfinite(n) for n in torch._foreach_norm(ts, 2, dtype=torch.float32)]
+        except (RuntimeError, TypeError, NotImplementedError):  # float8 and other dtypes it lacks a kernel for: widened
+            per = [all_finite_flag(t if t.is_complex() else t.float()) for t in ts]
+        for i, f in zip(idx, torch.stack(per).cpu().unbind()):
+            flags[i] = f
+    if not flags:
+        return []
+    out = [bool(f) for f in torch.stack([f.reshape(()) for f in flags]).tolist()]  # the one host read
+    for i, ok in enumerate(out):
+        if not ok and local(tensors[i]) is tensors[i]:  # the norm overflowed, or a value is NaN / Inf: look again
+            t = tensors[i]
+            out[i] = bool(all_finite_flag(t if t.is_complex() or t.element_size() > 1 else t.float()))
+    return out
