@@ -9,11 +9,17 @@ pre-step copy, the sync-free check's latch).
 
 Eviction order when over the byte budget: weight snapshots of older steps (the largest, and
 only ``bisect`` needs them), the spare snapshot slot, whole older steps, then the newest step's
-snapshot. Never evicted: the step in progress and the pinned steps (those whose verdict is still
+snapshot. The count is a running total, kept as steps end and leave: keeping within the budget
+costs a few additions per step, not a walk over the held steps (:meth:`RingBuffer.recount` walks
+them all, for checking). Never evicted: the step in progress and the pinned steps (those whose verdict is still
 on the device, :mod:`nanreplay.capture.lagged`): their owner reads them early when
 :attr:`RingBuffer.over_budget` says so. A snapshot that cannot fit at all is refused once, with a
 warning, rather than copied every step and dropped again; a kept copy that cannot fit beside the
 step in progress is refused by :meth:`RingBuffer.reserve`, and its owner turns its mode off.
+
+Not counted: each step's record on the host (about 3 KiB of Python objects) and its RNG states
+(:class:`~nanreplay.core.rng.RNGReader`: shared with the step before while unchanged; else about
+5 KiB for torch's CPU generator, 3 KiB for NumPy's and 25 KiB for Python's ``random``).
 """
 
 from __future__ import annotations
