@@ -50,19 +50,29 @@ class InputCapture:
         self.copying = copy_batch is True
         self._storages: dict[int, int] = {}        # storage address -> last step it was an input of (steps held only)
         self._refs: dict[int, list[_Ref]] = {}     # step -> every tensor captured in it (references or copies)
+        self._same_step: Optional[int] = None
+        self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
 
     def capture(self, tree: Any, step: int) -> Any:
         """``tree`` with every tensor detached and referenced (or cloned), for step ``step``; the
-        tensors kept are listed in :meth:`tensors` (one walk of ``tree``)."""
+        tensors kept are listed in :meth:`tensors` (one walk of ``tree``). A tensor already
+        captured in the step (the batch given to ``record`` and then to the model) is kept once."""
         refs = self._refs.setdefault(step, [])
+        if self._same_step != step:
+            self._same_step, self._same = step, {}
+        same = self._same
 
         def cap(x: torch.Tensor) -> torch.Tensor:
-            x = x.detach()
+            known = same.get(id(x))
+            if known is not None and known[0] is x:
+                return known[1]
+            orig, x = x, x.detach()
             if not self.copying and self.policy is not False:
                 self._watch_storage(x, step)
             if self.copying:
                 x = x.clone()
             refs.append(_Ref(x, copy=self.copying))
+            same[id(orig)] = (orig, x)
             return x
 
         return map_tensors(cap, tree)
@@ -103,6 +113,7 @@ class InputCapture:
         """Forget the references of step ``step`` except those to ``tensors``."""
         kept = {id(t) for t in tensors}
         self._refs[step] = [r for r in self._refs.get(step, []) if id(r.t) in kept]
+        self._same = {k: v for k, v in self._same.items() if id(v[1]) in kept}
 
     def forget(self, step: int) -> None:
         """Drop the references of a step that left the ring buffer, and its storages: once no

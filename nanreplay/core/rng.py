@@ -29,12 +29,13 @@ import random
 import struct
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["RNGState", "RNGReader", "ReplayRNG", "sole_thread", "without_private_generators"]
+__all__ = ["RNGState", "RNGReader", "PythonState", "ReplayRNG", "sole_thread", "without_private_generators"]
 
 
 @dataclass
@@ -189,6 +190,41 @@ class _RawMT:
     def read(self) -> bytes:
         return self._view.raw
 
+class PythonState(Sequence):
+    """``random.getstate()``'s value ``(version, 625 words, gauss_next)`` kept as the generator's
+    raw C state (2.5 KiB: a tuple of 625 Python ints is 25 KiB, held by every step of the ring
+    buffer whose Python generator moved): the tuple is built each time it is read, the same tuple
+    ``getstate()`` returned (:func:`_python_raw` checked the layout). ``random.setstate`` and
+    unpacking take it as they take the tuple."""
+
+    __slots__ = ("raw", "gauss_next", "version")
+
+    def __init__(self, raw: bytes, gauss_next: Optional[float], version: int) -> None:
+        self.raw, self.gauss_next, self.version = raw, gauss_next, version
+
+    def _value(self) -> tuple:
+        index, *words = struct.unpack("=i624I", self.raw)
+        return (self.version, (*words, index), self.gauss_next)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._value()[i]
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._value())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, (tuple, PythonState)) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+    def __repr__(self) -> str:
+        return f"PythonState(version={self.version}, gauss_next={self.gauss_next!r}, 625 words)"
+
+
 def _python_raw() -> _RawMT:
     """CPython's ``random`` module generator: ``RandomObject {PyObject_HEAD; int index; uint32_t
     state[624];}``, the bytes just after the object header (``getstate()`` returns the same words,
@@ -229,6 +265,8 @@ class RNGReader:
 
     * Python ``random`` and NumPy's global generator: the raw bytes of their Mersenne Twister (624
       words and the position, read in place: :class:`_RawMT`) and, for Python, ``gauss_next``.
+      A changed Python state is kept as those bytes (:class:`PythonState`), not as
+      ``getstate()``'s tuple of 625 ints.
       NumPy's legacy generator also caches one Gaussian (``has_gauss``), which it can consume
       without touching the Twister: after a read that saw a cached Gaussian, the next read copies
       the state whatever the bytes say. (One case is not seen: ``np.random.set_state`` putting back,
@@ -251,20 +289,23 @@ class RNGReader:
         self._np_raw = _numpy_raw()
 
     def capture(self) -> RNGState:
-        """The states now; parts unchanged since the last call are the same objects as then."""
+        """The states now; parts unchanged since the last call are the same objects as then (and
+        the whole state is the last one when nothing moved)."""
         last = self._last
-        state = RNGState(python=self._python(last), numpy=self._numpy(last), torch_cpu=self._torch_cpu(last), torch_cuda=self._cuda(last))
-        self._last = state
-        return state
+        parts = (self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last))
+        if last is not None and all(a is b for a, b in zip(parts, (last.python, last.numpy, last.torch_cpu, last.torch_cuda))):
+            return last  # nothing moved: the same object (states are never modified in place)
+        self._last = RNGState(*parts)
+        return self._last
 
     def _python(self, last: Optional[RNGState]) -> Any:
         if not self._py_raw.ok:
             return random.getstate()
-        key = (self._py_raw.read(), self._py_inst.gauss_next)
-        if last is not None and key == self._py_key:
+        raw, gauss = self._py_raw.read(), self._py_inst.gauss_next
+        if last is not None and (raw, gauss) == self._py_key:
             return last.python
-        self._py_key = key
-        return random.getstate()
+        self._py_key = (raw, gauss)
+        return PythonState(raw, gauss, self._py_inst.VERSION)  # no getstate(): its 625 ints are built when read
 
     def _numpy(self, last: Optional[RNGState]) -> Any:
         if not self._np_raw.ok:
@@ -286,7 +327,7 @@ class RNGReader:
     @staticmethod
     def _cuda(last: Optional[RNGState]) -> list[torch.Tensor]:
         if not torch.cuda.is_initialized():  # never initialises CUDA (nor asks the driver, every step)
-            return []
+            return last.torch_cuda if last is not None and not last.torch_cuda else []
         now = list(torch.cuda.get_rng_state_all())
         if last is not None and len(last.torch_cuda) == len(now) and all(torch.equal(a, b) for a, b in zip(now, last.torch_cuda)):
             return last.torch_cuda

@@ -117,7 +117,9 @@ def test_unchanged_rng_states_are_shared_not_copied(out_dir, monkeypatch):
             step(rec, model, opt, b)
         monkeypatch.undo()
         first = rec.ring[0].rng
-        assert copies == ["python", "numpy"], "read once, at the first step; an unchanged state is not read again"
+        # NumPy's state is read once, at the first step; Python's is never built as a tuple of ints
+        # (its raw bytes are kept); an unchanged state is not read again
+        assert copies == ["numpy"]
         for r in rec.ring:
             assert r.rng.python is first.python and r.rng.numpy is first.numpy and r.rng.torch_cpu is first.torch_cpu
 
