@@ -30,7 +30,9 @@ def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist:
     if dist is None and not present:
         return None, None, None
     device = present[0].device if present else dist.device()
-    parts = [t.to(device, torch.float32).reshape(()) for t in present]  # 0-dim: the norm already is, the loss from log_loss too
+    # 0-dim float32 on one device (the norm already is, the loss from log_loss usually): no copy, no view
+    parts = [t if t.dtype == torch.float32 and t.dim() == 0 and t.device == device else t.to(device, torch.float32).reshape(())
+             for t in present]
     flat = torch.stack(parts) if parts else torch.zeros(0, device=device)
     n = len(parts)
     if dist is not None:
