@@ -364,6 +364,59 @@ def bench_startup(name: str, args: argparse.Namespace, device: torch.device) -> 
             "startup_q": [q[0], q[2]], "startup_x_step": statistics.median(extras) / step, "rounds_s": extras}
 
 
+# ------------------------------------------------------------------------------------ memory
+
+
+def _rss_mib() -> float:
+    """This process's resident set size, MiB (Linux ``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def rss_child(kind: str, args: argparse.Namespace) -> dict:
+    """In a fresh process: ``--rss-steps`` steps of the ``small`` model (a new batch each step,
+    drawn from torch's global generator, as a data pipeline does), plain or under a Recorder with
+    ``--rss-capacity`` and ``--rss-budget``; RSS and held bytes at step 100, at the step the ring
+    is full and at the end (after ``gc.collect()``)."""
+    import gc
+
+    torch.set_num_threads(args.threads)
+    factory, make_batch, loss = models.spec("small")
+    torch.manual_seed(0)
+    model = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Recorder(model, opt, out_dir=tmp, capacity=args.rss_capacity, memory_budget=args.rss_budget) if kind == "recorder" else None
+        marks, out = {100, min(100 + args.rss_capacity, args.rss_steps), args.rss_steps}, {}
+        for i in range(args.rss_steps + 1):
+            if i in marks:
+                gc.collect()
+                out[str(i)] = {"rss_mib": _rss_mib(), "held_mib": rec.held_bytes() / 2**20 if rec is not None else 0.0}
+            if i == args.rss_steps:
+                break
+            x, y = make_batch(None, torch.device("cpu"))
+            _timed_step(model, opt, loss, (x, y), torch.device("cpu"), rec)
+        if rec is not None:
+            rec.close()
+    return out
+
+
+def bench_rss(args: argparse.Namespace) -> dict:
+    """RSS over ``--rss-steps`` steps, plain and recorded, each in a fresh process."""
+    import subprocess
+
+    res: dict[str, Any] = {"steps": args.rss_steps, "capacity": args.rss_capacity, "budget": args.rss_budget}
+    for kind in ("plain", "recorder"):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--rss-child", kind, "--rss-steps", str(args.rss_steps),
+               "--rss-capacity", str(args.rss_capacity), "--rss-budget", str(args.rss_budget), "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return res
+
+
 # ------------------------------------------------------------------------------------ bundles
 
 
@@ -537,6 +590,19 @@ def table(result: dict) -> str:
         for n, d in st["models"].items():
             lines.append(f"| {n} | {d['params'] / 1e6:.2f} M | {d['plain_step_s'] * 1e3:.1f} ms | {d['startup_s'] * 1e3:.1f} ms "
                          f"[{d['startup_q'][0] * 1e3:.1f}-{d['startup_q'][1] * 1e3:.1f}] | **{d['startup_x_step']:.2f}** |")
+    m_ = result.get("rss")
+    if m_:
+        full = str(min(100 + m_["capacity"], m_["steps"]))
+        lines += ["", f"Memory over {m_['steps']} steps of the small model (a new batch every step), each run in a fresh process; the "
+                  f"Recorder with capacity={m_['capacity']}, memory_budget={m_['budget'] / 2**20:.0f} MiB: RSS growth from step 100, and "
+                  "the part of it the Recorder does not count as held (`held_bytes()`).", "",
+                  f"| run | RSS growth, steps 100-{m_['steps']} | held bytes growth | growth beyond held | RSS growth once the ring is full (steps {full}-{m_['steps']}) |",
+                  "|---|---|---|---|---|"]
+        for kind in ("plain", "recorder"):
+            d = m_[kind]
+            a, f, e = d["100"], d[full], d[str(m_["steps"])]
+            grow, held = e["rss_mib"] - a["rss_mib"], e["held_mib"] - a["held_mib"]
+            lines.append(f"| {kind} | {grow:.1f} MiB | {held:.1f} MiB | {grow - held:.1f} MiB | {e['rss_mib'] - f['rss_mib']:.1f} MiB |")
     b = result.get("bundle")
     if b:
         s = b["seconds_median"]
@@ -595,6 +661,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--startup", default="", help="comma-separated models whose Recorder start-up cost to measure (e.g. small,gpt,gpt42m)")
     p.add_argument("--startup-rounds", type=int, default=3, help="fresh plain + recorded pairs per model for --startup")
     p.add_argument("--startup-steps", type=int, default=3, help="first steps counted in the start-up")
+    p.add_argument("--rss", action="store_true", help="also measure RSS over --rss-steps steps of the small model, plain and recorded")
+    p.add_argument("--rss-steps", type=int, default=3000)
+    p.add_argument("--rss-capacity", type=int, default=1000, help="the recorded run's capacity")
+    p.add_argument("--rss-budget", type=int, default=256 << 20, help="the recorded run's memory_budget, bytes")
+    p.add_argument("--rss-child", choices=["plain", "recorder"], help=argparse.SUPPRESS)
     p.add_argument("--bundle-mb", type=float, default=100.0, help="model size for the bundle write test (0 = skip)")
     p.add_argument("--bundle-repeats", type=int, default=3)
     p.add_argument("--replay-repeats", type=int, default=3, help="0 = skip the replay test")
@@ -602,6 +673,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--out", default=str(HERE / "results.json"))
     p.add_argument("--readme", action="store_true", help="also rewrite the table in bench/README.md")
     args = p.parse_args(argv)
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, args)))
+        return {}
     args.variants = [v for v in args.variants.split(",") if v]
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
@@ -626,6 +700,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             t0 = time.perf_counter()
             result["startup"]["models"][n] = bench_startup(n, args, device)
             print(f"[start-up {n}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.rss:
+        result["rss"] = bench_rss(args)
     if args.bundle_mb > 0:
         result["bundle"] = bench_bundle(args)
     if args.replay_repeats > 0:

@@ -25,6 +25,7 @@ Not counted: each step's record on the host (about 3 KiB of Python objects) and 
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from itertools import islice
 from typing import Any, Iterator, Optional
@@ -70,6 +71,7 @@ class RingBuffer:
         self.model = model
         self.inputs = inputs
         self.pool = SnapshotPool()
+        self.spares = Spares()
         self.current: Optional[StepRecord] = None
         self.snapshots_refused = False
         self.over_budget = False
@@ -110,6 +112,7 @@ class RingBuffer:
         if rec is not None:
             if not self._live_read_after_step:  # lazily created weights and buffers exist after the first step
                 self._live, self._live_read_after_step = self._live_storages(), True
+            self.spares.settle(rec)
             n = self._tensor_bytes(rec)
             self._cache[rec.step] = n
             self._done += n + _snapshot_bytes(rec)
@@ -212,6 +215,7 @@ class RingBuffer:
         self._done -= freed
         self.pool.release(r.snapshot, reuse=reuse)
         self.inputs.forget(r.step)
+        self.spares.reclaim(r)
         return freed
 
     def _drop_snapshot(self, r: StepRecord) -> int:
@@ -254,6 +258,89 @@ class RingBuffer:
                     "memory_budget or lower capacity to keep them", size, self.budget)
         self.over_budget = total > self.budget
         return total
+
+
+class Spares:
+    """Small tensors of steps that left the ring (a cotangent, a torch RNG state), copied into
+    by the steps that follow instead of keeping a new allocation per step.
+
+    A ring buffer that keeps what autograd allocated in the middle of a backward pass (a
+    cotangent) pins that spot of the heap for ``capacity`` steps; glibc's allocator then cannot
+    reuse or return the memory freed around it, and the process's RSS grows far beyond the bytes
+    held (measured: +120 MiB over 3,000 steps with ``capacity=1000`` and a 5 KiB cotangent a step,
+    while the plain loop stays flat). Recycling the few tensors a step keeps on the host side of
+    its own allocations (copied into once the step is over: :meth:`settle`) makes the heap reach a
+    steady state after one pass of the ring.
+
+    A tensor is taken back (:meth:`reclaim`) only when nothing but its step refers to it
+    (reference counts: a step record kept by the caller, or an RNG state shared with a later step,
+    is left alone). At most :attr:`limit` spares are kept; they are not counted against the
+    budget (each is the size of the one the next step keeps)."""
+
+    limit = 4
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """A spare (contiguous) of ``like``'s shape, dtype and device, removed from the spares, else ``None``."""
+        for i, t in enumerate(self._free):
+            if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device:
+                return self._free.pop(i)
+        return None
+
+    def settle(self, rec: StepRecord) -> None:
+        """The step is over: each cotangent it keeps as a plain tensor moves into a spare, when one
+        fits (the one autograd allocated is freed)."""
+        for fw in rec.forwards:
+            c = fw.cotangent
+            if isinstance(c, torch.Tensor) and c.is_contiguous() and not c.requires_grad:  # an expanded one holds next to nothing
+                spare = self.take(c)
+                if spare is not None:
+                    spare.copy_(c)
+                    fw.cotangent = spare
+
+    def reclaim(self, r: StepRecord) -> None:
+        """``r`` left the ring: keep its cotangents and torch RNG state as spares, when nothing
+        else refers to them (nor to ``r``)."""
+        if sys.getrefcount(r) > _REFS_OF_DROPPED_STEP:
+            return
+        for fw in r.forwards:
+            c = fw.cotangent
+            if isinstance(c, torch.Tensor) and sys.getrefcount(c) <= _REFS_OF_ATTRIBUTE and _sole_storage(c):
+                fw.cotangent = None
+                self._offer(c)
+        st = r.rng
+        if st is not None and sys.getrefcount(st) <= _REFS_OF_ATTRIBUTE:
+            t = st.torch_cpu
+            if sys.getrefcount(t) <= _REFS_OF_ATTRIBUTE and _sole_storage(t):
+                self._offer(t)
+
+    def _offer(self, t: torch.Tensor) -> None:
+        if not t.is_contiguous():
+            return
+        self._free.append(t)
+        del self._free[:-self.limit]
+
+
+#: ``sys.getrefcount`` of a step record that only :meth:`RingBuffer._drop_oldest` and
+#: :meth:`Spares.reclaim` hold (their names and the call's argument)
+_REFS_OF_DROPPED_STEP = 3
+#: ``sys.getrefcount`` of an object that one attribute refers to, read into a local name
+_REFS_OF_ATTRIBUTE = 3
+
+
+def _sole_storage(t: torch.Tensor) -> bool:
+    """Whether no other tensor shares ``t``'s storage (a view the user kept, the gradient autograd
+    handed a hook of theirs): then writing into ``t`` changes nothing anyone else sees. ``False``
+    when torch cannot say."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    try:
+        return use_count(t.untyped_storage()._cdata) <= 2  # t's own, and the storage object just made to ask
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _snapshot_bytes(r: StepRecord) -> int:

@@ -56,7 +56,7 @@ class StepStart:
         self._snapshot_every, self._snapshot_state = snapshot_every, snapshot_state
         self._capture_cotangent = capture_cotangent
         self.buffers = StepStartBuffers(model)
-        self.rng = RNGReader()  # copies a generator's state only when it moved since the last step
+        self.rng = RNGReader(spare=ring.spares.take)  # copies a generator's state only when it moved since the last step
         self._modes = ModuleModes(model)
         self.provisional = False  # the step in progress was begun in eval mode
 

@@ -277,9 +277,14 @@ class RNGReader:
 
     When the bytes cannot be read in place (an interpreter or NumPy whose layout differs from the
     one checked once at construction), the public ``getstate`` / ``get_state`` are read every step.
+
+    ``spare(like)``: a tensor of ``like``'s shape to copy a moved CPU generator state into, or
+    ``None`` (the ring buffer's :class:`~nanreplay.capture.ring.Spares`: a state of a step that
+    left it), so that a run whose generator moves every step keeps no new allocation per step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, spare: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> None:
+        self._spare = spare
         self._last: Optional[RNGState] = None
         self._py_inst = random.getstate.__self__
         self._py_key: Any = None
@@ -322,7 +327,8 @@ class RNGReader:
         if last is not None and raw == self._torch_key:
             return last.torch_cpu
         self._torch_key = raw
-        return now
+        kept = self._spare(now) if self._spare is not None else None
+        return kept.copy_(now) if kept is not None else now
 
     @staticmethod
     def _cuda(last: Optional[RNGState]) -> list[torch.Tensor]:
