@@ -262,7 +262,8 @@ def autocast_state(*trees: Any) -> Optional[dict]:
     ``None`` outside autocast; replay runs the step under the same autocast. A single list of
     tensors (the inputs the capture kept) is read as is, without a tree walk."""
     leaves = trees[0] if len(trees) == 1 and type(trees[0]) is list else pytree.tree_leaves(trees)
-    kinds = ["cpu"] + [t.device.type for t in leaves if isinstance(t, torch.Tensor) and t.device.type != "cpu"][:1]
+    other = next((t.device.type for t in leaves if isinstance(t, torch.Tensor) and not t.is_cpu), None)
+    kinds = ["cpu"] if other is None else ["cpu", other]
     for dev in reversed(kinds):
         try:
             if torch.is_autocast_enabled(dev):

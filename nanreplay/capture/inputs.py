@@ -23,12 +23,13 @@ __all__ = ["InputCapture"]
 
 class _Ref:
     """A captured tensor: a reference plus its version counter at capture time, or a copy
-    (``v`` is ``None``: nothing outside the Recorder can change it)."""
+    (``v`` is ``None``: nothing outside the Recorder can change it); ``p``: its storage's address
+    when it was watched for reuse, else 0."""
 
-    __slots__ = ("t", "v")
+    __slots__ = ("t", "v", "p")
 
-    def __init__(self, t: torch.Tensor, *, copy: bool) -> None:
-        self.t, self.v = t, None if copy else t._version
+    def __init__(self, t: torch.Tensor, *, copy: bool, ptr: int = 0) -> None:
+        self.t, self.v, self.p = t, None if copy else t._version, ptr
 
     def fresh(self) -> bool:
         return self.v is None or self.t._version == self.v
@@ -67,31 +68,32 @@ class InputCapture:
             if known is not None and known[0] is x:
                 return known[1]
             orig, x = x, x.detach()
-            if not self.copying and self.policy is not False:
-                self._watch_storage(x, step)
+            ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0
             if self.copying:
                 x = x.clone()
-            refs.append(_Ref(x, copy=self.copying))
+            refs.append(_Ref(x, copy=self.copying, ptr=ptr))
             same[id(orig)] = (orig, x)
             return x
 
         return map_tensors(cap, tree)
 
-    def _watch_storage(self, x: torch.Tensor, step: int) -> None:
+    def _watch_storage(self, x: torch.Tensor, step: int) -> int:
         """Switch to copies when ``x``'s storage was an input of an earlier step still held (the
-        loop refills one buffer: the references held would change under the ring buffer)."""
+        loop refills one buffer: the references held would change under the ring buffer).
+        Returns the storage's address while watched, else 0."""
         try:
             ptr = x.untyped_storage().data_ptr()
         except RuntimeError:  # a tensor without storage (e.g. a functional wrapper)
-            return
+            return 0
         if not ptr:
-            return
+            return 0
         if self._storages.get(ptr, step) != step:
             self.copying = True
             self._storages.clear()  # not needed any more: captures are copies from now on
             logger.info("nanreplay: the loop reuses an input buffer across steps; batches are copied from now on")
-            return
+            return 0
         self._storages[ptr] = step
+        return ptr
 
     def tensors(self, step: int) -> list[torch.Tensor]:
         """Every tensor captured for step ``step`` (references or copies), in capture order."""
@@ -120,9 +122,5 @@ class InputCapture:
         step holds a reference to one, the allocator may hand its address to a new batch, which
         is no reuse."""
         for r in self._refs.pop(step, ()):
-            try:
-                ptr = r.t.untyped_storage().data_ptr()
-            except RuntimeError:
-                continue
-            if self._storages.get(ptr) == step:
-                del self._storages[ptr]
+            if r.p and self._storages.get(r.p) == step:
+                del self._storages[r.p]
