@@ -46,7 +46,7 @@ from ..core.tree import flatten_typed
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgramCache", "model_signature"]
+__all__ = ["ProgramCache", "PendingEmbed", "model_signature"]
 
 
 def model_signature(model: torch.nn.Module, loss_fn: Any) -> tuple:
@@ -207,3 +207,45 @@ class ProgramCache:
 
         meta, tensors = program_content(self.model, rec, self.loss_fn, verify=False)  # the dump's verifying replay loads it
         return meta, tensors, False
+
+
+class PendingEmbed:
+    """:meth:`ProgramCache.embed` running on a thread of its own while the dump writes the
+    bundle's first version: the export is Python work under the GIL, the write mostly I/O, CRCs
+    and the gradients' digests, which release it, so the two overlap (at 42M parameters the
+    export takes about as long as that write). Safe only while the calling thread runs no module:
+    ``torch.export`` patches ``torch.nn.Module.__call__`` and ``__getattr__`` for every thread
+    while it traces; the dump joins (:meth:`result`) before anything else touches the model, and
+    training does not go on before the dump returns.
+
+    Args:
+        cache: the :class:`ProgramCache`; rec, content: the failing step and its bundle content.
+    """
+
+    def __init__(self, cache: ProgramCache, rec: Any, content: Any) -> None:
+        self._out: Optional[tuple] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(cache, rec, content), name="nanreplay-export", daemon=True)
+        self._thread.start()
+
+    def _run(self, cache: ProgramCache, rec: Any, content: Any) -> None:
+        try:
+            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
+                self._out = cache.embed(rec, content)
+        except BaseException as e:  # noqa: BLE001 - handed to result(), in the dump's thread
+            self._error = e
+
+    def join(self) -> None:
+        """Wait for the export to end (idempotent)."""
+        self._thread.join()
+
+    def result(self) -> tuple[Optional[dict], dict[str, torch.Tensor], bool]:
+        """:meth:`ProgramCache.embed`'s ``(meta, tensors, verified)``, once the thread ends.
+
+        Raises:
+            Exception: what the export raised (the dump records it in the bundle)."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out
