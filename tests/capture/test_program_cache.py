@@ -273,3 +273,33 @@ def test_a_program_that_loses_a_gradient_is_not_taken_as_verified(tmp_path, capl
     assert programs.step == 0
     assert not programs.verified, "a nonzero recorded gradient absent in the program's replay fails the early check"
     assert "the dump verifies it against the failing step" in caplog.text
+
+
+def test_a_program_that_does_not_reproduce_the_failing_step_is_dropped_from_the_bundle(tmp_path, caplog):
+    """The export at the failing step is verified against it before the bundle is written again; a
+    program whose replay does not reproduce the step (here: no gradient reaches ``fc`` through the
+    traced spike) is left out, and the bundle says why."""
+    caplog.set_level(logging.WARNING, logger="nanreplay")
+    torch.manual_seed(0)
+    model = Spiking()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(m, batch):
+        x, w = batch
+        return m(x).pow(2).mean() * w
+
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
+        with pytest.raises(NonFiniteGradientError) as e:
+            for i in range(3):
+                batch = (torch.randn(8, 4), torch.tensor(float("nan") if i == 2 else 1.0))
+                rec.record(batch)
+                loss = loss_fn(model, batch)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert "embedding step 2's program in the bundle, now that a step failed" in caplog.text
+    assert "could not embed step 2's program (the exported program does not reproduce the step's gradients" in caplog.text
+    with open_bundle(e.value.bundle_path) as b:
+        assert b.meta["program"]["kind"] is None
+        assert b.meta["program"]["error"].startswith("the exported program does not reproduce the step's gradients")
+        assert not [k for k in b.keys() if k.startswith("program/")]
