@@ -235,9 +235,16 @@ class Dump:
         Recorder's hooks quiet until :meth:`_embed_program` has verified it."""
         if not self.config.embed_program or self.sharded:
             return None
+        from ..core.rng import sole_thread
+        from ..engine.verify import verify_program
+
+        def verify(meta: dict, tensors: dict) -> Optional[str]:  # the program's own loss: no code of the user's runs
+            return verify_program(meta, tensors, content, None, private=False)
+
         self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
         self._embed_t0 = time.perf_counter()
-        return PendingEmbed(self.programs, rec, content)
+        # the replay may set the process-wide generators only while no thread but this one (writing) may draw
+        return PendingEmbed(self.programs, rec, content, verify=verify if sole_thread() else None)
 
     def _embed_program(self, content: BundleContent, rec: StepRecord, pending: PendingEmbed) -> bool:
         """Put the failing step's program into ``content`` (see ``embed_program``): the one
@@ -251,8 +258,11 @@ class Dump:
         self.replaying = True
         try:
             meta, tensors, verified = pending.result()
-            with replay_quiet():  # the verifying replay's warnings are about nanreplay's replay, not the user's loop
-                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") and not verified else None
+            if pending.checked:
+                unfaithful = pending.unfaithful
+            else:
+                with replay_quiet():  # the verifying replay's warnings are about nanreplay's replay, not the user's loop
+                    unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") and not verified else None
             if unfaithful:
                 meta, tensors = {"kind": None, "error": unfaithful}, {}
         except Exception as e:  # export must never cost training

@@ -210,28 +210,40 @@ class ProgramCache:
 
 
 class PendingEmbed:
-    """:meth:`ProgramCache.embed` running on a thread of its own while the dump writes the
-    bundle's first version: the export is Python work under the GIL, the write mostly I/O, CRCs
-    and the gradients' digests, which release it, so the two overlap (at 42M parameters the
-    export takes about as long as that write). Safe only while the calling thread runs no module:
-    ``torch.export`` patches ``torch.nn.Module.__call__`` and ``__getattr__`` for every thread
-    while it traces; the dump joins (:meth:`result`) before anything else touches the model, and
-    training does not go on before the dump returns.
+    """:meth:`ProgramCache.embed` (and the verifying replay of a ``"loss"`` program) running on a
+    thread of its own while the dump writes the bundle's first version: the export is Python work
+    under the GIL, the write mostly I/O, CRCs and the gradients' digests, which release it, so the
+    two overlap (at 42M parameters the export and its replay take about as long as that write).
+    Safe only while the calling thread runs no module and draws no random number: ``torch.export``
+    patches ``torch.nn.Module.__call__`` and ``__getattr__`` for every thread while it traces, and
+    the replay sets the process-wide generators (the dump asks for it only when no other thread
+    that may draw is alive); the dump joins (:meth:`result`) before anything else touches the
+    model, and training does not go on before the dump returns.
 
     Args:
         cache: the :class:`ProgramCache`; rec, content: the failing step and its bundle content.
+        verify: ``verify(meta, tensors) -> why unfaithful or None``, run on the thread after the
+            export when the program is of kind ``"loss"`` and not verified yet (it runs no code of
+            the user's: only the program and its loss); ``None``: the dump verifies it.
+
+    Attributes:
+        checked: whether ``verify`` ran; unfaithful: what it said.
     """
 
-    def __init__(self, cache: ProgramCache, rec: Any, content: Any) -> None:
+    def __init__(self, cache: ProgramCache, rec: Any, content: Any, verify: Optional[Callable[[dict, dict], Optional[str]]] = None) -> None:
         self._out: Optional[tuple] = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(cache, rec, content), name="nanreplay-export", daemon=True)
+        self.checked = False
+        self.unfaithful: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, args=(cache, rec, content, verify), name="nanreplay-export", daemon=True)
         self._thread.start()
 
-    def _run(self, cache: ProgramCache, rec: Any, content: Any) -> None:
+    def _run(self, cache: ProgramCache, rec: Any, content: Any, verify: Optional[Callable[[dict, dict], Optional[str]]]) -> None:
         try:
             with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
-                self._out = cache.embed(rec, content)
+                self._out = meta, tensors, verified = cache.embed(rec, content)
+                if verify is not None and meta and meta.get("kind") == "loss" and not verified:
+                    self.unfaithful, self.checked = verify(meta, tensors), True
         except BaseException as e:  # noqa: BLE001 - handed to result(), in the dump's thread
             self._error = e
 
