@@ -1,6 +1,8 @@
-"""The three benchmark models and their batches: an MLP, a small CNN and a GPT-style
-transformer. Sizes are arguments so ``overhead.py`` can scale them; the defaults give a step of
-roughly 20-150 ms on 2 CPU threads."""
+"""The benchmark models and their batches: a small MLP (a step of about 1 ms on 2 CPU threads,
+where the Recorder's fixed host cost per step shows), an MLP, a small CNN and GPT-style
+transformers (``gpt``: 3.7M parameters; ``gpt42m``: issue 23's 42M-parameter model, as
+``bench/scale.py``'s ``42M``). Sizes are arguments so ``overhead.py`` can scale them; the defaults
+give a step of roughly 20-150 ms on 2 CPU threads (``gpt42m``: about 1 s)."""
 
 from __future__ import annotations
 
@@ -86,16 +88,20 @@ class GPT(nn.Module):
 
 def spec(name: str, scale: float = 1.0) -> tuple[Callable[[], nn.Module], Callable[[torch.Generator, torch.device], tuple], Callable]:
     """(model factory, batch maker ``(gen, device) -> (inputs, targets)``, loss ``(out, target)``)
-    for ``name`` in mlp|cnn|gpt; ``scale`` multiplies the width."""
+    for ``name`` in :data:`MODELS`; ``scale`` multiplies the width."""
+    if name == "small":
+        w = int(256 * scale)
+        return (lambda: MLP(d_in=64, width=w, depth=2)), (lambda g, dev: (torch.randn(128, 64, generator=g).to(dev), torch.randint(0, 10, (128,), generator=g).to(dev))), F.cross_entropy
     if name == "mlp":
         w = int(1024 * scale)
         return (lambda: MLP(width=w)), (lambda g, dev: (torch.randn(64, 512, generator=g).to(dev), torch.randint(0, 10, (64,), generator=g).to(dev))), F.cross_entropy
     if name == "cnn":
         c = max(4, int(32 * scale))
         return (lambda: CNN(channels=c)), (lambda g, dev: (torch.randn(32, 3, 32, 32, generator=g).to(dev), torch.randint(0, 10, (32,), generator=g).to(dev))), F.cross_entropy
-    if name == "gpt":
-        d = int(256 * scale) // 4 * 4
-        vocab, ctx, bs = 2048, 64, 8
+    if name in ("gpt", "gpt42m"):
+        big = name == "gpt42m"  # 8 layers of width 512, vocabulary 16,384, untied head, 4 x 128 tokens
+        d = int((512 if big else 256) * scale) // 8 * 8
+        vocab, ctx, bs = (16384, 128, 4) if big else (2048, 64, 8)
 
         def batch(g: torch.Generator, dev: torch.device) -> tuple:
             t = torch.randint(0, vocab, (bs, ctx + 1), generator=g)
@@ -104,8 +110,19 @@ def spec(name: str, scale: float = 1.0) -> tuple[Callable[[], nn.Module], Callab
         def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-        return (lambda: GPT(vocab=vocab, d=d, ctx=ctx)), batch, loss
-    raise ValueError(f"model must be mlp, cnn or gpt, got {name!r}")
+        def make() -> nn.Module:
+            if not big:
+                return GPT(vocab=vocab, d=d, ctx=ctx)
+            m = GPT(vocab=vocab, d=d, layers=8, heads=8, ctx=ctx)
+            m.head.weight = nn.Parameter(m.tok.weight.detach().clone())
+            return m
+
+        return make, batch, loss
+    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+#: the names :func:`spec` takes
+MODELS = ("small", "mlp", "cnn", "gpt", "gpt42m")
 
 
 def param_count(model: nn.Module) -> int:

@@ -4,6 +4,8 @@ Usage::
 
     python bench/overhead.py                      # all models, defaults (a few minutes on 2 cores)
     python bench/overhead.py --model gpt --steps 60 --threads 2 --out bench/results.json
+    python bench/overhead.py --model small --steps 400 --variants plain,recorder --bundle-mb 0 --replay-repeats 0
+    python bench/overhead.py --startup small,mlp,gpt,gpt42m --model none --bundle-mb 0 --replay-repeats 0
 
 Method. Every variant trains its own copy of the same model (same initial weights, AdamW) on
 the same batches. The variants run *interleaved step by step*: each round runs one training step
@@ -17,6 +19,19 @@ Host syncs are counted by wrapping the Python entry points that read a device va
 (``Tensor.item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``, ``cpu`` and
 ``numpy``); on CPU these are the calls that would synchronise on CUDA. The figure is per step, net
 of the plain loop's own count. On CUDA, ``torch.cuda.set_sync_debug_mode`` can confirm it.
+
+Per-step host cost: the median over rounds of ``step time(variant) - step time(plain)`` in the
+same round, in microseconds; on the ``small`` model (a step of about 1 ms) it is the Recorder's
+fixed cost per step, which a large model's step hides. The Recorder variants call
+``Recorder.record(batch)`` before the forward and ``Recorder.log_loss(loss)`` after it, as a loop
+that wants its batch and loss checked does.
+
+Start-up (``--startup``): what the Recorder does once, per model size. Each round builds a fresh
+plain and a fresh recorded copy of the model (same weights, AdamW), times ``Recorder(...)``, then
+the first ``--startup-steps`` steps of each, interleaved (the order alternates per round); the
+figure is the median over rounds of ``construction + recorded steps - plain steps``, in seconds
+and in plain step-times (the median of later plain steps). ``torch._dynamo`` is imported before
+the rounds: any ``torch.optim`` optimizer's first step imports it, with or without a Recorder.
 
 Memory added is the recorder's own accounting (:meth:`nanreplay.Recorder.held_bytes`: copied
 batches, kept cotangents, weight snapshots, step-start buffers, preallocated snapshot slots),
@@ -133,6 +148,7 @@ class Variant:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with self.context():
+            self.before_forward(x, y)
             with torch.autocast(x.device.type, dtype=self.autocast) if self.autocast is not None else nullcontext():
                 out = self.model(x)
                 loss = self.loss(out, y)
@@ -141,6 +157,9 @@ class Variant:
             self.before_step(x, y)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+
+    def before_forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
 
     def after_forward(self, loss: torch.Tensor) -> None:
         pass
@@ -159,6 +178,12 @@ class RecorderVariant(Variant):
 
     def setup(self) -> None:
         self.rec = Recorder(self.model, self.opt, out_dir=self.out_dir, **{**self.options, **self.recorder_options})
+
+    def before_forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.rec.record((x, y))
+
+    def after_forward(self, loss: torch.Tensor) -> None:
+        self.rec.log_loss(loss)
 
     def close(self) -> None:
         self.rec.close()
@@ -274,6 +299,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, count
         }
         for v in variants:
             ratios = [a / b for a, b in zip(v.times, plain.times)]
+            extra_us = [1e6 * (a - b) for a, b in zip(v.times, plain.times)]
             held = v.held_bytes()
             out["variants"][v.name] = {
                 "label": v.label,
@@ -281,12 +307,123 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, count
                 "ratio_q25": statistics.quantiles(ratios, n=4)[0] if len(ratios) >= 2 else ratios[0],
                 "ratio_q75": statistics.quantiles(ratios, n=4)[2] if len(ratios) >= 2 else ratios[0],
                 "step_ms_median": 1e3 * statistics.median(v.times),
+                "host_us_per_step": statistics.median(extra_us),
+                "host_us_q25": statistics.quantiles(extra_us, n=4)[0] if len(extra_us) >= 2 else extra_us[0],
+                "host_us_q75": statistics.quantiles(extra_us, n=4)[2] if len(extra_us) >= 2 else extra_us[0],
                 "host_syncs_per_step": (sum(v.syncs) - sum(plain.syncs)) / len(v.syncs),
                 "held_bytes": held,
                 "held_fraction_of_params": (held / param_bytes) if held is not None else None,
             }
             v.close()
     return out
+
+
+# ------------------------------------------------------------------------------------ start-up
+
+
+def _timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: Callable, batch: tuple, device: torch.device,
+                rec: Optional[Recorder] = None) -> float:
+    x, y = batch
+    _sync(device)
+    t0 = time.perf_counter()
+    if rec is not None:
+        rec.record((x, y))
+    out = loss(model(x), y)
+    if rec is not None:
+        rec.log_loss(out)
+    out.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_startup(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """What the Recorder does once, for model ``name`` (see the module docstring): per round a
+    fresh plain and recorded copy, ``Recorder(...)`` timed, then their first steps interleaved."""
+    import torch._dynamo  # noqa: F401  (any torch.optim optimizer's first step imports it: not the Recorder's cost)
+
+    factory, make_batch, loss = models.spec(name, args.scale)
+    torch.manual_seed(0)
+    base = factory().to(device)
+    extras, plains = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.startup_rounds):
+            plain, recorded = copy.deepcopy(base), copy.deepcopy(base)
+            opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+            opt_r = torch.optim.AdamW(recorded.parameters(), lr=1e-4)
+            gen = torch.Generator().manual_seed(r)
+            t0 = time.perf_counter()
+            rec = Recorder(recorded, opt_r, out_dir=Path(tmp) / str(r))
+            extra = time.perf_counter() - t0
+            for i in range(args.startup_steps + 2):
+                batch = make_batch(gen, device)
+                order = [False, True] if (r + i) % 2 == 0 else [True, False]
+                t = {w: _timed_step(recorded if w else plain, opt_r if w else opt_p, loss, batch, device, rec if w else None) for w in order}
+                if i < args.startup_steps:
+                    extra += t[True] - t[False]
+                else:
+                    plains.append(t[False])  # later steps: the plain step-time the start-up is measured in
+            rec.close()
+            extras.append(extra)
+            del plain, recorded, opt_p, opt_r, rec
+    step = statistics.median(plains)
+    q = statistics.quantiles(extras, n=4) if len(extras) >= 2 else [extras[0]] * 3
+    return {"params": models.param_count(base), "plain_step_s": step, "startup_s": statistics.median(extras),
+            "startup_q": [q[0], q[2]], "startup_x_step": statistics.median(extras) / step, "rounds_s": extras}
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+def _rss_mib() -> float:
+    """This process's resident set size, MiB (Linux ``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def rss_child(kind: str, args: argparse.Namespace) -> dict:
+    """In a fresh process: ``--rss-steps`` steps of the ``small`` model (a new batch each step,
+    drawn from torch's global generator, as a data pipeline does), plain or under a Recorder with
+    ``--rss-capacity`` and ``--rss-budget``; RSS and held bytes at step 100, at the step the ring
+    is full and at the end (after ``gc.collect()``)."""
+    import gc
+
+    torch.set_num_threads(args.threads)
+    factory, make_batch, loss = models.spec("small")
+    torch.manual_seed(0)
+    model = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Recorder(model, opt, out_dir=tmp, capacity=args.rss_capacity, memory_budget=args.rss_budget) if kind == "recorder" else None
+        marks, out = {100, min(100 + args.rss_capacity, args.rss_steps), args.rss_steps}, {}
+        for i in range(args.rss_steps + 1):
+            if i in marks:
+                gc.collect()
+                out[str(i)] = {"rss_mib": _rss_mib(), "held_mib": rec.held_bytes() / 2**20 if rec is not None else 0.0}
+            if i == args.rss_steps:
+                break
+            x, y = make_batch(None, torch.device("cpu"))
+            _timed_step(model, opt, loss, (x, y), torch.device("cpu"), rec)
+        if rec is not None:
+            rec.close()
+    return out
+
+
+def bench_rss(args: argparse.Namespace) -> dict:
+    """RSS over ``--rss-steps`` steps, plain and recorded, each in a fresh process."""
+    import subprocess
+
+    res: dict[str, Any] = {"steps": args.rss_steps, "capacity": args.rss_capacity, "budget": args.rss_budget}
+    for kind in ("plain", "recorder"):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--rss-child", kind, "--rss-steps", str(args.rss_steps),
+               "--rss-capacity", str(args.rss_capacity), "--rss-budget", str(args.rss_budget), "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return res
 
 
 # ------------------------------------------------------------------------------------ bundles
@@ -312,7 +449,7 @@ def bench_bundle(args: argparse.Namespace) -> dict:
         x = torch.randn(8, width)
         torch.nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
         grads = rec._grads()
-        rec._begin_step()
+        rec._steps.begin()  # the step the bundle content is built for
         content = rec.bundle_content(rec._current, grads, {"benchmark": True})
         rec.close()
         timings: dict[str, list[float]] = {}
@@ -433,24 +570,48 @@ def table(result: dict) -> str:
     ]
     models_ = result["models"]
     names = list(models_)
-    lines.append("| variant | " + " | ".join(f"{n} ({models_[n]['params'] / 1e6:.2f} M params, plain step {models_[n]['plain_step_ms']:.1f} ms)" for n in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    first = models_[names[0]]["variants"]
-    for v in first:
-        cells = []
-        for n in names:
-            d = models_[n]["variants"].get(v)
-            if d is None:
-                cells.append("n/a")
-                continue
-            cell = f"{d['ratio_median']:.3f}x [{d['ratio_q25']:.2f}-{d['ratio_q75']:.2f}], {d['host_syncs_per_step']:.2f} syncs/step"
-            if d["held_bytes"] is not None:
-                cell += f", holds {d['held_bytes'] / 2**20:.1f} MiB ({d['held_fraction_of_params']:.2f}x params)"
-            cells.append(cell)
-        lines.append(f"| {first[v]['label']} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Ratios: median over interleaved rounds of step time / plain step time in the same round, "
-                 "[interquartile range]. Syncs: host reads of device values per step beyond the plain loop's.")
+    if names:
+        lines.append("| variant | " + " | ".join(f"{n} ({models_[n]['params'] / 1e6:.2f} M params, plain step {models_[n]['plain_step_ms']:.1f} ms)" for n in names) + " |")
+        lines.append("|---|" + "---|" * len(names))
+        first = models_[names[0]]["variants"]
+        for v in first:
+            cells = []
+            for n in names:
+                d = models_[n]["variants"].get(v)
+                if d is None:
+                    cells.append("n/a")
+                    continue
+                cell = f"{d['ratio_median']:.3f}x [{d['ratio_q25']:.2f}-{d['ratio_q75']:.2f}], {_us(d)}, {d['host_syncs_per_step']:.2f} syncs/step"
+                if d["held_bytes"] is not None:
+                    cell += f", holds {d['held_bytes'] / 2**20:.1f} MiB ({d['held_fraction_of_params']:.2f}x params)"
+                cells.append(cell)
+            lines.append(f"| {first[v]['label']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if names:
+        lines.append("Ratios: median over interleaved rounds of step time / plain step time in the same round, "
+                     "[interquartile range]; then the median of the per-round difference, in microseconds per step (the "
+                     "variant's host cost). Syncs: host reads of device values per step beyond the plain loop's.")
+    st = result.get("startup")
+    if st:
+        lines += ["", "Start-up: everything the Recorder does once (construction and its extra work in the first "
+                  f"{st['steps']} steps), median of {st['rounds']} rounds, against a plain step of the same model.", "",
+                  "| model | params | plain step | Recorder start-up | in plain steps |", "|---|---|---|---|---|"]
+        for n, d in st["models"].items():
+            lines.append(f"| {n} | {d['params'] / 1e6:.2f} M | {d['plain_step_s'] * 1e3:.1f} ms | {d['startup_s'] * 1e3:.1f} ms "
+                         f"[{d['startup_q'][0] * 1e3:.1f}-{d['startup_q'][1] * 1e3:.1f}] | **{d['startup_x_step']:.2f}** |")
+    m_ = result.get("rss")
+    if m_:
+        full = str(min(100 + m_["capacity"], m_["steps"]))
+        lines += ["", f"Memory over {m_['steps']} steps of the small model (a new batch every step), each run in a fresh process; the "
+                  f"Recorder with capacity={m_['capacity']}, memory_budget={m_['budget'] / 2**20:.0f} MiB: RSS growth from step 100, and "
+                  "the part of it the Recorder does not count as held (`held_bytes()`).", "",
+                  f"| run | RSS growth, steps 100-{m_['steps']} | held bytes growth | growth beyond held | RSS growth once the ring is full (steps {full}-{m_['steps']}) |",
+                  "|---|---|---|---|---|"]
+        for kind in ("plain", "recorder"):
+            d = m_[kind]
+            a, f, e = d["100"], d[full], d[str(m_["steps"])]
+            grow, held = e["rss_mib"] - a["rss_mib"], e["held_mib"] - a["held_mib"]
+            lines.append(f"| {kind} | {grow:.1f} MiB | {held:.1f} MiB | {grow - held:.1f} MiB | {e['rss_mib'] - f['rss_mib']:.1f} MiB |")
     b = result.get("bundle")
     if b:
         s = b["seconds_median"]
@@ -479,6 +640,13 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _us(d: dict) -> str:
+    """A variant's per-step host cost: the median difference to the plain step, in µs."""
+    if "host_us_per_step" not in d:
+        return "-"
+    return f"{d['host_us_per_step']:+.0f} µs/step"
+
+
 def write_readme(text: str, readme: Path) -> None:
     start, end = "<!-- results -->", "<!-- /results -->"
     body = readme.read_text() if readme.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
@@ -491,13 +659,22 @@ def write_readme(text: str, readme: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="all", choices=["mlp", "cnn", "gpt", "all"])
+    p.add_argument("--model", default="all", choices=[*models.MODELS, "all", "none"],
+                   help="all: small, mlp, cnn, gpt (gpt42m only when named); none: only --startup and the bundle / replay parts")
     p.add_argument("--steps", type=int, default=40, help="timed rounds per model (each round: one step of every variant)")
     p.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", type=float, default=1.0, help="width multiplier of the models")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--startup", default="", help="comma-separated models whose Recorder start-up cost to measure (e.g. small,gpt,gpt42m)")
+    p.add_argument("--startup-rounds", type=int, default=3, help="fresh plain + recorded pairs per model for --startup")
+    p.add_argument("--startup-steps", type=int, default=3, help="first steps counted in the start-up")
+    p.add_argument("--rss", action="store_true", help="also measure RSS over --rss-steps steps of the small model, plain and recorded")
+    p.add_argument("--rss-steps", type=int, default=3000)
+    p.add_argument("--rss-capacity", type=int, default=1000, help="the recorded run's capacity")
+    p.add_argument("--rss-budget", type=int, default=256 << 20, help="the recorded run's memory_budget, bytes")
+    p.add_argument("--rss-child", choices=["plain", "recorder"], help=argparse.SUPPRESS)
     p.add_argument("--bundle-mb", type=float, default=100.0, help="model size for the bundle write test (0 = skip)")
     p.add_argument("--bundle-repeats", type=int, default=3)
     p.add_argument("--replay-repeats", type=int, default=3, help="0 = skip the replay test")
@@ -505,6 +682,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--out", default=str(HERE / "results.json"))
     p.add_argument("--readme", action="store_true", help="also rewrite the table in bench/README.md")
     args = p.parse_args(argv)
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, args)))
+        return {}
     args.variants = [v for v in args.variants.split(",") if v]
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
@@ -516,12 +696,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "settings": {k: v for k, v in vars(args).items()},
         "models": {},
     }
-    names = ["mlp", "cnn", "gpt"] if args.model == "all" else [args.model]
+    names = ["small", "mlp", "cnn", "gpt"] if args.model == "all" else [] if args.model == "none" else [args.model]
     with SyncCounter() as counter:
         for n in names:
             t0 = time.perf_counter()
             result["models"][n] = bench_model(n, args, device, counter)
             print(f"[{n}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    startup = [n for n in args.startup.split(",") if n]
+    if startup:
+        result["startup"] = {"rounds": args.startup_rounds, "steps": args.startup_steps, "models": {}}
+        for n in startup:
+            t0 = time.perf_counter()
+            result["startup"]["models"][n] = bench_startup(n, args, device)
+            print(f"[start-up {n}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.rss:
+        result["rss"] = bench_rss(args)
     if args.bundle_mb > 0:
         result["bundle"] = bench_bundle(args)
     if args.replay_repeats > 0:

@@ -6,13 +6,17 @@ For each size, in one process:
   one under a default ``Recorder(model, opt, loss_fn=...)``, trained side by side; each round runs
   one step of each, in an order that alternates per round; the figure is the median over rounds
   of recorded step / plain step (in the same round), with the interquartile range;
+* **start-up**: what the Recorder does once: its construction (the weights' attach scan) and its
+  first step against the plain model's first step (``torch._dynamo`` is imported before either:
+  any ``torch.optim`` optimizer's first step imports it, with or without a Recorder); by default
+  nothing is exported before a step fails (``export_early=False``);
 * **bytes held** by the Recorder after those steps (:meth:`Recorder.held_bytes`);
 * then the recorded model fails (``--failure``: by default ``overflow``, a finite weight of 3e38
   makes the first MLP layer of block 1 overflow, a NaN born inside the model, which the diagnosis
   has to find at the op level; or ``padding``, a batch whose every target is padding, so the loss
   is the mean over no targets, 0/0: a NaN born in the loss, whose fix the diagnosis verifies by a
   replay that rewrites the loss op), and the failing step is timed from its start to the ``NonFiniteGradientError``: **in process**
-  (detect + write the bundle + embed the program + diagnose + write again), with the parts read
+  (detect + write the bundle + export the program and verify it + diagnose + write again), with the parts read
   from nanreplay's own log lines (bundle write, program export, diagnosis);
 * **bundle size** against the **training state**: parameters + optimizer state + the batch (the
   bytes a checkpoint of the step would hold);
@@ -34,6 +38,7 @@ Every other time is also given in plain step-times (the median plain step of the
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -196,11 +201,15 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: i
     lg.addHandler(log)
     prev_level = lg.level
     lg.setLevel(logging.INFO)
+    importlib.import_module("torch._dynamo")  # imported by any optimizer's first step: the plain loop's cost as much as the Recorder's
     try:
-        with Recorder(recorded, opt_r, loss_fn=loss_fn, out_dir=str(out_dir)) as rec:
+        t0 = time.perf_counter()
+        rec = Recorder(recorded, opt_r, loss_fn=loss_fn, out_dir=str(out_dir))
+        construct = time.perf_counter() - t0
+        with rec:
             batch = make_batch(size, g)
-            _step(plain, opt_p, batch)       # warm-up step (allocations, AdamW state)
-            _step(recorded, opt_r, batch, rec)
+            first_plain = _step(plain, opt_p, batch)       # warm-up step (allocations, AdamW state)
+            first_rec = _step(recorded, opt_r, batch, rec)
             plains, ratios, recs = [], [], []
             for i in range(rounds):
                 batch = make_batch(size, g)
@@ -273,12 +282,13 @@ def bench_size(size: Size, rounds: int, out_dir: Path, verbose: bool, profile: i
         "bundle_x_state": bundle_bytes / state_bytes,
         "in_process_s": in_process, "write_s": sum(writes), "writes": len(writes), "export_s": export[0] if export else None,
         "early_export_s": early[0] if early else None,
+        "startup_s": construct + first_rec - first_plain, "construct_s": construct,
         "diagnose_s": diag_s[0] if diag_s else None,
         "replay_cli_s": replay_s, "replay_cli_rc": proc.returncode if proc is not None else None,
         "replay_cli_runs_s": replay_runs, "replay_cli_ratios": replay_ratios,
         "summary": diag.get("summary"), "replay_summary": replay_summary,
     }
-    for k in ("in_process_s", "write_s", "export_s", "early_export_s", "diagnose_s", "replay_cli_s"):
+    for k in ("in_process_s", "write_s", "export_s", "early_export_s", "startup_s", "diagnose_s", "replay_cli_s"):
         if res[k] is not None:
             res[k.replace("_s", "_x_step")] = res[k] / step
     res["replay_cli_x_step"] = statistics.median(replay_ratios)  # each run against the plain steps around it
@@ -297,6 +307,7 @@ def run(sizes: list[str], rounds: Optional[int], verbose: bool, profile: int = 0
               f"held {r['held_bytes'] / 2**20:.1f} MiB, bundle {r['bundle_bytes'] / 2**20:.0f} MiB = {r['bundle_x_state']:.2f}x state "
               f"({r['training_state_bytes'] / 2**20:.0f} MiB); in process {r['in_process_s']:.1f} s = {r['in_process_x_step']:.1f} steps "
               f"(writes {r['write_s']:.1f} s, embed {r['export_s'] or 0:.1f} s [early export {r['early_export_s'] or 0:.1f} s], diagnosis {r['diagnose_s'] or 0:.1f} s); "
+              f"start-up {r['startup_s']:.2f} s = {r['startup_x_step']:.2f} steps; "
               f"`nanreplay replay` {r['replay_cli_s']:.1f} s = {r['replay_cli_x_step']:.1f} steps (rc {r['replay_cli_rc']}); "
               f"{(r['summary'] or '')[:100]}", flush=True)
     return out
@@ -319,9 +330,11 @@ def table(res: dict, command: str) -> str:
         ("training state (params + AdamW state + batch)", [f"{sizes[n]['training_state_bytes'] / 2**20:.0f} MiB" for n in cols]),
         ("bundle (target <= 1.15x the training state)", [f"{sizes[n]['bundle_bytes'] / 2**20:.0f} MiB = **{sizes[n]['bundle_x_state']:.2f}x**" for n in cols]),
         ("first bundle write (before the diagnosis; written again with it)", [_fmt_x(sizes[n]['write_s'], sizes[n]['plain_step_s']) for n in cols]),
-        ("program export + verifying replay at the first step, once (`export_early`)",
+        ("**start-up**: Recorder construction + its first step - the plain first step (target <= 1 step at 42M)",
+         [f"**{_fmt_x(sizes[n].get('startup_s'), sizes[n]['plain_step_s'])}**" for n in cols]),
+        ("program export + verifying replay at the first step (`export_early=True` only)",
          [_fmt_x(sizes[n].get('early_export_s'), sizes[n]['plain_step_s']) for n in cols]),
-        ("program embedded at the dump (re-embedded when it fits)", [_fmt_x(sizes[n]['export_s'], sizes[n]['plain_step_s']) for n in cols]),
+        ("program export + verifying replay at the dump (the default)", [_fmt_x(sizes[n]['export_s'], sizes[n]['plain_step_s']) for n in cols]),
         ("in-process diagnosis", [_fmt_x(sizes[n]['diagnose_s'], sizes[n]['plain_step_s']) for n in cols]),
         ("**in process: detect + dump + diagnosis** (target <= 10 steps at 42M)",
          [f"**{_fmt_x(sizes[n]['in_process_s'], sizes[n]['plain_step_s'])}**" for n in cols]),

@@ -35,8 +35,10 @@ def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist:
     if dist is None and not present and not more:
         return None, None, None, [None] * len(extra)
     device = present[0].device if present else (more[0].device if more else dist.device())
-    parts = [t.to(device, torch.float32).reshape(1) for t in present]
-    flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
+    # 0-dim float32 on one device (the norm already is, the loss from log_loss usually): no copy, no view
+    parts = [t if t.dtype == torch.float32 and t.dim() == 0 and t.device == device else t.to(device, torch.float32).reshape(())
+             for t in present]
+    flat = torch.stack(parts) if parts else torch.zeros(0, device=device)
     n = len(parts)
     if dist is not None:
         flat = torch.cat([flat, dist.agree(flat, loss_bad=parts[-1] if loss is not None else None)])

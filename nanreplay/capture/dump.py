@@ -27,7 +27,7 @@ from ..format.bundle import open_bundle, write_bundle
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .config import RecorderConfig
 from .inputs import InputCapture
-from .program_cache import ProgramCache
+from .program_cache import PendingEmbed, ProgramCache
 from .ring import RingBuffer
 from .snapshots import replace_snapshot
 from .trackers import Trackers, event_for_bundle
@@ -71,6 +71,7 @@ class Dump:
         self.attempts = 0
         self.last_diagnosis: Optional[dict] = None
         self.replaying = False
+        self._embed_t0 = 0.0
         self.history: Any = None  # the Recorder's capture.early.ScalarHistory, stored in every bundle
         self.compile_state: Optional[Callable[[], dict]] = None  # the model's torch.compile state (capture.compiled), meta["compile"]
         self.run_config: Optional[Callable[[list], dict]] = None  # the run's configuration for these steps (capture.settings), meta["config"]
@@ -172,6 +173,7 @@ class Dump:
             logger.exception("nanreplay: could not assemble the bundle for step %d", rec.step)
             return None
         path: Any = self.config.out_dir
+        pending = self._start_embed(rec, content)  # the export overlaps the first write
         try:
             path = self._path(rec.step, "nanreplay-spike-step" if spike else "nanreplay-step")
             if self.dist is not None:
@@ -181,7 +183,15 @@ class Dump:
         except Exception:
             logger.exception("nanreplay: could not write the bundle for step %d to %s; training goes on (%d of max_dumps=%d "
                              "dumps tried)", rec.step, path, self.attempts, self.config.max_dumps)
+            if pending is not None:
+                pending.join()  # nothing of the model runs while torch.export traces it
+                self.replaying = False
             return None
+        except BaseException:  # an interrupt: training stops, but not with the export still tracing the model
+            if pending is not None:
+                pending.join()
+                self.replaying = False
+            raise
         (self.spike_bundles if spike else self.bundles).append(written)
         logger.warning("nanreplay: wrote %s for %s step %d in %.2f s", written, "spike" if spike else "non-finite", rec.step,
                        time.perf_counter() - t0)
@@ -192,7 +202,7 @@ class Dump:
                            shell_path(written.parent))
             self._track(written, content, spike)
             return written
-        amended = self.config.embed_program and self._embed_program(content, rec)
+        amended = pending is not None and self._embed_program(content, rec, pending)
         if self.config.diagnose and not spike:
             amended = self._diagnose_into(content, written) or amended
         if amended:
@@ -238,25 +248,46 @@ class Dump:
                 logger.info("nanreplay: could not read %s's metadata back for the trackers (%s)", path, e)
         self.trackers.emit(event_for_bundle(path, step=content.failing_step, diagnosis=content.diagnosis, reason=content.reason, meta=meta))
 
-    def _embed_program(self, content: BundleContent, rec: StepRecord) -> bool:
+    def _start_embed(self, rec: StepRecord, content: BundleContent) -> Optional[PendingEmbed]:
+        """With ``embed_program`` on an unsharded model: start the program's export (or its
+        re-embedding) on a thread (:class:`~nanreplay.capture.program_cache.PendingEmbed`), the
+        Recorder's hooks quiet until :meth:`_embed_program` has verified it."""
+        if not self.config.embed_program or self.sharded:
+            return None
+        from ..core.rng import sole_thread
+        from ..engine.verify import verify_program
+
+        def verify(meta: dict, tensors: dict) -> Optional[str]:  # the program's own loss: no code of the user's runs
+            return verify_program(meta, tensors, content, None, private=False)
+
+        self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
+        self._embed_t0 = time.perf_counter()
+        # the replay may set the process-wide generators only while no thread but this one (writing) may draw
+        return PendingEmbed(self.programs, rec, content, verify=verify if sole_thread() else None)
+
+    def _embed_program(self, content: BundleContent, rec: StepRecord, pending: PendingEmbed) -> bool:
         """Put the failing step's program into ``content`` (see ``embed_program``): the one
         exported early when it still fits (:class:`~nanreplay.capture.program_cache.ProgramCache`),
-        else a new export, verified against the step. Never raises; returns whether ``content``
-        changed."""
+        else the new export ``pending`` ran, verified against the step. Never raises; returns
+        whether ``content`` changed."""
         from ..engine.program import PROGRAM_META_KEY
         from ..engine.verify import verify_program
 
-        t0 = time.perf_counter()
-        self.replaying = True  # export runs the module hooks with fake tensors: keep the recorder quiet
+        t0 = self._embed_t0
+        self.replaying = True
         try:
-            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
-                meta, tensors, verified = self.programs.embed(rec, content)
-                unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") and not verified else None
+            meta, tensors, verified = pending.result()
+            if pending.checked:
+                unfaithful = pending.unfaithful
+            else:
+                with replay_quiet():  # the verifying replay's warnings are about nanreplay's replay, not the user's loop
+                    unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") and not verified else None
             if unfaithful:
                 meta, tensors = {"kind": None, "error": unfaithful}, {}
         except Exception as e:  # export must never cost training
             meta, tensors = {"kind": None, "error": f"{type(e).__name__}: {e}"}, {}
         finally:
+            pending.join()
             self.replaying = False
         content.extra_meta[PROGRAM_META_KEY] = meta
         content.extra_tensors.update(tensors)

@@ -21,6 +21,7 @@ Names always come from the unwrapped module (:func:`unwrap_model`): no ``_orig_m
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any, Callable, Optional
@@ -236,6 +237,11 @@ class ForwardTap:
 def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
     """Keep the gradient w.r.t. each floating output of a forward in ``fw.cotangent`` (same tree
     as ``output``), through a tensor hook that fires in the backward pass."""
+    if isinstance(output, torch.Tensor):  # the common case, without a tree
+        fw.cotangent = None
+        if output.requires_grad and is_float(output):
+            output.register_hook(functools.partial(_keep_leaf_cotangent, fw))
+        return
     leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
     # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
     cot: list[Any] = [None] * len(leaves)
@@ -251,10 +257,17 @@ def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
             t.register_hook(hook)
 
 
+def _keep_leaf_cotangent(fw: ForwardRecord, g: torch.Tensor) -> None:
+    fw.cotangent = g.detach()
+
+
 def autocast_state(*trees: Any) -> Optional[dict]:
     """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
-    ``None`` outside autocast; replay runs the step under the same autocast."""
-    kinds = ["cpu"] + [t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.device.type != "cpu"][:1]
+    ``None`` outside autocast; replay runs the step under the same autocast. A single list of
+    tensors (the inputs the capture kept) is read as is, without a tree walk."""
+    leaves = trees[0] if len(trees) == 1 and type(trees[0]) is list else pytree.tree_leaves(trees)
+    other = next((t.device.type for t in leaves if isinstance(t, torch.Tensor) and not t.is_cpu), None)
+    kinds = ["cpu"] if other is None else ["cpu", other]
     for dev in reversed(kinds):
         try:
             if torch.is_autocast_enabled(dev):

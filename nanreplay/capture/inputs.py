@@ -22,15 +22,17 @@ __all__ = ["InputCapture"]
 
 
 class _Ref:
-    """A tensor reference plus its version counter at capture time."""
+    """A captured tensor: a reference plus its version counter at capture time, or a copy
+    (``v`` is ``None``: nothing outside the Recorder can change it); ``p``: its storage's address
+    when it was watched for reuse, else 0."""
 
-    __slots__ = ("t", "v")
+    __slots__ = ("t", "v", "p")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.v = t, t._version
+    def __init__(self, t: torch.Tensor, *, copy: bool, ptr: int = 0) -> None:
+        self.t, self.v, self.p = t, None if copy else t._version, ptr
 
     def fresh(self) -> bool:
-        return self.t._version == self.v
+        return self.v is None or self.t._version == self.v
 
 
 class InputCapture:
@@ -47,37 +49,62 @@ class InputCapture:
     def __init__(self, copy_batch: Optional[bool]) -> None:
         self.policy = copy_batch
         self.copying = copy_batch is True
-        self._storages: dict[int, int] = {}        # storage address -> last step it was an input of
-        self._refs: dict[int, list[_Ref]] = {}     # step -> references captured in it
+        self._storages: dict[int, int] = {}        # storage address -> last step it was an input of (steps held only)
+        self._refs: dict[int, list[_Ref]] = {}     # step -> every tensor captured in it (references or copies)
+        self._same_step: Optional[int] = None
+        self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
 
     def capture(self, tree: Any, step: int) -> Any:
-        """``tree`` with every tensor detached and referenced (or cloned), for step ``step``."""
+        """``tree`` with every tensor detached and referenced (or cloned), for step ``step``; the
+        tensors kept are listed in :meth:`tensors` (one walk of ``tree``). A tensor already
+        captured in the step (the batch given to ``record`` and then to the model) is kept once."""
         refs = self._refs.setdefault(step, [])
+        if self._same_step != step:
+            self._same_step, self._same = step, {}
+        same = self._same
 
         def cap(x: torch.Tensor) -> torch.Tensor:
-            x = x.detach()
-            if self.policy is not False:
-                try:
-                    ptr = x.untyped_storage().data_ptr()
-                except RuntimeError:  # a tensor without storage (e.g. a functional wrapper)
-                    ptr = 0
-                if ptr and self._storages.get(ptr, step) != step and not self.copying:
-                    self.copying = True
-                    logger.info("nanreplay: the loop reuses an input buffer across steps; batches are copied from now on")
-                if ptr:
-                    self._storages[ptr] = step
+            known = same.get(id(x))
+            if known is not None and known[0] is x:
+                return known[1]
+            orig, x = x, x.detach()
+            ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0
             if self.copying:
-                return x.clone()
-            refs.append(_Ref(x))
+                x = x.clone()
+            refs.append(_Ref(x, copy=self.copying, ptr=ptr))
+            same[id(orig)] = (orig, x)
             return x
 
         return map_tensors(cap, tree)
 
+    def _watch_storage(self, x: torch.Tensor, step: int) -> int:
+        """Switch to copies when ``x``'s storage was an input of an earlier step still held (the
+        loop refills one buffer: the references held would change under the ring buffer).
+        Returns the storage's address while watched, else 0."""
+        try:
+            ptr = x.untyped_storage().data_ptr()
+        except RuntimeError:  # a tensor without storage (e.g. a functional wrapper)
+            return 0
+        if not ptr:
+            return 0
+        if self._storages.get(ptr, step) != step:
+            self.copying = True
+            self._storages.clear()  # not needed any more: captures are copies from now on
+            logger.info("nanreplay: the loop reuses an input buffer across steps; batches are copied from now on")
+            return 0
+        self._storages[ptr] = step
+        return ptr
+
+    def tensors(self, step: int) -> list[torch.Tensor]:
+        """Every tensor captured for step ``step`` (references or copies), in capture order."""
+        return [r.t for r in self._refs.get(step, ())]
+
     def seal(self, step: int) -> None:
         """End of step ``step``: switch to copies (auto policy) when one of its references was
         modified in place during the step."""
-        if self.policy is None and not self.copying and any(not r.fresh() for r in self._refs.get(step, ())):
+        if self.policy is None and not self.copying and self.stale(step):
             self.copying = True
+            self._storages.clear()
             logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
 
     def stale(self, step: int) -> bool:
@@ -88,7 +115,12 @@ class InputCapture:
         """Forget the references of step ``step`` except those to ``tensors``."""
         kept = {id(t) for t in tensors}
         self._refs[step] = [r for r in self._refs.get(step, []) if id(r.t) in kept]
+        self._same = {k: v for k, v in self._same.items() if id(v[1]) in kept}
 
     def forget(self, step: int) -> None:
-        """Drop the references of a step that left the ring buffer."""
-        self._refs.pop(step, None)
+        """Drop the references of a step that left the ring buffer, and its storages: once no
+        step holds a reference to one, the allocator may hand its address to a new batch, which
+        is no reuse."""
+        for r in self._refs.pop(step, ()):
+            if r.p and self._storages.get(r.p) == step:
+                del self._storages[r.p]

@@ -1,9 +1,13 @@
-"""The step's program, exported once before any step fails, and re-embedded at the dump.
+"""The step's program: exported at the failing step, or once before any step fails and re-embedded.
 
-``torch.export`` takes seconds (a 42M-parameter GPT: 5-20 s on 2 CPU cores), and the verifying
-replay of :mod:`nanreplay.engine.verify` about one more step. Done at the dump, both fall on the
-failing step, before its diagnosis. :class:`ProgramCache` moves them to the first finite step
-of the run, checked synchronously (``check_every=1``): the Recorder's ``check_step`` calls
+``torch.export`` takes seconds (a 42M-parameter GPT: 2-8 s on 2 CPU cores), and the verifying
+replay of :mod:`nanreplay.engine.verify` about one more step. By default (``export_early=False``)
+both happen at the dump, on the failing step only: a run that never fails never pays them, and
+the terminal says what they cost when they run. The export there skips its own load check, since
+the verifying replay that follows loads the program anyway.
+
+With ``export_early=True``, :class:`ProgramCache` moves them to the first finite step of the run,
+checked synchronously (``check_every=1``): the Recorder's ``check_step`` calls
 :meth:`ProgramCache.early` there, once, with the step's pre-step weights still in the model and
 its gradients in ``.grad``. The export traces with fake tensors and the verifying replay runs on
 detached views of the weights under a :class:`~nanreplay.core.rng.ReplayRNG`, so neither changes
@@ -11,13 +15,16 @@ the step's results nor any RNG stream of the user's (``tests/capture/test_progra
 a run's losses are bit-identical with and without it). What it keeps: the program record (JSON, a
 few hundred KiB) and the program's own tensors (constants ``torch.export`` lifted; the weights
 and buffers are not kept: the program names the bundle's ``state/params/<fqn>`` and
-``state/buffers/<fqn>``), bounded by ``export_cache_bytes``.
+``state/buffers/<fqn>``), bounded by ``max_bytes``. It is not done off the training
+thread: ``torch.export`` patches ``torch.nn.Module.__call__`` and ``__getattr__`` for every thread
+while it traces, so a training step running beside it would be traced too (and on a machine whose
+cores training already uses, a second thread would only take their time).
 
 At the dump, :meth:`ProgramCache.embed` re-embeds the cached record when it still fits the
 failing step: the same modules (class, ``forward``, training mode), parameters and buffers (FQN,
 shape, dtype, device), the same loss function, and every micro-batch of the structure, dtypes and
 shapes the program was exported for (a dimension exported as dynamic may differ). Otherwise it
-exports again, as before. A failure to export is recorded (the bundle says why), never raised;
+exports now. A failure to export is recorded (the bundle says why), never raised;
 the early verification is strict (the step is finite, so its replayed gradients must agree with
 the recorded ones in value); where it cannot run (a GradScaler's scaled gradients,
 ``torch.distributed``'s averaged ones) or does not pass, the dump verifies the program against
@@ -40,7 +47,7 @@ from ..core.tree import flatten_typed
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgramCache", "model_signature", "model_kept"]
+__all__ = ["ProgramCache", "PendingEmbed", "model_signature", "model_kept"]
 
 
 @contextlib.contextmanager
@@ -175,7 +182,7 @@ class ProgramCache:
         self._quiet(True)
         try:
             with replay_quiet(), model_kept(self.model):
-                meta, tensors = program_content(self.model, rec, self.loss_fn)
+                meta, tensors = program_content(self.model, rec, self.loss_fn, verify=not verify)  # the replay below loads it
                 if verify and meta and meta.get("kind"):
                     snap = state()
                     if rec.buffers is not None:
@@ -243,10 +250,64 @@ class ProgramCache:
             logger.debug("program cache check failed", exc_info=True)
         from ..engine.program import program_content
 
-        logger.warning("nanreplay: embedding step %d's program in the bundle (torch.export and one verifying replay: seconds, "
-                       "longer for large models; Recorder(..., embed_program=False) skips it, and replay then needs the model factory)",
-                       rec.step)
+        logger.warning("nanreplay: embedding step %d's program in the bundle, now that a step failed (torch.export and one "
+                       "verifying replay: seconds, longer for large models; Recorder(..., embed_program=False) skips it, and replay "
+                       "then needs the model factory)", rec.step)
 
         with model_kept(self.model):
-            meta, tensors = program_content(self.model, rec, self.loss_fn)
+            meta, tensors = program_content(self.model, rec, self.loss_fn, verify=False)  # the dump's verifying replay loads it
         return meta, tensors, False
+
+
+class PendingEmbed:
+    """:meth:`ProgramCache.embed` (and the verifying replay of a ``"loss"`` program) running on a
+    thread of its own while the dump writes the bundle's first version: the export is Python work
+    under the GIL, the write mostly I/O, CRCs and the gradients' digests, which release it, so the
+    two overlap (at 42M parameters the export and its replay take about as long as that write).
+    Safe only while the calling thread runs no module and draws no random number: ``torch.export``
+    patches ``torch.nn.Module.__call__`` and ``__getattr__`` for every thread while it traces, and
+    the replay sets the process-wide generators (the dump asks for it only when no other thread
+    that may draw is alive); the dump joins (:meth:`result`) before anything else touches the
+    model, and training does not go on before the dump returns.
+
+    Args:
+        cache: the :class:`ProgramCache`; rec, content: the failing step and its bundle content.
+        verify: ``verify(meta, tensors) -> why unfaithful or None``, run on the thread after the
+            export when the program is of kind ``"loss"`` and not verified yet (it runs no code of
+            the user's: only the program and its loss); ``None``: the dump verifies it.
+
+    Attributes:
+        checked: whether ``verify`` ran; unfaithful: what it said.
+    """
+
+    def __init__(self, cache: ProgramCache, rec: Any, content: Any, verify: Optional[Callable[[dict, dict], Optional[str]]] = None) -> None:
+        self._out: Optional[tuple] = None
+        self._error: Optional[BaseException] = None
+        self.checked = False
+        self.unfaithful: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, args=(cache, rec, content, verify), name="nanreplay-export", daemon=True)
+        self._thread.start()
+
+    def _run(self, cache: ProgramCache, rec: Any, content: Any, verify: Optional[Callable[[dict, dict], Optional[str]]]) -> None:
+        try:
+            with replay_quiet():  # torch.export's own warnings are about nanreplay's export, not the user's loop
+                self._out = meta, tensors, verified = cache.embed(rec, content)
+                if verify is not None and meta and meta.get("kind") == "loss" and not verified:
+                    self.unfaithful, self.checked = verify(meta, tensors), True
+        except BaseException as e:  # noqa: BLE001 - handed to result(), in the dump's thread
+            self._error = e
+
+    def join(self) -> None:
+        """Wait for the export to end (idempotent)."""
+        self._thread.join()
+
+    def result(self) -> tuple[Optional[dict], dict[str, torch.Tensor], bool]:
+        """:meth:`ProgramCache.embed`'s ``(meta, tensors, verified)``, once the thread ends.
+
+        Raises:
+            Exception: what the export raised (the dump records it in the bundle)."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out

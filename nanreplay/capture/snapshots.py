@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import AbstractSet, Any, Iterable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core.numerics import all_finite_flag
 from ..core.state import copy_all
 from ..format.records import Snapshot
 from .sharded import is_sharded, local
@@ -33,11 +34,12 @@ __all__ = ["attach_scan", "live_state", "SnapshotPool", "restore_into", "StepSta
 SMALL_BUFFER = 1 << 20
 
 
-def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[set[int]] = None) -> int:
+def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[AbstractSet[int]] = None) -> int:
     """Bytes of the storages behind ``tensors`` (non-tensors skipped), each storage counted once:
     a view of a larger tensor keeps its whole storage alive. ``exclude``: storage addresses not to
-    count (the live parameters and buffers, which training holds anyway)."""
-    seen: set[int] = set(exclude or ())
+    count (the live parameters and buffers, which training holds anyway; read, not copied)."""
+    skip = exclude if exclude is not None else frozenset()
+    seen: set[int] = set()
     n = 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -47,7 +49,7 @@ def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[set[int]] = None)
             ptr, size = st.data_ptr(), st.nbytes()
         except RuntimeError:  # no storage to speak of
             ptr, size = id(t), t.numel() * t.element_size()
-        if ptr in seen:
+        if ptr in seen or ptr in skip:
             continue
         seen.add(ptr)
         n += size
@@ -115,6 +117,9 @@ class _Slot:
     key: tuple
     tensors: list
 
+    def __post_init__(self) -> None:
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)  # the shapes never change
+
 
 @dataclass
 class SlotSnapshot(Snapshot):
@@ -164,7 +169,7 @@ class SnapshotPool:
 
     def nbytes(self) -> int:
         """Bytes held in free slots."""
-        return sum(t.numel() * t.element_size() for s in self._free for t in s.tensors)
+        return sum(s.nbytes for s in self._free)
 
 
 class StepStartBuffers:
@@ -182,10 +187,17 @@ class StepStartBuffers:
         self.model = model
         self.mutable: Optional[set[str]] = None
         self._versions: dict[str, int] = {}
+        self._where = _buffer_slots(model)
 
     def capture(self) -> dict[str, torch.Tensor]:
+        """The buffers now: copies of the mutable ones, references to the others. Reads each
+        buffer through its module's ``_buffers`` (found by one walk of the module tree at
+        construction and again after the first step, not per step)."""
         out = {}
-        for name, b in self.model.named_buffers():
+        for name, slots, key in self._where:
+            b = slots.get(key)
+            if b is None:
+                continue
             out[name] = b.detach().clone() if self.mutable is None or name in self.mutable else b.detach()
             self._versions[name] = b._version
         return out
@@ -201,12 +213,24 @@ class StepStartBuffers:
             if b.numel() * b.element_size() <= SMALL_BUFFER
             or b._version != self._versions.get(n) or not _same_tensor(b, start.get(n))
         }
+        self._where = _buffer_slots(self.model)  # buffers a first forward registered
 
     def copied_bytes(self, buffers: Optional[dict[str, torch.Tensor]]) -> int:
         """Bytes of ``buffers`` that are copies, not references to the live buffers."""
         if not buffers:
             return 0
         return storage_bytes(buffers.values(), exclude={b.untyped_storage().data_ptr() for b in self.model.buffers()})
+
+
+def _buffer_slots(model: torch.nn.Module) -> list[tuple[str, dict, str]]:
+    """``(FQN, the owning module's _buffers dict, key)`` for each buffer of ``model`` (one walk;
+    the FQNs and order of ``model.named_buffers()``)."""
+    owners = dict(model.named_modules(remove_duplicate=False))
+    out = []
+    for fqn, _ in model.named_buffers():
+        mod, _, key = fqn.rpartition(".")
+        out.append((fqn, owners[mod]._buffers, key))
+    return out
 
 
 def _same_tensor(live: torch.Tensor, saved: Optional[torch.Tensor]) -> bool:
@@ -225,7 +249,41 @@ def attach_scan(model: torch.nn.Module, step: int) -> dict:
     """The weights and buffers that are already non-finite when the Recorder attaches (a loaded
     checkpoint, the initialisation), scanned once: ``{"step", "nonfinite": [FQN] (up to 64),
     "count"}``; stored in every bundle (``meta["attach_scan"]``) so a diagnosis can tell weights
-    non-finite before recording from weights a recorded step made non-finite."""
-    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-           if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t.detach()).all())]
+    non-finite before recording from weights a recorded step made non-finite. Cost: one read of
+    every weight, fused (:func:`finite_flags`), and one host read."""
+    named = [(n, t.detach()) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+             if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    bad = [n for (n, _), ok in zip(named, finite_flags([t for _, t in named])) if not ok]
     return {"step": step, "nonfinite": bad[:64], "count": len(bad)}
+
+
+def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each floating or complex tensor is finite everywhere. One multi-tensor 2-norm
+    (``_foreach_norm``, in float32) per (device, dtype) and one host read for all: a NaN or Inf
+    makes the norm NaN or Inf, and the few tensors whose norm is not finite are read again with
+    ``aminmax`` (:func:`~nanreplay.core.numerics.all_finite_flag`), since very large finite
+    values overflow a float32 sum of squares too. ``DTensor`` s (their whole value) and dtypes the
+    multi-tensor norm lacks (float8: widened) are checked one by one."""
+    flags: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if local(t) is not t:  # a DTensor: its whole value, as one flag (a collective)
+            flags[i] = torch.tensor(bool(torch.isfinite(t).all()))
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for idx in groups.values():
+        ts = [tensors[i] for i in idx]
+        try:
+            per = [torch.isfinite(n) for n in torch._foreach_norm(ts, 2, dtype=torch.float32)]
+        except (RuntimeError, TypeError, NotImplementedError):  # float8 and other dtypes it lacks a kernel for: widened
+            per = [all_finite_flag(t if t.is_complex() else t.float()) for t in ts]
+        for i, f in zip(idx, torch.stack(per).cpu().unbind()):
+            flags[i] = f
+    if not flags:
+        return []
+    out = [bool(f) for f in torch.stack([f.reshape(()) for f in flags]).tolist()]  # the one host read
+    for i, ok in enumerate(out):
+        if not ok and local(tensors[i]) is tensors[i]:  # the norm overflowed, or a value is NaN / Inf: look again
+            t = tensors[i]
+            out[i] = bool(all_finite_flag(t if t.is_complex() or t.element_size() > 1 else t.float()))
+    return out

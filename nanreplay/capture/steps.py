@@ -19,12 +19,13 @@ taken again.
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.rng import RNGState
+from ..core.rng import RNGReader
 from ..format.records import ForwardRecord, Snapshot, StepRecord
 from .forward import autocast_state, keep_cotangent
 from .inputs import InputCapture
@@ -55,7 +56,8 @@ class StepStart:
         self._snapshot_every, self._snapshot_state = snapshot_every, snapshot_state
         self._capture_cotangent = capture_cotangent
         self.buffers = StepStartBuffers(model)
-        self._module_names = list(model.named_modules())  # walked once, not per step
+        self.rng = RNGReader(spare=ring.spares.take)  # copies a generator's state only when it moved since the last step
+        self._modes = ModuleModes(model)
         self.provisional = False  # the step in progress was begun in eval mode
 
     def begin(self, *, capture: bool = True) -> StepRecord:
@@ -68,15 +70,16 @@ class StepStart:
             return current
         self.provisional = not self.model.training
         step = self._step()
-        rec = StepRecord(step=step, rng=RNGState.capture())
-        rec.training = [n for n, m in self._module_names if m.training]
+        rec = StepRecord(step=step, rng=self.rng.capture())
+        rec.training = self._modes.training()
         rec.buffers = self.buffers.capture()
         se = self._snapshot_every
         if se and step % se == 0 and not self.ring.snapshots_refused:
             self.ring.make_room()  # evict first, so its slot can be reused
             rec.snapshot = self.ring.pool.take(self._snapshot_state())
         self.ring.begin(rec)
-        self.ring.evict()
+        if rec.snapshot is not None:
+            self.ring.evict()  # a snapshot may not fit: now; the step's small copies are counted at its end
         return rec
 
     def _restart(self, rec: StepRecord) -> None:
@@ -89,8 +92,8 @@ class StepStart:
             logger.info("nanreplay: step %d: %d grad-enabled forward(s) in eval mode before the model went back to training "
                         "mode are treated as validation, not as part of the step", rec.step, len(rec.forwards))
         rec.forwards = []
-        rec.rng = RNGState.capture()
-        rec.training = [n for n, m in self._module_names if m.training]
+        rec.rng = self.rng.capture()
+        rec.training = self._modes.training()
         rec.autocast = None
         self.inputs.keep_only(rec.step, [t for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)])
 
@@ -107,11 +110,11 @@ class StepStart:
         if not self._active() or not torch.is_grad_enabled():
             return
         rec = self.begin()
-        if rec.autocast is None:
-            rec.autocast = autocast_state(args, kwargs)
         # a later micro-batch: the loop may have drawn random numbers since the step began
-        rng = RNGState.capture() if rec.forwards else None
+        rng = self.rng.capture() if rec.forwards else None
         rec.forwards.append(ForwardRecord(inputs=self.inputs.capture((args, kwargs), rec.step), rng=rng))
+        if rec.autocast is None:
+            rec.autocast = autocast_state(self.inputs.tensors(rec.step))  # the tensors just kept: no second walk
 
     def forward_post(self, args: tuple, kwargs: dict, output: Any) -> None:
         """After a forward: a hook on its output for the cotangent."""
@@ -127,3 +130,26 @@ class StepStart:
         modified a batch tensor in place (then switch to copying)."""
         self.buffers.learn(rec.buffers)
         self.inputs.seal(rec.step)
+
+
+class ModuleModes:
+    """The FQNs of the modules in training mode, read every step. The module tree is walked once
+    (modules added later are not seen, as before); each step reads one flag per module (C-speed
+    ``map``) and hands back the previous step's list when no flag changed, so a step's record
+    shares it instead of holding a list of its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._names, self._modules = zip(*model.named_modules())
+        self._flags: Optional[tuple] = None
+        self._training: list[str] = []
+
+    def training(self) -> list[str]:
+        """The FQNs of the modules in training mode now (the same list object while unchanged)."""
+        flags = tuple(map(_is_training, self._modules))
+        if flags != self._flags:
+            self._flags = flags
+            self._training = [n for n, on in zip(self._names, flags) if on]
+        return self._training
+
+
+_is_training = attrgetter("training")

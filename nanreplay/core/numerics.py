@@ -45,13 +45,19 @@ def as_real(t: torch.Tensor) -> torch.Tensor:
 
 def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[torch.Tensor]:
     """The ``ord``-norm (2 or ``math.inf``) over all ``tensors`` as a 0-dim float32 tensor on the
-    first tensor's device, computed with one ``_foreach_norm`` per (device, dtype) group and no
-    host sync. Returns ``None`` for an empty sequence.
+    first tensor's device, computed with one ``_foreach_norm`` (one per (device, dtype) group when
+    the tensors are on several devices, or of a dtype the float32 norm does not take as is) and
+    no host sync. Returns ``None`` for an empty sequence.
     """
     import torch
 
     if not tensors:
         return None
+    if tensors[0].device == tensors[-1].device:  # the usual case: one call, no Python work per tensor
+        try:
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, ord, dtype=torch.float32)), ord)
+        except (TypeError, RuntimeError):  # several devices after all, float64, an older torch: by group
+            pass
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
@@ -64,7 +70,7 @@ def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[to
             per = torch._foreach_norm([t.float() for t in ts], ord)
         stacked = torch.stack(per)
         norms.append(stacked.to(device, non_blocking=True) if dev != device else stacked)
-    return torch.linalg.vector_norm(torch.cat(norms), ord)
+    return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), ord)
 
 
 def all_finite_flag(t: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,12 @@ Generators covered:
 * torch's CUDA generators, one per device, captured only when CUDA is already initialised
   (capturing must never initialise CUDA as a side effect).
 
-Capture costs a few microseconds on the host and never synchronises a GPU: the CUDA state
-is the Philox seed and offset, kept on the host. Capture only reads: no generator advances.
+Capture never synchronises a GPU (the CUDA state is the Philox seed and offset, kept on the
+host) and only reads: no generator advances. :meth:`RNGState.capture` copies every state (about
+35 µs, most of it NumPy's ``get_state``, which copies its 624 words one by one in Python);
+:class:`RNGReader`, the Recorder's per-step reader, copies a state only when it changed since its
+last read, and otherwise hands back the very objects it read then (about 3 µs a step, and no
+memory per step for a generator the loop does not draw from).
 
 :class:`ReplayRNG` is how nanreplay's own random work (replays, the dropout of an in-process
 diagnosis, the check of an exported program) draws from recorded states without consuming or
@@ -20,15 +24,18 @@ rewinding the generators the user's threads draw from (see its docstring for the
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
+import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["RNGState", "ReplayRNG", "sole_thread", "without_private_generators"]
+__all__ = ["RNGState", "RNGReader", "PythonState", "ReplayRNG", "sole_thread", "without_private_generators"]
 
 
 @dataclass
@@ -158,6 +165,186 @@ class RNGState:
         except (ValueError, TypeError, OverflowError, RuntimeError) as e:
             raise ValueError(f"RNG state under {prefix!r} cannot be restored: {type(e).__name__}: {e}") from e
         return cls(python=python, numpy=numpy_state, torch_cpu=cpu, torch_cuda=cuda)
+
+
+# -- reading the states every step, copying only what changed ---------------------------------------
+
+#: bytes of a Mersenne Twister's state as CPython's ``_random.Random`` and NumPy's ``MT19937`` hold
+#: it in C: a 4-byte position and 624 32-bit words (in that order for Python, the other for NumPy)
+_MT_BYTES = 4 + 624 * 4
+
+
+class _RawMT:
+    """The raw bytes of one Mersenne Twister's C state, read in place (a ctypes array over that
+    memory, made once: about 0.3 µs a read, nothing allocated per word): a fingerprint that is the
+    whole state, so equal bytes mean an equal generator. ``address`` is where the state lives (the
+    owner is kept alive by the reader); ``check(raw)`` says whether those bytes agree with the
+    public ``getstate`` API, and is asked once: a layout that does not (another interpreter or
+    NumPy build) turns the reader off, and the public API is read instead."""
+
+    def __init__(self, owner: Any, address: Optional[int], check: Callable[[bytes], bool]) -> None:
+        self.owner = owner
+        self.ok = False
+        self._view: Any = None
+        if address is None:  # a layout this reader does not know: never touch that memory
+            return
+        try:
+            self._view = (ctypes.c_char * _MT_BYTES).from_address(address)
+            self.ok = bool(check(self.read()))
+        except Exception:  # noqa: BLE001 - any surprise: fall back to the public API
+            self.ok = False
+
+    def read(self) -> bytes:
+        return self._view.raw
+
+class PythonState(Sequence):
+    """``random.getstate()``'s value ``(version, 625 words, gauss_next)`` kept as the generator's
+    raw C state (2.5 KiB: a tuple of 625 Python ints is 25 KiB, held by every step of the ring
+    buffer whose Python generator moved): the tuple is built each time it is read, the same tuple
+    ``getstate()`` returned (:func:`_python_raw` checked the layout). ``random.setstate`` and
+    unpacking take it as they take the tuple."""
+
+    __slots__ = ("raw", "gauss_next", "version")
+
+    def __init__(self, raw: bytes, gauss_next: Optional[float], version: int) -> None:
+        self.raw, self.gauss_next, self.version = raw, gauss_next, version
+
+    def _value(self) -> tuple:
+        index, *words = struct.unpack("=i624I", self.raw)
+        return (self.version, (*words, index), self.gauss_next)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._value()[i]
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._value())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, (tuple, PythonState)) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+    def __repr__(self) -> str:
+        return f"PythonState(version={self.version}, gauss_next={self.gauss_next!r}, 625 words)"
+
+
+def _python_raw() -> _RawMT:
+    """CPython's ``random`` module generator: ``RandomObject {PyObject_HEAD; int index; uint32_t
+    state[624];}``, the bytes just after the object header (``getstate()`` returns the same words,
+    then the index)."""
+    import _random
+
+    inst = random.getstate.__self__
+    head = object.__basicsize__
+
+    def check(raw: bytes) -> bool:
+        index, *words = struct.unpack("=i624I", raw)
+        return random.getstate()[1] == (*words, index)
+
+    known = _random.Random.__basicsize__ >= head + _MT_BYTES and isinstance(inst, _random.Random)
+    return _RawMT(inst, id(inst) + head if known else None, check)
+
+
+def _numpy_raw() -> _RawMT:
+    """NumPy's legacy global generator: its ``MT19937`` bit generator's ``mt19937_state {uint32_t
+    key[624]; int pos;}`` at ``bit_generator.ctypes.state_address`` (public API)."""
+    legacy = np.random.mtrand._rand
+    bitgen = legacy._bit_generator
+
+    def check(raw: bytes) -> bool:
+        name, key, pos, _, _ = np.random.get_state()
+        return raw == np.asarray(key, dtype=np.uint32).tobytes() + struct.pack("=i", pos)
+
+    known = isinstance(bitgen, np.random.MT19937) and getattr(np.random.get_state, "__self__", None) is legacy
+    return _RawMT(bitgen, bitgen.ctypes.state_address if known else None, check)
+
+
+class RNGReader:
+    """Reads :class:`RNGState` once per step for one Recorder, copying a generator's state only
+    when it changed since the last read (a loop that never draws from Python's ``random`` pays
+    nothing for it, and the steps of the ring buffer share one copy instead of one each).
+
+    How each generator is known to be unchanged, exactly:
+
+    * Python ``random`` and NumPy's global generator: the raw bytes of their Mersenne Twister (624
+      words and the position, read in place: :class:`_RawMT`) and, for Python, ``gauss_next``.
+      A changed Python state is kept as those bytes (:class:`PythonState`), not as
+      ``getstate()``'s tuple of 625 ints.
+      NumPy's legacy generator also caches one Gaussian (``has_gauss``), which it can consume
+      without touching the Twister: after a read that saw a cached Gaussian, the next read copies
+      the state whatever the bytes say. (One case is not seen: ``np.random.set_state`` putting back,
+      between two reads, a cached Gaussian over the same Twister bytes.)
+    * torch's CPU generator: ``torch.get_rng_state()`` (a 5 KiB copy, under 1 µs) compared with
+      the last one by ``torch.equal``; the last one is kept when equal. CUDA generators likewise
+      (16 bytes each: the Philox seed and offset).
+
+    When the bytes cannot be read in place (an interpreter or NumPy whose layout differs from the
+    one checked once at construction), the public ``getstate`` / ``get_state`` are read every step.
+
+    ``spare(like)``: a tensor of ``like``'s shape to copy a moved CPU generator state into, or
+    ``None`` (the ring buffer's :class:`~nanreplay.capture.ring.Spares`: a state of a step that
+    left it), so that a run whose generator moves every step keeps no new allocation per step.
+    """
+
+    def __init__(self, *, spare: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> None:
+        self._spare = spare
+        self._last: Optional[RNGState] = None
+        self._py_inst = random.getstate.__self__
+        self._py_key: Any = None
+        self._np_key: Optional[bytes] = None
+        self._torch_key: Optional[bytes] = None
+        self._py_raw = _python_raw()
+        self._np_raw = _numpy_raw()
+
+    def capture(self) -> RNGState:
+        """The states now; parts unchanged since the last call are the same objects as then (and
+        the whole state is the last one when nothing moved)."""
+        last = self._last
+        parts = (self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last))
+        if last is not None and all(a is b for a, b in zip(parts, (last.python, last.numpy, last.torch_cpu, last.torch_cuda))):
+            return last  # nothing moved: the same object (states are never modified in place)
+        self._last = RNGState(*parts)
+        return self._last
+
+    def _python(self, last: Optional[RNGState]) -> Any:
+        if not self._py_raw.ok:
+            return random.getstate()
+        raw, gauss = self._py_raw.read(), self._py_inst.gauss_next
+        if last is not None and (raw, gauss) == self._py_key:
+            return last.python
+        self._py_key = (raw, gauss)
+        return PythonState(raw, gauss, self._py_inst.VERSION)  # no getstate(): its 625 ints are built when read
+
+    def _numpy(self, last: Optional[RNGState]) -> Any:
+        if not self._np_raw.ok:
+            return np.random.get_state()
+        raw = self._np_raw.read()
+        if last is not None and raw == self._np_key and not last.numpy[3]:  # no Gaussian cached at the last read
+            return last.numpy
+        self._np_key = raw
+        return np.random.get_state()
+
+    def _torch_cpu(self, last: Optional[RNGState]) -> torch.Tensor:
+        now = torch.get_rng_state()
+        raw = ctypes.string_at(now.data_ptr(), now.numel())  # a 5 KiB copy and a memcmp: cheaper than torch.equal's dispatch
+        if last is not None and raw == self._torch_key:
+            return last.torch_cpu
+        self._torch_key = raw
+        kept = self._spare(now) if self._spare is not None else None
+        return kept.copy_(now) if kept is not None else now
+
+    @staticmethod
+    def _cuda(last: Optional[RNGState]) -> list[torch.Tensor]:
+        if not torch.cuda.is_initialized():  # never initialises CUDA (nor asks the driver, every step)
+            return last.torch_cuda if last is not None and not last.torch_cuda else []
+        now = list(torch.cuda.get_rng_state_all())
+        if last is not None and len(last.torch_cuda) == len(now) and all(torch.equal(a, b) for a, b in zip(now, last.torch_cuda)):
+            return last.torch_cuda
+        return now
 
 
 # -- replaying recorded states without touching another thread's generators -----------------------

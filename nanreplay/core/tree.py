@@ -399,11 +399,53 @@ def flatten_typed(tree: Any) -> tuple[list[Any], Any]:
     return pytree.tree_flatten(to_typed(tree))
 
 
+_SCALARS = frozenset((int, float, str, bool, bytes, type(None)))
+_PLAIN_DEPTH = 8
+_Tensor = torch.Tensor
+
+
+def _plain(x: Any, depth: int = 0) -> bool:
+    """Whether ``x`` is a tree of exact ``tuple`` / ``list`` / ``dict`` nodes with tensor and
+    scalar leaves, at most :data:`_PLAIN_DEPTH` deep (subclasses such as namedtuples and
+    ``OrderedDict``, dataclasses and other leaves are not: they go through pytree)."""
+    if isinstance(x, _Tensor):
+        return True
+    kind = type(x)
+    if kind is tuple or kind is list or kind is dict:
+        if depth >= _PLAIN_DEPTH:
+            return False
+        for v in (x.values() if kind is dict else x):
+            if not _plain(v, depth + 1):
+                return False
+        return True
+    return kind in _SCALARS
+
+
+def _map_plain(fn: Any, x: Any) -> Any:
+    """:func:`map_tensors` for a tree :func:`_plain` accepted."""
+    if isinstance(x, _Tensor):
+        return fn(x)
+    kind = type(x)
+    if kind is tuple:
+        return tuple([_map_plain(fn, v) for v in x])
+    if kind is list:
+        return [_map_plain(fn, v) for v in x]
+    if kind is dict:
+        return {k: _map_plain(fn, v) for k, v in x.items()}
+    return x
+
+
 def map_tensors(fn: Any, tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every tensor, dataclass fields included (pytree alone
     treats a dataclass, e.g. a batch object, as one opaque leaf), rebuilding every container with
     its own type: a dataclass is copied and its fields set (frozen ones too, no ``__init__`` call),
-    the rest goes through ``torch.utils._pytree.tree_map``. Non-tensor leaves pass unchanged."""
+    the rest goes through ``torch.utils._pytree.tree_map``. Non-tensor leaves pass unchanged.
+
+    A tree made of plain ``tuple`` / ``list`` / ``dict`` around tensors and scalars (most batches
+    and forward calls: the Recorder maps two per step) is mapped directly, without pytree's
+    flatten and unflatten (about 1 µs instead of 8); the result is the same."""
+    if _plain(tree):
+        return _map_plain(fn, tree)
 
     def is_dc(x: Any) -> bool:
         return dataclasses.is_dataclass(x) and not isinstance(x, type)

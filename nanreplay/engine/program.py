@@ -1201,6 +1201,7 @@ def program_content(
     param_prefix: Optional[str] = "state/params/",
     buffer_prefix: Optional[str] = "state/buffers/",
     dynamic: Optional[bool] = None,
+    verify: bool = True,
 ) -> tuple[Optional[dict], dict[str, torch.Tensor]]:
     """What a bundle stores for the failing step ``record`` (a
     :class:`~nanreplay.format.records.StepRecord`): ``(meta, tensors)``, to put under
@@ -1216,7 +1217,9 @@ def program_content(
     forward calls) differ in tensor shapes, so that each of them replays, and else with only the
     batch dimension dynamic (:mod:`nanreplay.core.batch`), so that subsets of the batch replay
     (per-sample replays, ``bisect --over samples``); see :func:`export_program`. Call it with the pre-step weights in the model and the Recorder's
-    hooks quiet (export runs module hooks with fake tensors).
+    hooks quiet (export runs module hooks with fake tensors). ``verify``: load the program once
+    to prove it loads (:func:`export_program`); ``False`` when the caller replays it next anyway
+    (:func:`nanreplay.engine.verify.verify_program` loads it), which saves one load.
     """
     shared: dict[int, str] = {}
     if param_prefix is not None:
@@ -1226,14 +1229,14 @@ def program_content(
     errors = []
     if loss_fn is not None and record.batches:
         dyn = (True if _shapes_vary(record.batches) else "batch") if dynamic is None else dynamic
-        cap = export_program(model, loss_fn=loss_fn, batch=record.batches[0], shared=shared, dynamic=dyn)
+        cap = export_program(model, loss_fn=loss_fn, batch=record.batches[0], shared=shared, dynamic=dyn, verify=verify)
         if cap.ok:
             return cap.meta, cap.tensors
         errors.append(f"forward+loss: {cap.error}")
     if record.forwards:
         args, kwargs = record.forwards[0].inputs
         dyn = (True if _shapes_vary([fw.inputs for fw in record.forwards]) else "batch") if dynamic is None else dynamic
-        cap = export_program(model, args, kwargs, shared=shared, dynamic=dyn)
+        cap = export_program(model, args, kwargs, shared=shared, dynamic=dyn, verify=verify)
         if cap.ok:
             if errors:
                 cap.meta["loss_error"] = errors[0]

@@ -18,7 +18,7 @@ __all__ = ["verify_program"]
 
 
 def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, loss_fn: Optional[Callable], *,
-                   strict: bool = False, rtol: float = 1e-4) -> Optional[str]:
+                   strict: bool = False, rtol: float = 1e-4, private: Optional[bool] = None) -> Optional[str]:
     """Replay the failing step of ``content`` (a :class:`~nanreplay.format.records.BundleContent`)
     on the program it was exported to, and say why the program is unfaithful (its gradients do not
     reproduce the recorded ones, e.g. a custom ``torch.autograd.Function`` whose backward is not
@@ -28,7 +28,9 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
 
     ``strict``: also call the program unfaithful when a nonzero recorded gradient is absent in its
     replay, or the finite gradients differ by more than ``rtol`` times the largest recorded one (for a finite step, where the non-finite pattern
-    alone says nothing: :mod:`nanreplay.capture.program_cache` verifies at the first finite step)."""
+    alone says nothing: :mod:`nanreplay.capture.program_cache` verifies at the first finite step).
+    ``private``: :class:`~nanreplay.core.rng.ReplayRNG`'s (``False``: the process-wide generators,
+    set and put back, for a caller that knows no other thread draws meanwhile)."""
     state = content.state
 
     def get(key: str) -> torch.Tensor:
@@ -39,7 +41,7 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
         return tensors[key]
 
     try:
-        with ReplayRNG():
+        with ReplayRNG(private=private):
             pm = load_program(meta, get, trusted=True)  # this process exported it: no verifier, no guard
             lf = program_loss if pm.kind == "loss" else loss_fn
             inp = StepInputs(record=content.steps[-1], state=state, recorded_grads=content.grads, loss_fn=lf, scaler=state.extra.get("scaler"),

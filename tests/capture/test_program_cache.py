@@ -1,5 +1,6 @@
-"""The program is exported at the first finite step and re-embedded by the failing step's dump
-(``export_early``, :mod:`nanreplay.capture.program_cache`), without changing the run."""
+"""The program is exported at the failing step by default; with ``export_early=True`` at the first
+finite step, and re-embedded by the failing step's dump (:mod:`nanreplay.capture.program_cache`),
+without changing the run."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_early_export_leaves_training_bit_identical(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="nanreplay")
     plain, m_plain, _ = train(5, None)
     rng_plain = torch.get_rng_state()
-    recorded, m_rec, rec = train(5, {"out_dir": tmp_path})
+    recorded, m_rec, rec = train(5, {"out_dir": tmp_path, "export_early": True})
     rng_rec = torch.get_rng_state()
     assert rec._dump.programs.step == 0 and rec._dump.programs.verified, "exported (and verified) at the first finite step"
     assert "exported the loss program at step 0" in caplog.text
@@ -88,7 +89,7 @@ def test_early_export_leaves_training_bit_identical(tmp_path, caplog):
 def test_failing_step_reembeds_the_early_program_and_it_replays(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="nanreplay")
     with pytest.raises(NonFiniteGradientError) as e:
-        train(5, {"out_dir": tmp_path}, zero_at=3)
+        train(5, {"out_dir": tmp_path, "export_early": True}, zero_at=3)
     log = caplog.text
     assert "exported the loss program at step 0" in log
     assert "embedding step 3's program: the one exported at step 0 fits" in log
@@ -106,7 +107,7 @@ def test_failing_step_reembeds_the_early_program_and_it_replays(tmp_path, caplog
 def test_program_is_exported_again_when_the_input_shapes_change(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="nanreplay")
     with pytest.raises(NonFiniteGradientError) as e:  # a longer sequence at the failing step: the position arange changes
-        train(4, {"out_dir": tmp_path}, zero_at=2, ctx_at={2: 6})
+        train(4, {"out_dir": tmp_path, "export_early": True}, zero_at=2, ctx_at={2: 6})
     assert "does not fit step 2" in caplog.text
     with open_bundle(e.value.bundle_path) as b:
         assert b.meta["program"]["kind"] == "loss" and "exported_at_step" not in b.meta["program"]
@@ -135,7 +136,7 @@ def test_a_failed_early_export_is_recorded_and_not_retried(tmp_path, caplog):
         x, w = batch
         return m(x).pow(2).sum() / w.sum()
 
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False, export_early=True) as rec:
         with pytest.raises(NonFiniteGradientError) as e:
             for i in range(3):
                 batch = (torch.randn(2, 4), torch.zeros(2) if i == 2 else torch.ones(2))
@@ -154,14 +155,21 @@ def test_a_failed_early_export_is_recorded_and_not_retried(tmp_path, caplog):
         assert b.meta["program"]["kind"] is None and b.meta["program"]["error"]
 
 
-def test_export_early_false_exports_at_the_dump(tmp_path, caplog):
+def test_by_default_the_program_is_exported_at_the_failing_step_only(tmp_path, caplog):
+    """A run that never fails never exports; the failing step exports, says so, and the program
+    it embeds is verified against that step and replays."""
     caplog.set_level(logging.WARNING, logger="nanreplay")
+    _, _, rec = train(3, {"out_dir": tmp_path, "diagnose": False})
+    assert not rec._dump.programs.tried or rec._dump.programs.step is None
+    assert "export" not in caplog.text and not list(tmp_path.iterdir())
     with pytest.raises(NonFiniteGradientError) as e:
-        train(3, {"out_dir": tmp_path, "export_early": False, "diagnose": False}, zero_at=2)
+        train(3, {"out_dir": tmp_path, "diagnose": False}, zero_at=2)
     assert "at step 0" not in caplog.text
-    assert "embedding step 2's program in the bundle (torch.export" in caplog.text
+    assert "embedding step 2's program in the bundle, now that a step failed (torch.export" in caplog.text
+    assert "embedded step 2's loss program in" in caplog.text
     with open_bundle(e.value.bundle_path) as b:
-        assert b.meta["program"]["kind"] == "loss"
+        assert b.meta["program"]["kind"] == "loss" and "exported_at_step" not in b.meta["program"]
+    assert nanreplay.replay(e.value.bundle_path)["reproduction"]["verdict"] == "reproduced exactly"
 
 
 def test_model_signature_sees_modes_shapes_and_the_loss_function():
@@ -204,7 +212,7 @@ def _two_finite_steps(model: nn.Module, opt, out_dir) -> Recorder:
     def loss_fn(m, batch):
         return m(batch).pow(2).mean()
 
-    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, diagnose=False) as rec:
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, diagnose=False, export_early=True) as rec:
         for _ in range(2):
             x = torch.randn(8, 4)
             rec.record(x)
@@ -279,7 +287,7 @@ def test_a_failed_export_that_changed_the_model_leaves_it_exactly_usable(tmp_pat
     caplog.set_level(logging.WARNING, logger="nanreplay")
     seen: dict = {}
 
-    def broken(model, rec, loss_fn):
+    def broken(model, rec, loss_fn, **kw):
         seen["ids"] = [id(p) for p in model.parameters()]
         model.qkv.weight.data = torch.zeros_like(model.qkv.weight)  # another storage under the same Parameter
         model.ln._parameters["bias"] = nn.Parameter(torch.full_like(model.ln.bias, 7.0))
@@ -290,7 +298,7 @@ def test_a_failed_export_that_changed_the_model_leaves_it_exactly_usable(tmp_pat
 
     monkeypatch.setattr(program, "program_content", broken)
     plain, m_plain, _ = train(4, None)
-    recorded, m_rec, rec = train(4, {"out_dir": tmp_path})
+    recorded, m_rec, rec = train(4, {"out_dir": tmp_path, "export_early": True})
     assert "ids" in seen  # the export ran, and failed
     assert [id(p) for p in m_rec.parameters()] == seen["ids"]
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
@@ -298,3 +306,33 @@ def test_a_failed_export_that_changed_the_model_leaves_it_exactly_usable(tmp_pat
     assert m_rec.state_dict().keys() == m_plain.state_dict().keys() and m_rec.mlp.training
     assert not m_rec._forward_hooks and not m_rec._forward_pre_hooks  # the stray hook is gone; close() removed the Recorder's
     assert "the program export changed the model" in caplog.text
+
+
+def test_a_program_that_does_not_reproduce_the_failing_step_is_dropped_from_the_bundle(tmp_path, caplog):
+    """The export at the failing step is verified against it before the bundle is written again; a
+    program whose replay does not reproduce the step (here: no gradient reaches ``fc`` through the
+    traced spike) is left out, and the bundle says why."""
+    caplog.set_level(logging.WARNING, logger="nanreplay")
+    torch.manual_seed(0)
+    model = Spiking()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(m, batch):
+        x, w = batch
+        return m(x).pow(2).mean() * w
+
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path, diagnose=False) as rec:
+        with pytest.raises(NonFiniteGradientError) as e:
+            for i in range(3):
+                batch = (torch.randn(8, 4), torch.tensor(float("nan") if i == 2 else 1.0))
+                rec.record(batch)
+                loss = loss_fn(model, batch)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert "embedding step 2's program in the bundle, now that a step failed" in caplog.text
+    assert "could not embed step 2's program (the exported program does not reproduce the step's gradients" in caplog.text
+    with open_bundle(e.value.bundle_path) as b:
+        assert b.meta["program"]["kind"] is None
+        assert b.meta["program"]["error"].startswith("the exported program does not reproduce the step's gradients")
+        assert not [k for k in b.keys() if k.startswith("program/")]

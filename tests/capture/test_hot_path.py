@@ -1,0 +1,212 @@
+"""The Recorder's per-step path, checked for its structure rather than timed (timing lives in
+bench/overhead.py): no walk of the module tree per step, host work that does not grow with the
+model, RNG states read without copying what did not change (and still restored exactly), and a
+running total of held bytes that equals a full recount."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanreplay import Recorder
+
+PACKAGE = os.path.dirname(os.path.abspath(sys.modules["nanreplay"].__file__)) + os.sep
+
+
+def mlp(depth: int, *, dropout: float = 0.0, norm: bool = False) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(8, 16), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.BatchNorm1d(16) if norm else nn.Identity(), nn.ReLU(), nn.Dropout(dropout)]
+    return nn.Sequential(*layers, nn.Linear(16, 3))
+
+
+def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)  # a private generator: the loop itself draws from no global stream
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(n)]
+
+
+def step(rec: Recorder, model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> None:
+    rec.record(batch)
+    loss = loss_fn(model, batch)
+    rec.log_loss(loss)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_a_step_walks_no_module_tree(out_dir, monkeypatch):
+    model = mlp(4, norm=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(6)
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir) as rec:
+        for b in data[:2]:  # the first step learns which buffers change, and reads the module tree again
+            step(rec, model, opt, b)
+        walks = []
+        for name in ("named_modules", "named_parameters", "named_buffers", "modules", "parameters", "buffers", "named_children"):
+            orig = getattr(nn.Module, name)
+            monkeypatch.setattr(nn.Module, name, lambda self, *a, _n=name, _o=orig, **k: (walks.append(_n), _o(self, *a, **k))[1])
+        for b in data[2:]:
+            step(rec, model, opt, b)
+        monkeypatch.undo()
+        assert walks == []
+        assert rec.nonfinite_steps == [] and len(rec.ring) == 4
+
+
+def _nanreplay_calls(depth: int, out_dir) -> list[int]:
+    """Python function calls made while nanreplay's code runs (its own and the library calls it
+    makes), in each of 3 steps after 2 warm-up steps."""
+    torch.manual_seed(0)
+    model = mlp(depth, dropout=0.1, norm=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts = []
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir) as rec:
+        for i, b in enumerate(batches(5)):
+            n, inside = [0], set()
+
+            def prof(frame, event, arg, n=n, inside=inside):
+                # every call made while a nanreplay frame is on the stack: its own, and torch's on its behalf
+                if event == "call":
+                    if inside:
+                        n[0] += 1
+                    if frame.f_code.co_filename.startswith(PACKAGE):
+                        inside.add(id(frame))
+                elif event == "return":
+                    inside.discard(id(frame))
+
+            if i >= 2:
+                sys.setprofile(prof)
+            try:
+                step(rec, model, opt, b)
+            finally:
+                sys.setprofile(None)
+            if i >= 2:
+                counts.append(n[0])
+    return counts
+
+
+def test_host_work_per_step_does_not_grow_with_the_model(out_dir):
+    """The same Python calls per step for a model of 2 and of 40 hidden blocks (12x the modules,
+    parameters and buffers): per-module and per-parameter work stays inside C (the fused norm,
+    one flag read per module), never a Python call per module."""
+    small, large = _nanreplay_calls(2, out_dir / "a"), _nanreplay_calls(40, out_dir / "b")
+    assert small == large, (small, large)
+    assert small[0] > 0
+
+
+def test_unchanged_rng_states_are_shared_not_copied(out_dir, monkeypatch):
+    model = mlp(2)  # no dropout, batches from a private generator: no global stream moves
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, capacity=8) as rec:
+        copies = []
+        monkeypatch.setattr(random, "getstate", lambda: copies.append("python") or random.Random.getstate(random._inst))
+        monkeypatch.setattr(np.random, "get_state", lambda *a, **k: copies.append("numpy") or np.random.mtrand._rand.get_state(*a, **k))
+        for b in batches(6):
+            step(rec, model, opt, b)
+        monkeypatch.undo()
+        first = rec.ring[0].rng
+        # NumPy's state is read once, at the first step; Python's is never built as a tuple of ints
+        # (its raw bytes are kept); an unchanged state is not read again
+        assert copies == ["numpy"]
+        for r in rec.ring:
+            assert r.rng.python is first.python and r.rng.numpy is first.numpy and r.rng.torch_cpu is first.torch_cpu
+
+
+class Noisy(nn.Module):
+    """Draws from every generator in forward: torch (dropout), Python and NumPy (a Gaussian,
+    which NumPy's legacy generator makes in pairs and caches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+        self.drop = nn.Dropout(0.5)
+        self.seen: list[tuple] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, g = random.random(), float(np.random.randn())
+        self.seen.append((u, g))
+        return self.drop(self.fc(x)) * (1 + 1e-3 * (u + g))
+
+
+@pytest.mark.parametrize("between", ["nothing", "python", "numpy gauss", "torch"])
+def test_recorded_rng_state_restores_each_steps_draws(out_dir, between):
+    """Whatever moved between two steps (or nothing did), each held step's RNG state, restored,
+    gives the draws that step made, including NumPy's cached Gaussian consumed without moving
+    its Mersenne Twister."""
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    model = Noisy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masks = []
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, capacity=6) as rec:
+        for b in batches(6):
+            if between == "python":
+                random.random()
+            elif between == "numpy gauss":
+                np.random.randn()
+            elif between == "torch":
+                torch.rand(1)
+            step(rec, model, opt, b)
+            masks.append(torch.get_rng_state())
+        held = list(rec.ring)
+    assert [r.step for r in held] == list(range(6))
+    for r in held:
+        x, _ = r.batches[0]
+        r.rng.restore()
+        u, g = random.random(), float(np.random.randn())
+        assert (u, g) == model.seen[r.step], r.step
+        drop = nn.Dropout(0.5)
+        r.rng.restore()
+        random.random(), np.random.randn()
+        a = drop(torch.ones(16))
+        r.rng.restore()
+        random.random(), np.random.randn()
+        assert torch.equal(a, drop(torch.ones(16)))
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"capacity": 40, "memory_budget": 6000},
+    {"snapshot_every": 2, "capacity": 5},
+    {"snapshot_every": 1, "capacity": 6, "memory_budget": 40_000},
+    {"copy_batch": True, "capacity": 10},
+    {"check_every": 4, "capacity": 3},
+    {"capture_cotangent": True, "capacity": 7},
+])
+def test_held_bytes_running_total_matches_a_full_recount(out_dir, options):
+    torch.manual_seed(0)
+    model = mlp(2, norm=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with Recorder(model, opt, loss_fn=None, out_dir=out_dir, **options) as rec:
+        for i in range(14):
+            opt.zero_grad()
+            for micro in range(2):  # two micro-batches, the second a dataclass
+                x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+                batch = (x, y) if micro == 0 else Batch(x, y)
+                rec.record(batch)
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert rec.ring.held_bytes() == rec.ring.recount(), (i, rec.ring.held_bytes(), rec.ring.recount())
+            if "memory_budget" in options:
+                assert rec.held_bytes() <= options["memory_budget"]
+    assert rec.held_bytes() > 0
