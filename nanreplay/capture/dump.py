@@ -271,7 +271,7 @@ class Dump:
         else the new export ``pending`` ran, verified against the step. Never raises; returns
         whether ``content`` changed."""
         from ..engine.program import PROGRAM_META_KEY
-        from ..engine.verify import verify_program
+        from ..engine.verify import NOT_REPRODUCED, verify_program
 
         t0 = self._embed_t0
         self.replaying = True
@@ -282,6 +282,8 @@ class Dump:
             else:
                 with replay_quiet():  # the verifying replay's warnings are about nanreplay's replay, not the user's loop
                     unfaithful = verify_program(meta, tensors, content, self.loss_fn) if meta and meta.get("kind") and not verified else None
+            if unfaithful and unfaithful.startswith(NOT_REPRODUCED):
+                unfaithful = self._against_eager(meta, tensors, content, unfaithful)
             if unfaithful:
                 meta, tensors = {"kind": None, "error": unfaithful}, {}
         except Exception as e:  # export must never cost training
@@ -297,6 +299,31 @@ class Dump:
             logger.warning("nanreplay: could not embed step %d's program (%s); replay will need the model factory",
                            rec.step, (meta or {}).get("error"))
         return True
+
+    def _against_eager(self, meta: dict, tensors: dict, content: BundleContent, why: str) -> Optional[str]:
+        """Where the program's replay does not reproduce the recording: compare it with a bare
+        eager replay of the step on the live model (:func:`nanreplay.engine.verify.eager_grads`)
+        instead. When the eager replay does not reproduce the recording either (a transient or
+        device fault, random draws on a device the replay lacks), a program that agrees with it
+        is faithful to the model and is kept (``meta["verified_against"]`` says so); else why it
+        is not (``why``, the comparison with the recording, when the eager replay reproduces it). Cost, in that case only: one eager and one program replay of the step."""
+        from ..engine.compare import compare_grads
+        from ..engine.verify import eager_grads, verify_program
+
+        with replay_quiet():
+            try:
+                eager = eager_grads(self.model, content, self.loss_fn)
+            except Exception as e:  # noqa: BLE001 - the program is then dropped, never raised into training
+                return f"the exported program does not reproduce the step, and an eager replay to compare it with failed ({type(e).__name__}: {e})"
+            if compare_grads(content.grads, eager)["verdict"] != "not reproduced":
+                return why  # the model's own replay reproduces the step: the program is what differs
+            against = verify_program(meta, tensors, content, self.loss_fn, reference=eager)
+        if against is None:
+            meta["verified_against"] = ("an eager replay of the step on the live model, bit for bit or within 1e-4 of its largest gradient: "
+                                        "the recorded gradients themselves do not reproduce")
+            logger.info("nanreplay: the step's recorded gradients do not reproduce; the exported program agrees with an eager replay "
+                        "of the step and is embedded")
+        return against
 
     def _diagnose_into(self, content: BundleContent, path: Path) -> bool:
         """The in-process diagnosis of a written bundle, within ``diagnose_timeout`` seconds, into

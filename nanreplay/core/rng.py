@@ -27,7 +27,9 @@ import contextlib
 import ctypes
 import random
 import struct
+import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -351,20 +353,39 @@ class RNGReader:
 
 #: the name of the thread that draws ``nanreplay.cli``'s status line on a terminal
 STATUS_THREAD_NAME = "nanreplay-status"
-#: names of threads known to draw no random numbers
-INERT_THREAD_NAMES = frozenset({STATUS_THREAD_NAME})
+#: names of threads known to draw no random numbers: nanreplay's status line, and the thread
+#: that reads results from inductor's compile subprocesses (``torch._inductor.compile_worker``)
+INERT_THREAD_NAMES = frozenset({STATUS_THREAD_NAME, "InductorSubproc"})
 
 
 def _draws_nothing(thread: threading.Thread) -> bool:
-    """A thread known to draw no random numbers: one of :data:`INERT_THREAD_NAMES`, or tqdm's
-    monitor (``tqdm._monitor.TMonitor``: it sleeps and reads its bars' timestamps). tqdm starts its
-    monitor with the first progress bar made, even a disabled one, and ``torch.fx.Interpreter.run``
-    makes one at every run: without this, every process that had tqdm installed and replayed an
-    embedded program once (or showed a progress bar in its training loop) counted as shared."""
+    """A thread known to draw no random numbers: one of :data:`INERT_THREAD_NAMES`, tqdm's
+    monitor (``tqdm._monitor.TMonitor``: it sleeps and reads its bars' timestamps), or a worker of
+    inductor's compile thread pool (:func:`_inductor_compile_worker`). tqdm starts its monitor with
+    the first progress bar made, even a disabled one, and ``torch.fx.Interpreter.run`` makes one
+    at every run; inductor's pool (one thread per core, up to 32) stays alive after the first
+    compile on a machine with more than a few cores: without this, every process that had
+    replayed an embedded program or compiled a model once counted as shared."""
     if thread.name in INERT_THREAD_NAMES:
         return True
     cls = type(thread)
-    return cls.__name__ == "TMonitor" and cls.__module__ == "tqdm._monitor"
+    return (cls.__name__ == "TMonitor" and cls.__module__ == "tqdm._monitor") or _inductor_compile_worker(thread)
+
+
+def _inductor_compile_worker(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is a worker of ``torch._inductor.async_compile.AsyncCompile.pool()``
+    (a ``ThreadPoolExecutor`` whose jobs generate and build kernels' code: no random draw). Read
+    from the worker's first argument (a weak reference to its executor); the pool is looked up
+    only when inductor is imported and has made it (never created here)."""
+    mod = sys.modules.get("torch._inductor.async_compile")
+    args = thread.__dict__.get("_args") or ()
+    if mod is None or not args or not isinstance(args[0], weakref.ReferenceType):
+        return False
+    try:
+        pool = mod.AsyncCompile.pool
+        return pool.cache_info().currsize > 0 and args[0]() is pool()
+    except Exception:  # noqa: BLE001 - another torch version's layout: counted as a thread that may draw
+        return False
 
 
 def sole_thread() -> bool:

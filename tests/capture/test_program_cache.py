@@ -336,3 +336,30 @@ def test_a_program_that_does_not_reproduce_the_failing_step_is_dropped_from_the_
         assert b.meta["program"]["kind"] is None
         assert b.meta["program"]["error"].startswith("the exported program does not reproduce the step's gradients")
         assert not [k for k in b.keys() if k.startswith("program/")]
+
+
+def test_a_step_whose_recording_does_not_reproduce_keeps_a_program_that_agrees_with_the_model(tmp_path):
+    """A NaN written into a gradient after the backward pass (as a device fault would) does not
+    reproduce on any replay; the program exported at that step is then compared with an eager
+    replay of the step on the live model, kept, and replays the bundle without the model's code."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Recorder(model, opt, loss_fn=step_loss, out_dir=tmp_path, diagnose=False) as rec:
+        with pytest.raises(NonFiniteGradientError) as e:
+            for i, batch in enumerate(batches(3)):
+                rec.record(batch)
+                loss = step_loss(model, batch)
+                opt.zero_grad()
+                loss.backward()
+                if i == 2:
+                    model.qkv.weight.grad[3, 5] = float("nan")  # after the backward pass: not the model's doing
+                opt.step()
+    with open_bundle(e.value.bundle_path) as b:
+        program = b.meta["program"]
+        assert program["kind"] == "loss", program.get("error")
+        assert program["verified_against"].startswith("an eager replay of the step")
+    diag = nanreplay.replay(e.value.bundle_path)
+    assert diag["model_source"].startswith("the program embedded")
+    assert diag["reproduction"]["verdict"] == "not reproduced"
+    assert diag["classification"]["cause"] == "transient"

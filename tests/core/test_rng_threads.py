@@ -226,3 +226,28 @@ def test_an_fx_interpreter_run_does_not_make_later_replays_private():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     torch.fx.Interpreter(gm).run(torch.ones(1, 2))
     assert sole_thread()
+
+
+def test_inductor_compile_pool_workers_draw_nothing(monkeypatch, tmp_path):
+    """On a machine with several cores, inductor keeps a pool of compile threads alive after the
+    first compile; a replay beside them still uses the process-wide generators. A thread pool of
+    the user's own is not taken for it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nanreplay.core.rng import _draws_nothing
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold cache: the kernels are compiled
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "compile_threads", 2)
+    before = set(threading.enumerate())
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(8))
+    started = [t for t in threading.enumerate() if t not in before and t.name.startswith("ThreadPoolExecutor")]
+    if not started:
+        pytest.skip("inductor's compile pool was not started here (made earlier in this process, or not used by this torch)")
+    assert all(_draws_nothing(t) for t in started)
+    with ThreadPoolExecutor(1) as own:
+        own.submit(lambda: None).result()
+        mine = [t for t in threading.enumerate() if t not in before and t.name.startswith("ThreadPoolExecutor") and t not in started]
+        assert mine and not any(_draws_nothing(t) for t in mine)

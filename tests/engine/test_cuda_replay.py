@@ -20,29 +20,21 @@ import torch
 
 import scenarios
 from nanreplay import replay
-from nanreplay.core.rng import RNGState, sole_thread
+from nanreplay.core.rng import RNGReader, sole_thread
 from nanreplay.engine.state import DETERMINISTIC_CUBLAS, deterministic_cublas
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
 
-class _WithCudaState(RNGState):
-    """The RNG record of a step taken on a machine with one GPU: a CUDA generator state (16 bytes,
-    Philox seed and offset) beside the CPU ones."""
-
-    @classmethod
-    def capture(cls) -> RNGState:
-        s = RNGState.capture()
-        if not s.torch_cuda:
-            s.torch_cuda = [torch.zeros(16, dtype=torch.uint8)]
-        return s
+def _with_cuda_state(last):
+    """The CUDA part of the RNG record of a step taken on a machine with one GPU: a CUDA generator
+    state (16 bytes, Philox seed and offset) beside the CPU ones."""
+    return last.torch_cuda if last is not None and last.torch_cuda else [torch.zeros(16, dtype=torch.uint8)]
 
 
 def test_a_recording_with_cuda_generator_states_replays_on_the_cpu(out_dir, monkeypatch):
-    import nanreplay.capture.steps
-
-    monkeypatch.setattr(nanreplay.capture.steps, "RNGState", _WithCudaState)
+    monkeypatch.setattr(RNGReader, "_cuda", staticmethod(_with_cuda_state))
     err = scenarios.masked_root_under_dropout(out_dir)
     monkeypatch.undo()
     # restoring the recorded states as they are needs the GPU the recording had
