@@ -239,10 +239,11 @@ def test_inductor_compile_pool_workers_draw_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold cache: the kernels are compiled
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "compile_threads", 2)
     before = set(threading.enumerate())
     torch._dynamo.reset()
-    torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(8))
+    with config.patch(compile_threads=2):
+        torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(8))
+    torch._dynamo.reset()
     started = [t for t in threading.enumerate() if t not in before and t.name.startswith("ThreadPoolExecutor")]
     if not started:
         pytest.skip("inductor's compile pool was not started here (made earlier in this process, or not used by this torch)")
