@@ -19,7 +19,8 @@ step in progress is refused by :meth:`RingBuffer.reserve`, and its owner turns i
 
 Not counted: each step's record on the host (about 3 KiB of Python objects) and its RNG states
 (:class:`~nanreplay.core.rng.RNGReader`: shared with the step before while unchanged; else about
-5 KiB for torch's CPU generator, 3 KiB for NumPy's and 25 KiB for Python's ``random``).
+5 KiB for torch's CPU generator, 3 KiB for NumPy's and 2.5 KiB for Python's ``random``, kept as its raw
+Mersenne Twister state).
 """
 
 from __future__ import annotations
