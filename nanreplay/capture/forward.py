@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,10 @@ from ..format.records import ForwardRecord
 logger = logging.getLogger(__name__)
 
 __all__ = ["unwrap_model", "unwrap_optimizer", "ForwardTap", "keep_cotangent", "autocast_state"]
+
+
+#: torch's package directory: the frames :meth:`ForwardTap._maybe_move_to_caller` searches are in it
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _optimized_module_type() -> Optional[type]:
@@ -175,7 +180,9 @@ class ForwardTap:
             return
         f = sys._getframe(2)
         for _ in range(16):
-            if f is None:
+            # every frame between the wrapper's call and this hook is torch's own (module calls,
+            # Dynamo's frames): the first frame of other code (the training loop) ends the search
+            if f is None or not f.f_code.co_filename.startswith(_TORCH_DIR):
                 return
             owner = f.f_locals.get("self") if f.f_code.co_name == "_call_impl" else None
             if isinstance(owner, opt) and unwrap_model(owner) is self.inner:

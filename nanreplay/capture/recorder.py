@@ -304,7 +304,9 @@ class Recorder:
                 self._loss_dtype = loss.dtype
                 if self._watch.early is not None and loss.is_floating_point():
                     self._watch.early.eps["loss"] = torch.finfo(loss.dtype).eps
-            loss = loss.detach().reshape(()).float()
+            loss = loss.detach()
+            if loss.dim() or loss.dtype is not torch.float32:  # the usual 0-dim float32 loss: no view, no cast
+                loss = loss.reshape(()).float()
             self._micro_losses.append(loss)
             self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
 
