@@ -41,6 +41,10 @@ __all__ = ["unwrap_model", "unwrap_optimizer", "ForwardTap", "keep_cotangent", "
 
 #: torch's package directory: the frames :meth:`ForwardTap._maybe_move_to_caller` searches are in it
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+#: frames above ``_maybe_move_to_caller`` that are torch's whenever a compiled wrapper called the model
+#: (this method, the hook, the model's ``_call_impl`` and ``_wrapped_call_impl``, Dynamo's frame and the
+#: wrapper's ``_call_impl`` come first: at least six frames, and the wrapper's caller above them is torch's)
+_WRAPPER_DEPTH = 6
 
 
 def _optimized_module_type() -> Optional[type]:
@@ -177,6 +181,15 @@ class ForwardTap:
         caller (the model was compiled after the Recorder attached), move the hooks there."""
         opt = _optimized_module_type()
         if opt is None:
+            return
+        try:
+            # a compiled wrapper's call puts torch frames at least _WRAPPER_DEPTH levels up (its own
+            # __call__ / _wrapped_call_impl above its _call_impl, Dynamo's frame and the model's
+            # module call below it): code of another kind there (the training loop calling the
+            # model), or no frame at all, rules it out without making a frame object per level
+            if not sys._getframe(_WRAPPER_DEPTH).f_code.co_filename.startswith(_TORCH_DIR):
+                return
+        except ValueError:  # the stack is not that deep
             return
         f = sys._getframe(2)
         for _ in range(16):
