@@ -30,6 +30,10 @@ def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist:
     ``extra``: more device scalars read in the same host read (the GradScaler's scale, the grad
     norm before clipping), their host floats returned in order (``None`` for a ``None``); they
     take no part in the ranks' agreement."""
+    if dist is None and norm is not None and loss is not None and not any(t is not None for t in extra) and \
+            loss.dtype is torch.float32 and loss.dim() == 0 and loss.device == norm.device:
+        g, lo = torch.stack([norm, loss]).tolist()  # the usual step: the norm and log_loss's loss, in one host read
+        return g, lo, None, [None] * len(extra)
     present = [t for t in (norm, loss) if t is not None]
     more = [t for t in extra if t is not None]
     if dist is None and not present and not more:

@@ -105,6 +105,7 @@ HISTORY_STEPS = 1024
 MAX_SPIKES = 10_000
 #: the signals judged
 SIGNALS = ("loss", "grad_norm", "lr")
+_FAST_RATE = 2.0 / (DRIFT_SPAN + 1)
 
 
 @dataclass
@@ -143,20 +144,23 @@ class Band:
 
     def update(self, y: float) -> None:
         """Take ``y = log x`` into the band (clipped to ``centre +- z * spread`` once warm)."""
-        self.n += 1
-        if self.n == 1:
+        n = self.n = self.n + 1
+        if n == 1:
             self.centre = self.fast = self.peak = y
             return
-        a = max(1.0 / self.n, 2.0 / (self.window + 1))
-        if self.n > self.warmup:
-            half = self.z * max(self.spread, SPREAD_FLOOR)
-            y = min(max(y, self.centre - half), self.centre + half)
-        self.spread += a * (abs(y - self.centre) - self.spread)
-        self.centre += a * (y - self.centre)
-        self.fast += max(1.0 / self.n, 2.0 / (DRIFT_SPAN + 1)) * (y - self.fast)
-        self.peak = max(self.peak, self.fast)
-        if self.n >= self.warmup:
-            self.lowest = min(self.lowest, self.fast)
+        a = max(1.0 / n, 2.0 / (self.window + 1))
+        centre, spread = self.centre, self.spread
+        if n > self.warmup:
+            half = self.z * max(spread, SPREAD_FLOOR)
+            y = min(max(y, centre - half), centre + half)
+        self.spread = spread + a * (abs(y - centre) - spread)
+        self.centre = centre + a * (y - centre)
+        fast = self.fast
+        fast = self.fast = fast + max(1.0 / n, _FAST_RATE) * (y - fast)
+        if fast > self.peak:
+            self.peak = fast
+        if n >= self.warmup and fast < self.lowest:
+            self.lowest = fast
 
     def floored(self, y: float, eps: float) -> float:
         """``y = log x`` no lower than the floor ``peak * eps`` (the module's docstring)."""
@@ -210,24 +214,30 @@ class EarlyWarning:
         when every signal is in band); :attr:`new_episode` says whether they open an episode."""
         rows: list[dict] = []
         lr = _max_lr(lrs)
+        bands, eps = self.bands, self.eps
         for name, x in (("loss", loss), ("grad_norm", grad_norm), ("lr", lr)):
-            y = _log(x)
-            if y is None:
+            if x is None:
                 continue
-            band = self.bands[name]
+            x = float(x)
+            if not 0.0 < x < math.inf:  # log units need a finite positive value (NaN fails too)
+                continue
+            y = math.log(x)
+            band = bands[name]
             if name == "lr":
-                row = self._lr_jump(step, band, float(x))
+                row = self._lr_jump(step, band, x)
             else:
-                y = band.floored(y, self.eps[name])
+                if band.n:  # the floor (Band.floored)
+                    y = max(y, band.peak + math.log(eps[name]))
                 row = None
-            z = band.score(y)
-            if row is None and z is not None and z > self.z:
-                row = {"step": step, "signal": name, "kind": "spike", "value": float(x), "baseline": math.exp(band.centre), "score": z}
+            if row is None and band.n >= band.warmup:
+                z = (y - band.centre) / max(band.spread, SPREAD_FLOOR)  # Band.score
+                if z > self.z:
+                    row = {"step": step, "signal": name, "kind": "spike", "value": x, "baseline": math.exp(band.centre), "score": z}
             band.update(y)
             if row is None and name == "loss":
                 r = band.drift_ratio()
                 if r is not None and r > self.drift:
-                    row = {"step": step, "signal": name, "kind": "drift", "value": float(x), "baseline": math.exp(band.lowest), "score": r}
+                    row = {"step": step, "signal": name, "kind": "drift", "value": x, "baseline": math.exp(band.lowest), "score": r}
             if row is not None:
                 row["lr"] = lr
                 rows.append(row)

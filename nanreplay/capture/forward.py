@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,14 @@ from ..format.records import ForwardRecord
 logger = logging.getLogger(__name__)
 
 __all__ = ["unwrap_model", "unwrap_optimizer", "ForwardTap", "keep_cotangent", "autocast_state"]
+
+
+#: torch's package directory: the frames :meth:`ForwardTap._maybe_move_to_caller` searches are in it
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+#: frames above ``_maybe_move_to_caller`` that are torch's whenever a compiled wrapper called the model
+#: (this method, the hook, the model's ``_call_impl`` and ``_wrapped_call_impl``, Dynamo's frame and the
+#: wrapper's ``_call_impl`` come first: at least six frames, and the wrapper's caller above them is torch's)
+_WRAPPER_DEPTH = 6
 
 
 def _optimized_module_type() -> Optional[type]:
@@ -173,9 +182,20 @@ class ForwardTap:
         opt = _optimized_module_type()
         if opt is None:
             return
+        try:
+            # a compiled wrapper's call puts torch frames at least _WRAPPER_DEPTH levels up (its own
+            # __call__ / _wrapped_call_impl above its _call_impl, Dynamo's frame and the model's
+            # module call below it): code of another kind there (the training loop calling the
+            # model), or no frame at all, rules it out without making a frame object per level
+            if not sys._getframe(_WRAPPER_DEPTH).f_code.co_filename.startswith(_TORCH_DIR):
+                return
+        except ValueError:  # the stack is not that deep
+            return
         f = sys._getframe(2)
         for _ in range(16):
-            if f is None:
+            # every frame between the wrapper's call and this hook is torch's own (module calls,
+            # Dynamo's frames): the first frame of other code (the training loop) ends the search
+            if f is None or not f.f_code.co_filename.startswith(_TORCH_DIR):
                 return
             owner = f.f_locals.get("self") if f.f_code.co_name == "_call_impl" else None
             if isinstance(owner, opt) and unwrap_model(owner) is self.inner:

@@ -22,8 +22,9 @@ It coordinates rooms with one job each. The walk of a step, default options:
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step state is still in place when the pre-hook fires. On the host a step
-costs tens of microseconds, whatever the number of modules and parameters (beyond the fused norm's
-gradient list): nothing walks the module tree or the held steps per step (``bench/overhead.py``
+costs about 160 microseconds on a small CPU model (``bench/README.md``), whatever the number of
+modules and parameters (beyond the fused norm's gradient list): nothing walks the module tree or
+the held steps per step (``bench/overhead.py``
 measures it; ``tests/capture/test_hot_path.py`` checks its structure). Nothing is done at start-up
 beyond one scan of the weights: the program is exported when a step fails (``export_early``).
 """
@@ -304,7 +305,9 @@ class Recorder:
                 self._loss_dtype = loss.dtype
                 if self._watch.early is not None and loss.is_floating_point():
                     self._watch.early.eps["loss"] = torch.finfo(loss.dtype).eps
-            loss = loss.detach().reshape(()).float()
+            loss = loss.detach()
+            if loss.dim() or loss.dtype is not torch.float32:  # the usual 0-dim float32 loss: no view, no cast
+                loss = loss.reshape(()).float()
             self._micro_losses.append(loss)
             self._pending_loss = loss if self._pending_loss is None else self._pending_loss + loss
 

@@ -175,7 +175,8 @@ class RingBuffer:
             kept = [t for tree in [r.batches] + [fw.inputs for fw in r.forwards] for t in tensor_leaves(tree)]
         else:
             kept = self.inputs.tensors(r.step)
-        cotangents = [t for fw in r.forwards if fw.cotangent is not None for t in pytree.tree_leaves(fw.cotangent)]
+        cotangents = [t for fw in r.forwards if fw.cotangent is not None
+                      for t in ((fw.cotangent,) if isinstance(fw.cotangent, torch.Tensor) else pytree.tree_leaves(fw.cotangent))]
         return storage_bytes([*kept, *cotangents, *(r.buffers or {}).values()], exclude=self._live if live is None else live)
 
     def bytes_of(self, r: StepRecord) -> int:

@@ -306,10 +306,10 @@ class RNGReader:
         """The states now; parts unchanged since the last call are the same objects as then (and
         the whole state is the last one when nothing moved)."""
         last = self._last
-        parts = (self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last))
-        if last is not None and all(a is b for a, b in zip(parts, (last.python, last.numpy, last.torch_cpu, last.torch_cuda))):
+        py, np_, cpu, cuda = self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last)
+        if last is not None and py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:
             return last  # nothing moved: the same object (states are never modified in place)
-        self._last = RNGState(*parts)
+        self._last = RNGState(py, np_, cpu, cuda)
         return self._last
 
     def _python(self, last: Optional[RNGState]) -> Any:

@@ -415,23 +415,23 @@ def _plain(x: Any, depth: int = 0) -> bool:
         if depth >= _PLAIN_DEPTH:
             return False
         for v in (x.values() if kind is dict else x):
-            if not _plain(v, depth + 1):
+            if not isinstance(v, _Tensor) and not _plain(v, depth + 1):  # a tensor child: no call
                 return False
         return True
     return kind in _SCALARS
 
 
 def _map_plain(fn: Any, x: Any) -> Any:
-    """:func:`map_tensors` for a tree :func:`_plain` accepted."""
+    """:func:`map_tensors` for a tree :func:`_plain` accepted (a tensor child is mapped in place, without a call)."""
     if isinstance(x, _Tensor):
         return fn(x)
     kind = type(x)
     if kind is tuple:
-        return tuple([_map_plain(fn, v) for v in x])
+        return tuple([fn(v) if isinstance(v, _Tensor) else _map_plain(fn, v) for v in x])
     if kind is list:
-        return [_map_plain(fn, v) for v in x]
+        return [fn(v) if isinstance(v, _Tensor) else _map_plain(fn, v) for v in x]
     if kind is dict:
-        return {k: _map_plain(fn, v) for k, v in x.items()}
+        return {k: fn(v) if isinstance(v, _Tensor) else _map_plain(fn, v) for k, v in x.items()}
     return x
 
 

@@ -135,6 +135,8 @@ def test_recorder_adds_no_graph_break_and_records_plain_names(order, out_dir):
             # every step's forward was captured, with its cotangent (the tap moved without losing a call)
             assert [len(r.forwards) for r in rec.ring] == [1, 1, 1]
             assert all(r.forwards[0].cotangent is not None for r in rec.ring)
+            if order == "record-then-compile":  # the tap found the compiled wrapper calling the model and moved there
+                assert rec._tap.compiled_wrapper is run
             with pytest.raises(NonFiniteGradientError) as info:
                 _train(run, opt, [_bad_batch()])
     assert gb.in_nanreplay() == [], "graph breaks in nanreplay's code:\n" + "\n\n".join(gb.in_nanreplay())
