@@ -59,7 +59,7 @@ from ..errors import BundleFormatError
 from .deadline import check_deadline
 from .program_check import ProgramRefused
 
-__all__ = ["Budget", "Proof", "verify_bounds", "op_arguments", "WORKSPACE", "SHAPE_CONTRACTS", "BYTES_FACTOR", "BYTES_ALLOWANCE", "WORK_FACTOR", "WORK_ALLOWANCE"]
+__all__ = ["Budget", "Proof", "verify_bounds", "op_arguments", "WORKSPACE", "SHAPE_CONTRACTS", "OUTPUT_COUNTS", "MAX_OUTPUTS", "BYTES_FACTOR", "BYTES_ALLOWANCE", "WORK_FACTOR", "WORK_ALLOWANCE"]
 
 #: bytes the program may keep alive (its storages and workspaces, beyond the real tensors): this
 #: many times the bytes of the real tensors it is given ...
@@ -279,6 +279,42 @@ SHAPE_CONTRACTS: dict[str, Callable[[dict], Optional[str]]] = {
 }
 
 
+def _dim_size(a: dict) -> int:
+    x, dim = a.get("self"), a.get("dim", 0)
+    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1):
+        return 0  # the op's own kernel refuses it
+    return x.shape[dim] if x.dim() else 0
+
+
+def _split_count(a: dict) -> Any:
+    size, step = _dim_size(a), a.get("split_size")
+    return (size + step - 1) // step if isinstance(step, int) and step > 0 else 1
+
+
+def _chunk_count(a: dict) -> Any:
+    chunks, size = a.get("chunks"), _dim_size(a)
+    if not isinstance(chunks, int):
+        return 1
+    return chunks if isinstance(size, int) and size == 0 else min(chunks, size)  # an empty dimension: ``chunks`` empty tensors
+
+
+#: aten op (overload packet name) -> how many tensors it returns, from its arguments, for the ops
+#: whose count of outputs an argument or a size sets (a zero-element tensor may have a dimension of
+#: 2**40; ``tensor_split`` takes any count of sections): one tensor object each, on the fake run
+#: too, so the count is bounded before the op runs (:meth:`_Check.outputs`). The other ops that
+#: return lists (``split_with_sizes``, ``meshgrid``, ``broadcast_tensors``, ``tensor_split.indices``,
+#: ``where``) return as many as the program's JSON lists or the input has dimensions.
+OUTPUT_COUNTS: dict[str, Callable[[dict], Any]] = {
+    "split": _split_count,
+    "unsafe_split": _split_count,
+    "chunk": _chunk_count,
+    "unbind": _dim_size,
+}
+
+#: the most tensors one op may return when the program does not declare how many
+MAX_OUTPUTS = 1 << 16
+
+
 # -- the check ------------------------------------------------------------------------------------
 
 class _Unbounded(Exception):
@@ -456,6 +492,32 @@ class _Check:
             raise self.refuse(func, f"would bring the program's work to {self.work:,} element-operations, more than its budget of "
                                     f"{self.budget.describe_work()}", budget=True)
 
+    def outputs(self, func: Any, a: dict) -> None:
+        """An op that returns a list returns at most as many tensors as its node declares (or
+        :data:`MAX_OUTPUTS`): counted from its arguments before the node runs
+        (:data:`OUTPUT_COUNTS`), since a composite op (``tensor_split``, ``chunk``) reaches the
+        dispatch mode only as the views it makes, one call each."""
+        name = func.overloadpacket.__name__
+        try:
+            if name == "tensor_split" and isinstance(a.get("sections"), int):
+                count: Any = a["sections"]
+            elif name in OUTPUT_COUNTS and func._overloadname != "sizes":
+                count = OUTPUT_COUNTS[name](a)
+            else:
+                return
+        except Exception:  # noqa: BLE001 - a size torch cannot compare yet (data-dependent): the op's fake kernel refuses it
+            return
+        try:
+            n = self.upper(count)
+        except _Unbounded:
+            raise self.refuse(func, "returns a number of tensors that depends on tensor values without a bound nanreplay can prove") from None
+        val = self.node.meta.get("val") if self.node is not None else None
+        declared = len(val) if isinstance(val, (list, tuple)) else None
+        limit = declared if declared is not None else MAX_OUTPUTS
+        if n > limit:
+            said = f"the program declares {declared}" if declared is not None else f"at most {MAX_OUTPUTS:,} are allowed"
+            raise self.refuse(func, f"would return {n:,} tensors; {said} (each is an object in memory, even of no elements)")
+
     def op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """One aten op on fake tensors, checked."""
         check_deadline()
@@ -528,6 +590,8 @@ class _Interpreter(torch.fx.Interpreter):
                 return self._sub(true_fn if pred else false_fn, list(operands))
             self._sub(false_fn, list(operands))  # the branch taken depends on data: both are proven
             return self._sub(true_fn, list(operands))
+        if isinstance(target, torch._ops.OpOverload):
+            self.check.outputs(target, op_arguments(target, args, kwargs))
         return super().call_function(target, args, kwargs)
 
     def _sub(self, gm: Any, args: list) -> Any:

@@ -220,3 +220,26 @@ def test_an_attention_with_a_value_shorter_than_its_key_is_refused_before_its_ke
     with pytest.raises(ProgramRefused, match=r"takes a key \[1, 2, 9, 8\] and a value \[1, 2, 4, 8\] of different lengths"):
         prove_traced(lambda q, k, v: torch.ops.aten.scaled_dot_product_attention.default(q, k, v), q, k, v)
     assert prove_traced(lambda q, k, v: torch.ops.aten.scaled_dot_product_attention.default(q, k, v), q, k, k).nodes > 0
+
+
+@pytest.mark.parametrize("fn, count", [
+    (lambda x: torch.ops.aten.tensor_split.sections(x, 1 << 31), "2,147,483,648"),  # one slice object each, even empty
+    (lambda x: torch.ops.aten.unbind.int(x.new_empty(1 << 40, 0)), "1,099,511,627,776"),  # no bytes, 2**40 rows
+    (lambda x: torch.ops.aten.split.Tensor(x.new_empty(1 << 30, 0), 1), "1,073,741,824"),
+    (lambda x: torch.ops.aten.chunk.default(x.new_empty(0), 1 << 31), "2,147,483,648"),  # an empty dimension: that many chunks
+])
+def test_an_op_that_would_return_millions_of_tensors_is_refused_before_it_runs(fn, count):
+    """A list of tensors costs memory per tensor even when each holds no element: an op's count of
+    outputs is bounded from its arguments before the node runs (the verifier itself ran out of
+    memory on tensor_split with 2**31 sections in the argument fuzzer)."""
+    with pytest.raises(ProgramRefused, match=f"would return {count} tensors; at most 65,536 are allowed"):
+        prove_traced(lambda x: fn(x)[0] + 1, torch.ones(4))
+
+
+def test_an_op_returning_as_many_tensors_as_declared_is_proven():
+    m = Fn(lambda m, x: torch.stack([t.sum() for t in x.split(2)] + [x.unbind(0)[0].sum()] + [c.sum() for c in x.chunk(3)]))
+    ep = torch.export.export(m, (torch.ones(6, 3),))
+    listed = {str(n.target) for n in ep.graph_module.graph.nodes if isinstance(n.meta.get("val"), (list, tuple))}
+    assert {"aten.split.Tensor", "aten.unbind.int"} <= listed  # the nodes declare their lists of outputs
+    inputs, kw = _inputs(ep, (torch.ones(6, 3),))
+    assert verify_bounds(ep.graph_module, inputs, exact=True, **kw).peak_bytes > 0
