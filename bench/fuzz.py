@@ -947,6 +947,9 @@ def worker(args: argparse.Namespace) -> None:
         got = {"replay": check_stranger(seed, args.timeout)["replay"]} if args.args else check(seed, seed.parent.name)
         assert set(got.values()) == {"ok"}, f"the seed {seed} does not read and replay cleanly: {got}"
     base = _baseline_kb()
+    # building a mutant runs its op on meta tensors here (to declare its outputs): hostile counts
+    # (tensor_split into 2**31 sections: one tensor object each) must fail here, not take the machine
+    resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (args.memory << 20), resource.RLIM_INFINITY))
     work = Path(tempfile.mkdtemp(prefix="nanreplay-fuzz-"))
     for line in sys.stdin:
         index = int(line)
