@@ -306,9 +306,10 @@ class Dump:
         instead. When the eager replay does not reproduce the recording either (a transient or
         device fault, random draws on a device the replay lacks), a program that agrees with it
         is faithful to the model and is kept (``meta["verified_against"]`` says so); else why it
-        is not (``why``, the comparison with the recording, when the eager replay reproduces it). Cost, in that case only: one eager and one program replay of the step."""
+        is not (``why``, the comparison with the recording, when the eager replay reproduces it).
+        Cost, in that case only: one eager and one program replay of the step."""
         from ..engine.compare import compare_grads
-        from ..engine.verify import eager_grads, verify_program
+        from ..engine.verify import RTOL, eager_grads, verify_program
 
         with replay_quiet():
             try:
@@ -319,8 +320,8 @@ class Dump:
                 return why  # the model's own replay reproduces the step: the program is what differs
             against = verify_program(meta, tensors, content, self.loss_fn, reference=eager)
         if against is None:
-            meta["verified_against"] = ("an eager replay of the step on the live model, bit for bit or within 1e-4 of its largest gradient: "
-                                        "the recorded gradients themselves do not reproduce")
+            meta["verified_against"] = (f"an eager replay of the step on the live model, bit for bit or within {RTOL:g} of its largest "
+                                        "gradient: the recorded gradients themselves do not reproduce")
             logger.info("nanreplay: the step's recorded gradients do not reproduce; the exported program agrees with an eager replay "
                         "of the step and is embedded")
         return against

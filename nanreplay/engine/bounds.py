@@ -288,7 +288,14 @@ def _dim_size(a: dict) -> int:
 
 def _split_count(a: dict) -> Any:
     size, step = _dim_size(a), a.get("split_size")
+    if isinstance(step, (list, tuple)):  # split.sizes: one tensor per size the program lists
+        return len(step)
     return (size + step - 1) // step if isinstance(step, int) and step > 0 else 1
+
+
+def _sections_count(a: dict) -> Any:
+    sections = a.get("sections")  # tensor_split.sections; .indices makes one more than its indices
+    return sections if isinstance(sections, int) else len(a.get("indices") or ()) + 1
 
 
 def _chunk_count(a: dict) -> Any:
@@ -300,15 +307,17 @@ def _chunk_count(a: dict) -> Any:
 
 #: aten op (overload packet name) -> how many tensors it returns, from its arguments, for the ops
 #: whose count of outputs an argument or a size sets (a zero-element tensor may have a dimension of
-#: 2**40; ``tensor_split`` takes any count of sections): one tensor object each, on the fake run
-#: too, so the count is bounded before the op runs (:meth:`_Check.outputs`). The other ops that
-#: return lists (``split_with_sizes``, ``meshgrid``, ``broadcast_tensors``, ``tensor_split.indices``,
-#: ``where``) return as many as the program's JSON lists or the input has dimensions.
+#: 2**40; ``tensor_split`` takes any count of sections), or a list the program holds (``split.sizes``,
+#: ``tensor_split.indices``): one tensor object each, on the fake run too, so the count is bounded
+#: before the op runs (:meth:`_Check.outputs`). The other ops that return lists (``split_with_sizes``,
+#: ``meshgrid``, ``broadcast_tensors``, ``where``) return as many as the program's JSON lists or the
+#: input has dimensions.
 OUTPUT_COUNTS: dict[str, Callable[[dict], Any]] = {
     "split": _split_count,
     "unsafe_split": _split_count,
     "chunk": _chunk_count,
     "unbind": _dim_size,
+    "tensor_split": _sections_count,
 }
 
 #: the most tensors one op may return when the program does not declare how many
@@ -497,14 +506,11 @@ class _Check:
         :data:`MAX_OUTPUTS`): counted from its arguments before the node runs
         (:data:`OUTPUT_COUNTS`), since a composite op (``tensor_split``, ``chunk``) reaches the
         dispatch mode only as the views it makes, one call each."""
-        name = func.overloadpacket.__name__
+        counter = OUTPUT_COUNTS.get(func.overloadpacket.__name__)
+        if counter is None:
+            return
         try:
-            if name == "tensor_split" and isinstance(a.get("sections"), int):
-                count: Any = a["sections"]
-            elif name in OUTPUT_COUNTS and func._overloadname != "sizes":
-                count = OUTPUT_COUNTS[name](a)
-            else:
-                return
+            count = counter(a)
         except Exception:  # noqa: BLE001 - a size torch cannot compare yet (data-dependent): the op's fake kernel refuses it
             return
         try:

@@ -19,11 +19,13 @@ from .compiled import eager_modules
 from .program import _first_line, load_program, program_loss
 from .run import StepInputs, preserve_live, run_step
 
-__all__ = ["verify_program", "eager_grads", "NOT_REPRODUCED"]
+__all__ = ["verify_program", "eager_grads", "NOT_REPRODUCED", "RTOL"]
 
 #: how :func:`verify_program`'s answer begins when the program's replay does not reproduce the
 #: recorded gradients (the caller may then compare it with an eager replay: :func:`eager_grads`)
 NOT_REPRODUCED = "the exported program does not reproduce the step's gradients"
+#: the largest difference of finite gradients a strict comparison allows, times the largest gradient
+RTOL = 1e-4
 
 
 def _inputs(content: Any, loss_fn: Optional[Callable]) -> StepInputs:
@@ -46,7 +48,7 @@ def eager_grads(model: torch.nn.Module, content: Any, loss_fn: Optional[Callable
 
 
 def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, loss_fn: Optional[Callable], *,
-                   strict: bool = False, rtol: float = 1e-4, private: Optional[bool] = None,
+                   strict: bool = False, rtol: float = RTOL, private: Optional[bool] = None,
                    reference: Optional[dict[str, torch.Tensor]] = None) -> Optional[str]:
     """Replay the failing step of ``content`` (a :class:`~nanreplay.format.records.BundleContent`)
     on the program it was exported to, and say why the program is unfaithful (its gradients do not
@@ -79,25 +81,25 @@ def verify_program(meta: dict, tensors: dict[str, torch.Tensor], content: Any, l
     except Exception as e:  # noqa: BLE001 - an unfaithful program is dropped, never raised into training
         return f"the exported program could not replay the step ({type(e).__name__}: {_first_line(e)})"
     if reference is not None:
-        return _judge(reference, res.grads, True, rtol, "an eager replay of the step's")
-    return _judge(content.grads, res.grads, strict, rtol, "the step's")
+        return _judge(reference, res.grads, True, rtol, "an eager replay of the step")
+    return _judge(content.grads, res.grads, strict, rtol, "the step")
 
 
-def _judge(expected: dict, grads: dict[str, torch.Tensor], strict: bool, rtol: float, whose: str) -> Optional[str]:
-    """Why the program's replayed ``grads`` are not ``expected`` (recorded gradients or digests,
-    or an eager replay's), or ``None``."""
+def _judge(expected: dict, grads: dict[str, torch.Tensor], strict: bool, rtol: float, of: str) -> Optional[str]:
+    """Why the program's replayed ``grads`` are not ``expected``, the gradients ``of`` the step
+    (recorded gradients or digests) or of an eager replay of it, or ``None``."""
     verdict = compare_grads(expected, grads)
-    if verdict["verdict"] == "not reproduced":
-        return (f"{NOT_REPRODUCED.replace('the step', whose[:-2])} ({verdict.get('detail')}); a custom "
+    if verdict["verdict"] == "not reproduced":  # of="the step": NOT_REPRODUCED
+        return (f"the exported program does not reproduce {of}'s gradients ({verdict.get('detail')}); a custom "
                 "torch.autograd.Function's backward, for one, is not part of an exported program")
     if strict and verdict["verdict"] != "reproduced exactly":
         lost = [n for n, r in expected.items() if grads.get(n) is None
                 and (r.nonzero > 0 if is_digest(r) else r.is_floating_point() and bool(r.ne(0).any()))]
         if lost:  # e.g. a custom autograd.Function whose backward the program lacks: no gradient reaches these
-            return (f"the exported program gives no gradient to {len(lost)} parameter(s) {whose[:-2]} gave one, e.g. {lost[:3]}; a custom "
+            return (f"the exported program gives no gradient to {len(lost)} parameter(s) {of} gave one, e.g. {lost[:3]}; a custom "
                     "torch.autograd.Function's backward, for one, is not part of an exported program")
         scale = max((grad_absmax(g) for g in expected.values() if is_digest(g) or g.is_floating_point()), default=0.0)
         diff = verdict.get("max_abs_diff")
         if diff is None or not diff <= rtol * scale:
-            return f"the exported program's gradients differ from {whose} by up to {diff} (largest gradient {scale:.3g})"
+            return f"the exported program's gradients differ from {of}'s by up to {diff} (largest gradient {scale:.3g})"
     return None

@@ -243,3 +243,13 @@ def test_an_op_returning_as_many_tensors_as_declared_is_proven():
     assert {"aten.split.Tensor", "aten.unbind.int"} <= listed  # the nodes declare their lists of outputs
     inputs, kw = _inputs(ep, (torch.ones(6, 3),))
     assert verify_bounds(ep.graph_module, inputs, exact=True, **kw).peak_bytes > 0
+
+
+def test_the_output_counts_follow_each_overload():
+    from nanreplay.engine.bounds import OUTPUT_COUNTS, op_arguments
+
+    x = torch.empty(10, 3)
+    for op, args in [(torch.ops.aten.split.Tensor, (x, 3)), (torch.ops.aten.split.sizes, (x, [4, 6])),
+                     (torch.ops.aten.tensor_split.sections, (x, 4)), (torch.ops.aten.tensor_split.indices, (x, [2, 5, 7])),
+                     (torch.ops.aten.chunk.default, (x, 4)), (torch.ops.aten.unbind.int, (x,))]:
+        assert OUTPUT_COUNTS[op.overloadpacket.__name__](op_arguments(op, args, {})) == len(op(*args)), op
