@@ -14,26 +14,39 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..core.numerics import fused_norm
+from ..core.numerics import combined_norm, fused_norm, total_norm
 from ..format.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
+__all__ = ["HOST_NORMS", "read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
-def read_check(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None,
+#: most per-tensor norms read to the host and summed there (:func:`read_check`); more are reduced
+#: on the device first, so the host read stays one small copy
+HOST_NORMS = 512
+
+
+def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist: Any = None,
                extra: Sequence[Optional[torch.Tensor]] = ()) -> tuple[Optional[float], Optional[float], Optional[bool], list]:
-    """(grad norm, loss, agreed finiteness, extra values) as host values from one host read. The
-    agreed finiteness is ``None`` outside torch.distributed (``dist`` is ``None``); inside, the
+    """(grad norm, loss, agreed finiteness, extra values) as host values from one host read.
+    ``norms``: the gradients' per-tensor 2-norms (:func:`~nanreplay.core.numerics.tensor_norms`,
+    0-dim float32 on one device; ``[]`` without gradients). On one process with up to
+    :data:`HOST_NORMS` of them, they are read with the loss in one ``tolist()`` and their total is
+    taken on the host (:func:`~nanreplay.core.numerics.total_norm`: two fewer device ops than a
+    total on the device); else the total is taken on the device first. The agreed finiteness is
+    ``None`` outside torch.distributed (``dist`` is ``None``); inside, the
     ranks' flags are all-reduced on the device first (:meth:`nanreplay.capture.ddp.RankContext.agree`).
     ``extra``: more device scalars read in the same host read (the GradScaler's scale, the grad
     norm before clipping), their host floats returned in order (``None`` for a ``None``); they
     take no part in the ranks' agreement."""
-    if dist is None and norm is not None and loss is not None and not any(t is not None for t in extra) and \
-            loss.dtype is torch.float32 and loss.dim() == 0 and loss.device == norm.device:
-        g, lo = torch.stack([norm, loss]).tolist()  # the usual step: the norm and log_loss's loss, in one host read
-        return g, lo, None, [None] * len(extra)
+    if dist is None and norms and len(norms) <= HOST_NORMS and not any(t is not None for t in extra) and \
+            (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and loss.device == norms[0].device)):
+        # the usual step: the per-tensor norms and log_loss's loss in one host read
+        vals = torch.stack([*norms, loss] if loss is not None else norms).tolist()
+        lo = vals.pop() if loss is not None else None
+        return total_norm(vals), lo, None, [None] * len(extra)
+    norm = combined_norm(norms)
     present = [t for t in (norm, loss) if t is not None]
     more = [t for t in extra if t is not None]
     if dist is None and not present and not more:

@@ -55,7 +55,7 @@ class InputCapture:
         self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
 
     def capture(self, tree: Any, step: int) -> Any:
-        """``tree`` with every tensor detached and referenced (or cloned), for step ``step``; the
+        """``tree`` with every tensor referenced (detached first when it requires grad) or cloned, for step ``step``; the
         tensors kept are listed in :meth:`tensors` (one walk of ``tree``). A tensor already
         captured in the step (the batch given to ``record`` and then to the model) is kept once."""
         refs = self._refs.setdefault(step, [])
@@ -67,7 +67,9 @@ class InputCapture:
             known = same.get(id(x))
             if known is not None and known[0] is x:
                 return known[1]
-            orig, x = x, x.detach()
+            orig = x
+            if x.requires_grad:  # a batch tensor is usually a leaf without grad: kept as is, no new tensor object
+                x = x.detach()
             ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0
             if self.copying:
                 x = x.clone()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,7 +42,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, callable_record, import_callable
-from ..core.numerics import fused_norm
+from ..core.numerics import combined_norm, fused_norm, tensor_norms
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .actions import Actions, Incident
@@ -62,7 +63,12 @@ from .update import UpdateCheck, check_update
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Recorder", "RecorderConfig", "model_info"]
+__all__ = ["Recorder", "RecorderConfig", "model_info", "WAIT_STEPS", "WAIT_SECONDS"]
+
+#: most finite steps whose scalar history and early warning wait to be taken in together (:meth:`Recorder._digest`)
+WAIT_STEPS = 16
+#: most seconds the oldest of them waits (a slow step is taken in at once)
+WAIT_SECONDS = 1.0
 
 
 class Recorder:
@@ -187,12 +193,18 @@ class Recorder:
                           extra_meta=self.extra_meta)
         self._actions = Actions(self.config.action, optimizer, dump=self._dump, max_consecutive=self.config.max_consecutive,
                                 param_fqn=self._param_fqn)
-        # the early warning and rollback plan (capture.early), and the scalar history
-        self._watch = SpikeWatch(self.config.on_spike, ring=self.ring, extra_meta=self.extra_meta, actions=self._actions, dump=self._dump,
+        # the early warning and rollback plan (capture.early), and the scalar history; reached through
+        # the _watch and _history properties, which first take in the finite steps still waiting
+        self._spike_watch = SpikeWatch(self.config.on_spike, ring=self.ring, extra_meta=self.extra_meta, actions=self._actions, dump=self._dump,
                                  attach_step=self.step, attach_clean=not self.extra_meta["attach_scan"]["count"])
-        self._actions.final_plan = self._watch.final_plan  # the plan a give-up (skip past max_consecutive) carries
-        self._history = ScalarHistory(self.config.history_steps)
-        self._dump.history = self._history
+        self._actions.final_plan = self._spike_watch.final_plan  # the plan a give-up (skip past max_consecutive) carries
+        self._scalars = ScalarHistory(self.config.history_steps)
+        self._dump.history = self._scalars  # every dump comes after a _digest
+        # finite steps whose scalar history and early warning wait to be taken in together (_digest):
+        # only where the early warning acts by a log line alone and needs no state of the step
+        self._waiting: Optional[list[tuple[StepRecord, Any]]] = (
+            [] if self.config.on_spike in (None, "warn") and not self.config.snapshot_every and self.config.check_every == 1 else None)
+        self._waiting_since = 0.0
         self._amp = None
         if scaler is not None:
             from .amp import ScalerWatch
@@ -211,6 +223,36 @@ class Recorder:
         self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
         if self.dist is not None:
             self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook, ring=self.ring)
+
+    @property
+    def _watch(self) -> SpikeWatch:
+        """The early warning, the episode log and the rollback plan, up to date (:meth:`_digest`)."""
+        self._digest()
+        return self._spike_watch
+
+    @property
+    def _history(self) -> ScalarHistory:
+        """The scalar history, up to date (:meth:`_digest`)."""
+        self._digest()
+        return self._scalars
+
+    def _digest(self) -> None:
+        """Take the finite steps that wait into the scalar history and the early warning, oldest
+        first. A finite step's history row and early-warning judgement are host arithmetic on
+        floats already read; in the default mode (``on_spike`` ``"warn"`` or ``None``, no weight
+        snapshots, ``check_every=1``) they wait for up to :data:`WAIT_STEPS` steps or
+        :data:`WAIT_SECONDS` and are done together, where the code and its data are still in the
+        caches (done one step at a time right after the optimizer's step, they cost several
+        times more). Everything that reads them (a non-finite step, a dump, :attr:`spikes`, the
+        rollback plan, :meth:`close`) goes through here first; a spike's log line names its own
+        step, up to that many steps later."""
+        waiting = self._waiting
+        if not waiting:
+            return
+        self._waiting = []
+        for rec, scale in waiting:
+            self._scalars.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, True, scale, rec.grad_norm_pre_clip)
+            self._spike_watch.judge(rec, None, self._live, grad_norm=rec.grad_norm_pre_clip)
 
     @property
     def _current(self) -> Optional[StepRecord]:
@@ -397,11 +439,12 @@ class Recorder:
         rec = self._steps.begin(capture=False)
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
         grads = self._grads()
-        norm = fused_norm([g for _, g in grads])
+        norms = tensor_norms([g for _, g in grads])
         loss, micro = self._take_losses()
         pre, self._pending_grad_norm = self._pending_grad_norm, None
         if self._lagged is not None:
             rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
+            norm = combined_norm(norms)
             if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
                 self._steps.seal(rec)
                 if self._lagged.due():
@@ -409,15 +452,26 @@ class Recorder:
                 return None
             self._lagged_off()
         scale_t = self._amp.scale_tensor() if self._amp is not None else None
-        rec.grad_norm, rec.loss, agreed, (scale, pre_t) = read_check(norm, loss, self.dist, extra=(scale_t, pre if isinstance(pre, torch.Tensor) else None))
+        rec.grad_norm, rec.loss, agreed, (scale, pre_t) = read_check(norms, loss, self.dist, extra=(scale_t, pre if isinstance(pre, torch.Tensor) else None))
         rec.grad_norm_pre_clip = pre if isinstance(pre, float) else pre_t
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
-        if bad_grad and explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
-            bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
+        if bad_grad:
+            self._digest()  # an exploding step's bundle holds the scalar history
+            if explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
+                bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._steps.seal(rec)
-        self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite, scale, rec.grad_norm_pre_clip)
+        waiting = self._waiting
+        if rec.finite and waiting is not None:
+            if not waiting:
+                self._waiting_since = time.monotonic()
+            waiting.append((rec, scale))  # its history row and early warning: with the next few steps' (_digest)
+            if len(waiting) >= WAIT_STEPS or time.monotonic() - self._waiting_since > WAIT_SECONDS:
+                self._digest()
+        else:
+            self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite, scale, rec.grad_norm_pre_clip)
+            waiting = None
         if self._amp is not None:
             self._amp.on_checked(rec.finite)
         if rec.finite:
@@ -426,7 +480,8 @@ class Recorder:
                 self._dump.programs.early(rec, grads, self._live, verify=self.dist is None and self.scaler is None)
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
-            self._watch.judge(rec, grads, self._live, grad_norm=rec.grad_norm_pre_clip)
+            if waiting is None:
+                self._spike_watch.judge(rec, grads, self._live, grad_norm=rec.grad_norm_pre_clip)
             return True
         self._handle_nonfinite(rec, grads, bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
         return False

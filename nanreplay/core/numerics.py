@@ -16,6 +16,7 @@ functions that need it, so ``report`` (no torch) can use :func:`kinds` and :clas
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Health", "tensor_health", "fused_norm", "count_nonfinite", "is_float", "all_finite_flag", "any_nonfinite", "kinds",
+__all__ = ["Health", "tensor_health", "tensor_norms", "fused_norm", "combined_norm", "total_norm", "count_nonfinite", "is_float", "all_finite_flag", "any_nonfinite", "kinds",
            "as_real"]
 
 
@@ -43,34 +44,66 @@ def as_real(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[torch.Tensor]:
-    """The ``ord``-norm (2 or ``math.inf``) over all ``tensors`` as a 0-dim float32 tensor on the
-    first tensor's device, computed with one ``_foreach_norm`` (one per (device, dtype) group when
-    the tensors are on several devices, or of a dtype the float32 norm does not take as is) and
-    no host sync. Returns ``None`` for an empty sequence.
-    """
+def tensor_norms(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """The ``ord``-norm (2 or ``math.inf``) of each of ``tensors``, as 0-dim float32 tensors on the
+    first tensor's device, in order: one ``_foreach_norm`` (one per (device, dtype) group when the
+    tensors are on several devices, or of a dtype the float32 norm does not take as is), no host
+    sync. ``[]`` for an empty sequence."""
     import torch
 
     if not tensors:
-        return None
+        return []
     if tensors[0].device == tensors[-1].device:  # the usual case: one call, no Python work per tensor
         try:
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, ord, dtype=torch.float32)), ord)
+            return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
         except (TypeError, RuntimeError):  # several devices after all, float64, an older torch: by group
             pass
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        groups[(t.device, t.dtype)].append(t)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
     device = tensors[0].device
-    norms: list[torch.Tensor] = []
-    for (dev, _), ts in groups.items():
+    out: list[Any] = [None] * len(tensors)
+    for (dev, _), idx in groups.items():
+        ts = [tensors[i] for i in idx]
         try:
             per = torch._foreach_norm(ts, ord, dtype=torch.float32)
         except (TypeError, RuntimeError):  # older torch without the dtype argument
             per = torch._foreach_norm([t.float() for t in ts], ord)
-        stacked = torch.stack(per)
-        norms.append(stacked.to(device, non_blocking=True) if dev != device else stacked)
-    return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), ord)
+        if dev != device:
+            per = torch.stack(per).to(device, non_blocking=True).unbind(0)
+        for i, n in zip(idx, per):
+            out[i] = n
+    return out
+
+
+def fused_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[torch.Tensor]:
+    """The ``ord``-norm (2 or ``math.inf``) over all ``tensors`` as a 0-dim float32 tensor on the
+    first tensor's device: :func:`tensor_norms`, then the norm of those norms, with no host sync.
+    Returns ``None`` for an empty sequence.
+    """
+    return combined_norm(tensor_norms(tensors, ord), ord)
+
+
+def combined_norm(norms: Sequence[torch.Tensor], ord: float = 2.0) -> Optional[torch.Tensor]:
+    """The ``ord``-norm of per-tensor ``ord``-norms (:func:`tensor_norms`) on their device: the norm
+    over all the tensors, as a 0-dim float32 tensor (no host sync); ``None`` for none."""
+    import torch
+
+    return torch.linalg.vector_norm(torch.stack(list(norms)), ord) if norms else None
+
+
+#: the largest finite float32, the bound of a 2-norm accumulated in float32
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def total_norm(norms: Sequence[float]) -> float:
+    """The 2-norm of per-tensor 2-norms read to the host (:func:`tensor_norms`), as the float32
+    total :func:`fused_norm` computes it: NaN when any norm is NaN, else ``inf`` when any is
+    infinite or the total overflows float32 (as a float32 accumulation would: an exploding step
+    is then told from a non-finite one as on the device, :func:`nanreplay.capture.check.explosion`);
+    summed in float64, so it can differ from the device's float32 total in the last bits."""
+    s = math.sqrt(math.fsum(map(operator.mul, norms, norms)))  # no Python call per tensor
+    return math.inf if s > FLOAT32_MAX else s
 
 
 def all_finite_flag(t: torch.Tensor) -> torch.Tensor:
