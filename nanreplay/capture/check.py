@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import repeat
+from operator import is_not
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HOST_NORMS", "read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
+
+_NONE = repeat(None)
 
 #: most per-tensor norms read to the host and summed there (:func:`read_check`); more are reduced
 #: on the device first, so the host read stays one small copy
@@ -40,7 +44,7 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     ``extra``: more device scalars read in the same host read (the GradScaler's scale, the grad
     norm before clipping), their host floats returned in order (``None`` for a ``None``); they
     take no part in the ranks' agreement."""
-    if dist is None and norms and len(norms) <= HOST_NORMS and not any(t is not None for t in extra) and \
+    if dist is None and norms and len(norms) <= HOST_NORMS and not any(map(is_not, extra, _NONE)) and \
             (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and loss.device == norms[0].device)):
         # the usual step: the per-tensor norms and log_loss's loss in one host read
         vals = torch.stack([*norms, loss] if loss is not None else norms).tolist()

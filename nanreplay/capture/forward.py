@@ -256,11 +256,18 @@ class ForwardTap:
 
 def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
     """Keep the gradient w.r.t. each floating output of a forward in ``fw.cotangent`` (same tree
-    as ``output``), through a tensor hook that fires in the backward pass."""
+    as ``output``), through a hook that fires in the backward pass: for a single tensor output, a
+    pre-hook of the node that made it (``grad_fn.register_prehook``: it sees the gradient that
+    flows into the model, after any tensor hook the loop put on the output); else a tensor hook
+    on each floating leaf."""
     if isinstance(output, torch.Tensor):  # the common case, without a tree
         fw.cotangent = None
         if output.requires_grad and is_float(output):
-            output.register_hook(functools.partial(_keep_leaf_cotangent, fw))
+            node = output.grad_fn
+            if node is not None:  # a pre-hook of the node that made it: torch's C++ registration, no handle dict
+                node.register_prehook(functools.partial(_keep_node_cotangent, fw, output.output_nr))
+            else:
+                output.register_hook(functools.partial(_keep_leaf_cotangent, fw))
         return
     leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
     # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object
@@ -279,6 +286,15 @@ def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
 
 def _keep_leaf_cotangent(fw: ForwardRecord, g: torch.Tensor) -> None:
     fw.cotangent = g.detach()
+
+
+def _keep_node_cotangent(fw: ForwardRecord, nr: int, grad_outputs: tuple) -> None:
+    """The pre-hook of the node whose output ``nr`` is the model's output: the gradient it receives
+    there (what flows into the model's backward pass, after any tensor hook on the output), or
+    nothing when that output got none."""
+    g = grad_outputs[nr] if nr < len(grad_outputs) else None
+    if g is not None:
+        fw.cotangent = g.detach()
 
 
 def autocast_state(*trees: Any) -> Optional[dict]:

@@ -10,6 +10,7 @@ before that are marked stale when a bundle is written.
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,8 @@ from ..core.tree import map_tensors
 logger = logging.getLogger(__name__)
 
 __all__ = ["InputCapture"]
+
+_TENSOR = repeat(torch.Tensor)
 
 
 class _Ref:
@@ -77,6 +80,9 @@ class InputCapture:
             same[id(orig)] = (orig, x)
             return x
 
+        kind = type(tree)
+        if (kind is tuple or kind is list) and all(map(isinstance, tree, _TENSOR)):  # a flat batch or forward args
+            return tuple(map(cap, tree)) if kind is tuple else list(map(cap, tree))
         return map_tensors(cap, tree)
 
     def _watch_storage(self, x: torch.Tensor, step: int) -> int:
@@ -111,7 +117,10 @@ class InputCapture:
 
     def stale(self, step: int) -> bool:
         """Whether a reference kept for step ``step`` was modified in place since capture."""
-        return any(not r.fresh() for r in self._refs.get(step, ()))
+        for r in self._refs.get(step, ()):  # _Ref.fresh, inline: one call per step, not one per tensor
+            if r.v is not None and r.t._version != r.v:
+                return True
+        return False
 
     def keep_only(self, step: int, tensors: list[torch.Tensor]) -> None:
         """Forget the references of step ``step`` except those to ``tensors``."""

@@ -112,7 +112,8 @@ class StepStart:
         rec = self.begin()
         # a later micro-batch: the loop may have drawn random numbers since the step began
         rng = self.rng.capture() if rec.forwards else None
-        rec.forwards.append(ForwardRecord(inputs=self.inputs.capture((args, kwargs), rec.step), rng=rng))
+        inputs = (self.inputs.capture(args, rec.step), self.inputs.capture(kwargs, rec.step) if kwargs else {})  # the args: a flat tuple, as a rule
+        rec.forwards.append(ForwardRecord(inputs=inputs, rng=rng))
         if rec.autocast is None:
             rec.autocast = autocast_state(self.inputs.tensors(rec.step))  # the tensors just kept: no second walk
 

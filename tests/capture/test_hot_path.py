@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanreplay import Recorder
+from nanreplay.capture import recorder as recorder_module
 
 PACKAGE = os.path.dirname(os.path.abspath(sys.modules["nanreplay"].__file__)) + os.sep
 
@@ -97,10 +98,11 @@ def _nanreplay_calls(depth: int, out_dir) -> list[int]:
     return counts
 
 
-def test_host_work_per_step_does_not_grow_with_the_model(out_dir):
+def test_host_work_per_step_does_not_grow_with_the_model(out_dir, monkeypatch):
     """The same Python calls per step for a model of 2 and of 40 hidden blocks (12x the modules,
     parameters and buffers): per-module and per-parameter work stays inside C (the fused norm,
     one flag read per module), never a Python call per module."""
+    monkeypatch.setattr(recorder_module, "WAIT_SECONDS", float("inf"))  # the waiting steps are taken in by count, not by the clock
     small, large = _nanreplay_calls(2, out_dir / "a"), _nanreplay_calls(40, out_dir / "b")
     assert small == large, (small, large)
     assert small[0] > 0
@@ -210,3 +212,24 @@ def test_held_bytes_running_total_matches_a_full_recount(out_dir, options):
             if "memory_budget" in options:
                 assert rec.held_bytes() <= options["memory_budget"]
     assert rec.held_bytes() > 0
+
+
+def test_finite_steps_wait_and_are_taken_in_before_anything_reads_them(out_dir, monkeypatch, caplog):
+    """The default mode takes a finite step's scalar history and early warning in with the next
+    few steps' (WAIT_STEPS); a reader (the scalar history, close) never sees them late."""
+    monkeypatch.setattr(recorder_module, "WAIT_SECONDS", float("inf"))
+    torch.manual_seed(0)
+    model = mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(recorder_module.WAIT_STEPS + 3)
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir) as rec:
+        for b in data[:3]:
+            step(rec, model, opt, b)
+        assert len(rec._waiting) == 3 and not rec._scalars.rows  # waiting: nothing done yet
+        assert [r[0] for r in rec._history.rows] == [0, 1, 2] and rec._waiting == []  # a reader takes them in
+        for b in data[3:]:
+            step(rec, model, opt, b)
+        assert len(rec._waiting) < recorder_module.WAIT_STEPS  # taken in by count without a reader
+    assert [r[0] for r in rec._history.rows] == list(range(len(data)))
+    with Recorder(mlp(2), opt, out_dir=out_dir, on_spike="dump") as other:
+        assert other._waiting is None  # a spike action that needs the step's own state: judged at once
