@@ -21,10 +21,14 @@ from ..format.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOST_NORMS", "read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
+__all__ = ["CPU_READS_EACH", "HOST_NORMS", "read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
 _NONE = repeat(None)
+#: on the CPU, read each per-tensor norm as a float instead of stacking them first (there is no
+#: device to wait on: about 1 µs instead of 2.6 for a small model); off, the CPU takes the device's
+#: path (one stacked ``tolist()``), which is how a test counts the device path's host reads
+CPU_READS_EACH = True
 
 #: most per-tensor norms read to the host and summed there (:func:`read_check`); more are reduced
 #: on the device first, so the host read stays one small copy
@@ -46,9 +50,14 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     take no part in the ranks' agreement."""
     if dist is None and norms and len(norms) <= HOST_NORMS and not any(map(is_not, extra, _NONE)) and \
             (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and loss.device == norms[0].device)):
-        # the usual step: the per-tensor norms and log_loss's loss in one host read
-        vals = torch.stack([*norms, loss] if loss is not None else norms).tolist()
-        lo = vals.pop() if loss is not None else None
+        # the usual step: the per-tensor norms and log_loss's loss in one host read (on the CPU, where
+        # nothing waits on a device, each read as it is: cheaper than stacking them first)
+        if CPU_READS_EACH and norms[0].is_cpu and (loss is None or loss.is_cpu):
+            vals = list(map(float, norms))
+            lo = float(loss) if loss is not None else None
+        else:
+            vals = torch.stack([*norms, loss] if loss is not None else norms).tolist()
+            lo = vals.pop() if loss is not None else None
         return total_norm(vals), lo, None, [None] * len(extra)
     norm = combined_norm(norms)
     present = [t for t in (norm, loss) if t is not None]

@@ -175,9 +175,15 @@ class RingBuffer:
             kept = [t for tree in [r.batches] + [fw.inputs for fw in r.forwards] for t in tensor_leaves(tree)]
         else:
             kept = self.inputs.tensors(r.step)
-        cotangents = [t for fw in r.forwards if fw.cotangent is not None
-                      for t in ((fw.cotangent,) if isinstance(fw.cotangent, torch.Tensor) else pytree.tree_leaves(fw.cotangent))]
-        return storage_bytes([*kept, *cotangents, *(r.buffers or {}).values()], exclude=self._live if live is None else live)
+        for fw in r.forwards:
+            c = fw.cotangent
+            if isinstance(c, torch.Tensor):
+                kept.append(c)
+            elif c is not None:
+                kept += pytree.tree_leaves(c)
+        if r.buffers:
+            kept += r.buffers.values()
+        return storage_bytes(kept, exclude=self._live if live is None else live)
 
     def bytes_of(self, r: StepRecord) -> int:
         """Bytes step ``r`` keeps alive, its snapshot included: the storages of its batches,
@@ -195,7 +201,7 @@ class RingBuffer:
 
     def kept_bytes(self) -> int:
         """Bytes held outside the steps: the spare snapshot slot and the kept copies."""
-        return self.pool.nbytes() + sum(c.nbytes() for c in self._kept.values())
+        return self.pool.nbytes() + (sum(c.nbytes() for c in self._kept.values()) if self._kept else 0)
 
     def held_bytes(self) -> int:
         """Every byte counted against the budget now: a running total of the steps that are
@@ -213,9 +219,11 @@ class RingBuffer:
     def _drop_oldest(self, *, reuse: bool = True) -> int:
         """Drop the oldest step; returns the bytes that frees (from the running total)."""
         r = self._steps.popleft()
-        freed = self._cache.pop(r.step, 0) + _snapshot_bytes(r)
+        freed = self._cache.pop(r.step, 0)
+        if r.snapshot is not None:
+            freed += r.snapshot.nbytes()
+            self.pool.release(r.snapshot, reuse=reuse)
         self._done -= freed
-        self.pool.release(r.snapshot, reuse=reuse)
         self.inputs.forget(r.step)
         self.spares.reclaim(r)
         return freed

@@ -46,13 +46,13 @@ def storage_bytes(tensors: Iterable[Any], *, exclude: Optional[AbstractSet[int]]
             continue
         try:
             st = t.untyped_storage()
-            ptr, size = st.data_ptr(), st.nbytes()
+            ptr = st.data_ptr()
         except RuntimeError:  # no storage to speak of
-            ptr, size = id(t), t.numel() * t.element_size()
+            ptr, st = id(t), None
         if ptr in seen or ptr in skip:
             continue
         seen.add(ptr)
-        n += size
+        n += st.nbytes() if st is not None else t.numel() * t.element_size()
     return n
 
 

@@ -331,7 +331,7 @@ class RNGReader:
         return np.random.get_state()
 
     def _torch_cpu(self, last: Optional[RNGState]) -> torch.Tensor:
-        now = torch.get_rng_state()
+        now = torch.default_generator.get_state()  # torch.get_rng_state(), without its Python frame
         raw = ctypes.string_at(now.data_ptr(), now.numel())  # a 5 KiB copy and a memcmp: cheaper than torch.equal's dispatch
         if last is not None and raw == self._torch_key:
             return last.torch_cpu

@@ -16,6 +16,7 @@ import models
 from scenarios import poisoned_step
 from nanreplay import replay, NonFiniteGradientError, Recorder, open_bundle
 from nanreplay.core.digest import grads_nonfinite
+from nanreplay.capture import check as check_module
 
 _HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
@@ -55,7 +56,8 @@ def _train_step(model, opt, x, rec=None):
     opt.zero_grad()
 
 
-def test_default_mode_reads_the_device_at_most_once_per_step(out_dir):
+def test_default_mode_reads_the_device_at_most_once_per_step(out_dir, monkeypatch):
+    monkeypatch.setattr(check_module, "CPU_READS_EACH", False)  # the device's path, on the CPU
     model = models.make_dropout_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     xs = [torch.randn(4, 8) for _ in range(6)]
@@ -208,3 +210,21 @@ def test_tensor_learning_rates_are_not_read_on_the_host_per_step(out_dir):
                 opt.zero_grad()
     with open_bundle(err.bundle_path) as b:
         assert b.step(0).lrs == [pytest.approx(0.1)] and b.step(1).lrs == [pytest.approx(0.1)]
+
+
+def test_on_the_cpu_the_check_reads_each_norm_and_agrees_with_the_device_path(out_dir, monkeypatch):
+    """The CPU's shortcut (each per-tensor norm read as a float) and the device's path (one
+    stacked read) give the same grad norm and loss, within float32 rounding."""
+    seen = {}
+    for each in (True, False):
+        monkeypatch.setattr(check_module, "CPU_READS_EACH", each)
+        torch.manual_seed(0)
+        model = models.make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with Recorder(model, opt, out_dir=out_dir) as rec:
+            for _ in range(3):
+                _train_step(model, opt, torch.ones(4, 8), rec)
+        seen[each] = [(r.grad_norm, r.loss) for r in rec.ring]
+    for (g1, l1), (g2, l2) in zip(seen[True], seen[False]):
+        assert g1 == pytest.approx(g2, rel=1e-6) and l1 == l2
+    assert len(seen[True]) == 3
