@@ -408,6 +408,12 @@ class Recorder:
         return self.ring.held_bytes()
 
     # -- steps ---------------------------------------------------------------------------------
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients :meth:`_grads` pairs with their FQNs, in the same order, without the names."""
+        if self._sharded:
+            return [local(p.grad) for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         sharded, fqn = self._sharded, self._param_fqn
         return [(fqn.get(id(p)) or f"<unnamed:{id(p)}>", local(p.grad) if sharded else p.grad)  # a DTensor's local shard
@@ -438,14 +444,13 @@ class Recorder:
         self._tap.check()
         rec = self._steps.begin(capture=False)
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
-        grads = self._grads()
-        norms = tensor_norms([g for _, g in grads])
+        norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
         loss, micro = self._take_losses()
         pre, self._pending_grad_norm = self._pending_grad_norm, None
         if self._lagged is not None:
             rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
             norm = combined_norm(norms)
-            if self._lagged.push(rec, norm, loss, self.model, self.optimizer, grads):
+            if self._lagged.push(rec, norm, loss, self.model, self.optimizer, self._grads()):
                 self._steps.seal(rec)
                 if self._lagged.due():
                     self._check_pending(final=False)
@@ -457,7 +462,7 @@ class Recorder:
         bad_grad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
         if bad_grad:
             self._digest()  # an exploding step's bundle holds the scalar history
-            if explosion(rec, grads, agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
+            if explosion(rec, self._grads(), agreed, ring=self.ring, dump=self._dump, live=self._live, dumping=self.config.dump_on_explosion):
                 bad_grad = False  # every gradient is finite: the float32 2-norm overflowed
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
@@ -477,13 +482,13 @@ class Recorder:
         if rec.finite:
             self._actions.finite()
             if not self._dump.programs.tried:  # export_early: the program, once, off the failing step
-                self._dump.programs.early(rec, grads, self._live, verify=self.dist is None and self.scaler is None)
+                self._dump.programs.early(rec, self._grads(), self._live, verify=self.dist is None and self.scaler is None)
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
             if waiting is None:
-                self._spike_watch.judge(rec, grads, self._live, grad_norm=rec.grad_norm_pre_clip)
+                self._spike_watch.judge(rec, self._grads(), self._live, grad_norm=rec.grad_norm_pre_clip)
             return True
-        self._handle_nonfinite(rec, grads, bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
+        self._handle_nonfinite(rec, self._grads(), bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
         return False
 
     def _step_loss(self) -> Optional[torch.Tensor]:

@@ -59,6 +59,7 @@ class StepStart:
         self.rng = RNGReader(spare=ring.spares.take)  # copies a generator's state only when it moved since the last step
         self._modes = ModuleModes(model)
         self.provisional = False  # the step in progress was begun in eval mode
+        self._autocast_read: Optional[int] = None  # the step whose autocast state was read
 
     def begin(self, *, capture: bool = True) -> StepRecord:
         """The step in progress, begun now if none is. ``capture``: called for a batch or a
@@ -94,7 +95,7 @@ class StepStart:
         rec.forwards = []
         rec.rng = self.rng.capture()
         rec.training = self._modes.training()
-        rec.autocast = None
+        rec.autocast = self._autocast_read = None
         self.inputs.keep_only(rec.step, [t for t in pytree.tree_leaves(rec.batches) if isinstance(t, torch.Tensor)])
 
     def batch(self, batch: Any) -> None:
@@ -114,7 +115,8 @@ class StepStart:
         rng = self.rng.capture() if rec.forwards else None
         inputs = (self.inputs.capture(args, rec.step), self.inputs.capture(kwargs, rec.step) if kwargs else {})  # the args: a flat tuple, as a rule
         rec.forwards.append(ForwardRecord(inputs=inputs, rng=rng))
-        if rec.autocast is None:
+        if rec.autocast is None and self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
+            self._autocast_read = rec.step
             rec.autocast = autocast_state(self.inputs.tensors(rec.step))  # the tensors just kept: no second walk
 
     def forward_post(self, args: tuple, kwargs: dict, output: Any) -> None:
