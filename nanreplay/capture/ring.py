@@ -72,7 +72,7 @@ class RingBuffer:
         self.model = model
         self.inputs = inputs
         self.pool = SnapshotPool()
-        self.spares = Spares()
+        self.spares = Spares(on=capacity >= RECYCLE_FROM)
         self.current: Optional[StepRecord] = None
         self.snapshots_refused = False
         self.over_budget = False
@@ -285,11 +285,16 @@ class Spares:
     A tensor is taken back (:meth:`reclaim`) only when nothing but its step refers to it
     (reference counts: a step record kept by the caller, or an RNG state shared with a later step,
     is left alone). At most :attr:`limit` spares are kept; they are not counted against the
-    budget (each is the size of the one the next step keeps)."""
+    budget (each is the size of the one the next step keeps).
+
+    Off (``on=False``) for a ring shorter than :data:`RECYCLE_FROM` steps: the few allocations it
+    pins turn over within a few steps, so recycling (a copy and a few reference counts a step,
+    about 10 µs on a small CPU model) buys nothing there."""
 
     limit = 4
 
-    def __init__(self) -> None:
+    def __init__(self, *, on: bool = True) -> None:
+        self.on = on
         self._free: list[torch.Tensor] = []
 
     def take(self, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -302,6 +307,8 @@ class Spares:
     def settle(self, rec: StepRecord) -> None:
         """The step is over: each cotangent it keeps as a plain tensor moves into a spare, when one
         fits (the one autograd allocated is freed)."""
+        if not self.on:
+            return
         for fw in rec.forwards:
             c = fw.cotangent
             if isinstance(c, torch.Tensor) and c.is_contiguous() and not c.requires_grad:  # an expanded one holds next to nothing
@@ -313,7 +320,7 @@ class Spares:
     def reclaim(self, r: StepRecord) -> None:
         """``r`` left the ring: keep its cotangents and torch RNG state as spares, when nothing
         else refers to them (nor to ``r``)."""
-        if sys.getrefcount(r) > _REFS_OF_DROPPED_STEP:
+        if not self.on or sys.getrefcount(r) > _REFS_OF_DROPPED_STEP:
             return
         for fw in r.forwards:
             c = fw.cotangent
@@ -333,6 +340,8 @@ class Spares:
         del self._free[:-self.limit]
 
 
+#: the shortest ring buffer, in steps, whose cotangents and RNG states are recycled (:class:`Spares`)
+RECYCLE_FROM = 16
 #: ``sys.getrefcount`` of a step record that only :meth:`RingBuffer._drop_oldest` and
 #: :meth:`Spares.reclaim` hold (their names and the call's argument)
 _REFS_OF_DROPPED_STEP = 3
