@@ -17,8 +17,11 @@ timer synchronises at the end of each step (outside the counted host reads).
 
 Host syncs are counted by wrapping the Python entry points that read a device value on the host
 (``Tensor.item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``, ``cpu`` and
-``numpy``); on CPU these are the calls that would synchronise on CUDA. The figure is per step, net
-of the plain loop's own count. On CUDA, ``torch.cuda.set_sync_debug_mode`` can confirm it.
+``numpy``); on CPU these are the calls that would synchronise on CUDA (the check's CPU shortcut,
+which reads each per-tensor norm, is off while counting: the device's path is counted). The
+figure is per step, net of the plain loop's own count, over the last warm-up rounds
+(``COUNTED_ROUNDS``); the timed rounds run without the wrappers. On CUDA,
+``torch.cuda.set_sync_debug_mode`` can confirm it.
 
 Per-step host cost: the median over rounds of ``step time(variant) - step time(plain)`` in the
 same round, in microseconds; on the ``small`` model (a step of about 1 ms) it is the Recorder's
@@ -68,8 +71,12 @@ from machine import cpu_name  # noqa: E402  (bench/machine.py)
 
 import nanreplay  # noqa: E402
 from nanreplay import NonFiniteGradientError, Recorder  # noqa: E402
+from nanreplay.capture import check as check_module  # noqa: E402
 
 # --------------------------------------------------------------------------------- sync counting
+
+#: warm-up rounds (the last ones) whose host reads are counted
+COUNTED_ROUNDS = 3
 
 _SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 
@@ -86,8 +93,16 @@ class SyncCounter:
         self.count = 0
         self.active = False
         self._orig: dict[str, Any] = {}
+        self._cpu_reads_each = check_module.CPU_READS_EACH
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._orig)
 
     def __enter__(self) -> "SyncCounter":
+        # the check's CPU shortcut reads each per-tensor norm (free on the CPU); counted here is the
+        # path a device takes (one stacked read), which the CPU then runs for these rounds
+        check_module.CPU_READS_EACH = False
         for name in _SYNC_METHODS:
             orig = getattr(torch.Tensor, name)
             self._orig[name] = orig
@@ -98,6 +113,7 @@ class SyncCounter:
         for name, orig in self._orig.items():
             setattr(torch.Tensor, name, orig)
         self._orig.clear()
+        check_module.CPU_READS_EACH = self._cpu_reads_each
 
     def _wrap(self, name: str, orig: Callable) -> Callable:
         device_only = name in ("cpu", "numpy")
@@ -263,7 +279,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_model(name: str, args: argparse.Namespace, device: torch.device, counter: SyncCounter) -> dict:
+def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     factory, make_batch, loss = models.spec(name, args.scale)
     torch.manual_seed(0)
     base = factory().to(device)
@@ -274,22 +290,32 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, count
         variants = [VARIANTS[n](base, loss, Path(tmp) / n) for n in names]
         gen = torch.Generator().manual_seed(1)
         rounds = args.warmup + args.steps
+        counted = range(max(args.warmup - COUNTED_ROUNDS, 0), args.warmup)  # the last warm-up rounds: host reads counted, not timed
+        counter = SyncCounter()
         for r in range(rounds):
             x, y = make_batch(gen, device)
             k = r % len(variants)
             order = variants[k:] + variants[:k]
+            counting = r in counted
+            if counting and not counter.installed:
+                counter.__enter__()
+            elif not counting and counter.installed:
+                counter.__exit__()  # timed rounds run without the counting wrappers
             for v in order:
                 _sync(device)
                 counter.count = 0
-                counter.active = True
+                counter.active = counting
                 t0 = time.perf_counter()
                 v.step(x, y)
                 counter.active = False
                 _sync(device)
                 dt = time.perf_counter() - t0
+                if counting:
+                    v.syncs.append(counter.count)
                 if r >= args.warmup:
                     v.times.append(dt)
-                    v.syncs.append(counter.count)
+        if counter.installed:
+            counter.__exit__()
         plain = variants[names.index("plain")]
         out = {
             "params": n_params,
@@ -310,7 +336,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, count
                 "host_us_per_step": statistics.median(extra_us),
                 "host_us_q25": statistics.quantiles(extra_us, n=4)[0] if len(extra_us) >= 2 else extra_us[0],
                 "host_us_q75": statistics.quantiles(extra_us, n=4)[2] if len(extra_us) >= 2 else extra_us[0],
-                "host_syncs_per_step": (sum(v.syncs) - sum(plain.syncs)) / len(v.syncs),
+                "host_syncs_per_step": (sum(v.syncs) - sum(plain.syncs)) / len(v.syncs) if v.syncs else None,
                 "held_bytes": held,
                 "held_fraction_of_params": (held / param_bytes) if held is not None else None,
             }
@@ -697,11 +723,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "models": {},
     }
     names = ["small", "mlp", "cnn", "gpt"] if args.model == "all" else [] if args.model == "none" else [args.model]
-    with SyncCounter() as counter:
-        for n in names:
-            t0 = time.perf_counter()
-            result["models"][n] = bench_model(n, args, device, counter)
-            print(f"[{n}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    for n in names:
+        t0 = time.perf_counter()
+        result["models"][n] = bench_model(n, args, device)
+        print(f"[{n}] {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     startup = [n for n in args.startup.split(",") if n]
     if startup:
         result["startup"] = {"rounds": args.startup_rounds, "steps": args.startup_steps, "models": {}}
