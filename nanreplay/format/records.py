@@ -20,7 +20,7 @@ from ..core.rng import RNGState
 __all__ = ["ForwardRecord", "Snapshot", "StepRecord", "BundleContent", "scalar_history_records"]
 
 
-@dataclass
+@dataclass(slots=True)
 class ForwardRecord:
     """One top-level forward call of the model: its inputs as ``(args, kwargs)``, after the
     backward pass the gradient w.r.t. its outputs (the cotangent, same structure as the output
@@ -60,7 +60,7 @@ class Snapshot:
         return cached
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """One step in the ring buffer.
 
