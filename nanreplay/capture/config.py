@@ -173,7 +173,12 @@ class RecorderConfig:
             step's gradients, as ``action="skip"`` does. ``"raise"``: raise
             :class:`~nanreplay.errors.SpikeError` before the update. ``None``: off. Cost: none on
             the device; on the host a few float operations per step on the values the check
-            already read (with ``check_every > 1``, judged when the verdicts are read, so a warning
+            already read. With ``"warn"`` or ``None`` (and no weight snapshots), finite steps are
+            judged together, up to 16 steps or 1 s after their own step
+            (``nanreplay.capture.recorder.WAIT_STEPS`` / ``WAIT_SECONDS``), and always before anything
+            reads the result (a non-finite step, a bundle, :attr:`Recorder.spikes`, the rollback
+            plan, ``close()``): the log line names the spike's own step. With ``check_every > 1``,
+            judged when the verdicts are read, so a warning
             comes up to ``check_every - 1`` steps later and ``"dump"`` / ``"skip"`` act as ``"warn"``).
         history_steps: steps of scalar history kept (loss, grad norm, learning rates, verdict),
             independent of ``capacity``; about 50 bytes a step on the host, stored in every bundle.

@@ -1,0 +1,123 @@
+"""The Recorder's fixed host cost per step, this checkout against another revision, side by side.
+
+Usage::
+
+    python bench/hostcost.py --against 819aa0f                 # 3 runs of 3,000 rounds each
+    python bench/hostcost.py --against HEAD~3 --steps 5000 --runs 5
+
+Method. The other revision's ``nanreplay`` package is taken from git (``git archive``) into a
+temporary directory under another name, so both versions load in one process. Three copies of the
+``small`` model (``bench/models.py``: a step of about 1 ms on 2 CPU threads, where the fixed cost
+shows) train on the same batches: plain, under the other revision's Recorder and under this
+checkout's, default options, ``record(batch)`` and ``log_loss(loss)`` called. Each round runs one
+step of each, in an order that cycles through the six permutations; the figure per Recorder is the
+median over rounds of its step time minus the plain step time of the same round (microseconds),
+and the ratio of the two medians. The machine's speed drifts between runs (the plain step here
+ranges about 0.8-1.1 ms): the ratio, measured within one run, is the steadier figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import models  # noqa: E402  (bench/models.py)
+
+OTHER = "nanreplay_other"
+
+
+def load_other(rev: str, into: Path) -> type:
+    """The ``Recorder`` class of revision ``rev``, imported as package :data:`OTHER` from ``into``."""
+    data = subprocess.run(["git", "archive", rev, "nanreplay"], cwd=HERE.parent, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "nanreplay").rename(into / OTHER)
+    sys.path.insert(0, str(into))
+    mod = __import__(OTHER, fromlist=["Recorder"])
+    return mod.Recorder
+
+
+def run(recorders: dict, steps: int, warmup: int) -> dict[str, float]:
+    """One interleaved run; returns the median extra microseconds per step of each Recorder and
+    the plain step's median (``"plain_us"``)."""
+    factory, make_batch, loss_fn = models.spec("small")
+    gen = torch.Generator().manual_seed(0)
+    batches = [make_batch(gen, torch.device("cpu")) for _ in range(64)]
+    loops = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cls in {"plain": None, **recorders}.items():
+            torch.manual_seed(0)
+            model = factory()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            loops[name] = (model, opt, cls(model, opt, out_dir=tmp) if cls is not None else None)
+
+        def step(name: str, i: int) -> None:
+            model, opt, rec = loops[name]
+            x, y = batches[i % len(batches)]
+            if rec is not None:
+                rec.record((x, y))
+            loss = loss_fn(model(x), y)
+            if rec is not None:
+                rec.log_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        times: dict[str, list[int]] = {n: [] for n in loops}
+        orders = list(itertools.permutations(loops))
+        for i in range(warmup + steps):
+            for name in orders[i % len(orders)]:
+                t0 = time.perf_counter_ns()
+                step(name, i)
+                if i >= warmup:
+                    times[name].append(time.perf_counter_ns() - t0)
+        for _, _, rec in loops.values():
+            if rec is not None:
+                rec.close()
+    plain = times.pop("plain")
+    out = {n: statistics.median(a - b for a, b in zip(t, plain)) / 1e3 for n, t in times.items()}
+    out["plain_us"] = statistics.median(plain) / 1e3
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--against", required=True, help="the git revision to compare with (e.g. a commit or HEAD~3)")
+    p.add_argument("--steps", type=int, default=3000, help="timed rounds per run (each: one step of each loop)")
+    p.add_argument("--warmup", type=int, default=300, help="untimed rounds first")
+    p.add_argument("--runs", type=int, default=3, help="runs, each in this process")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from nanreplay import Recorder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        other = load_other(args.against, Path(tmp))
+        rows = []
+        for r in range(args.runs):
+            res = run({"other": other, "this": Recorder}, args.steps, args.warmup)
+            rows.append(res)
+            print(f"run {r + 1}: plain step {res['plain_us']:.0f} µs; {args.against} +{res['other']:.0f} µs/step; "
+                  f"this checkout +{res['this']:.0f} µs/step; ratio {res['this'] / res['other']:.2f}", flush=True)
+    this = statistics.median(r["this"] for r in rows)
+    ratio = statistics.median(r["this"] / r["other"] for r in rows)
+    print(f"median of {args.runs} runs: this checkout +{this:.0f} µs/step, {ratio:.2f}x the host cost of {args.against} "
+          f"(command: python bench/hostcost.py --against {args.against} --steps {args.steps} --runs {args.runs})")
+
+
+if __name__ == "__main__":
+    main()
