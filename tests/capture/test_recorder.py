@@ -324,7 +324,7 @@ def _storage_bytes_held(rec: Recorder, model: nn.Module) -> int:
     """Counted here, independently of ``Recorder.held_bytes``: the bytes of every storage the
     Recorder keeps alive beyond the live parameters and buffers (each storage once; a view keeps
     its whole storage): the ring's batches, forward inputs, cotangents, step-start buffers and
-    snapshots, the recycled snapshot slot, the sync-free latch and the check_update copy."""
+    snapshots, the recycled snapshot slot, the free spares, the sync-free latch and the check_update copy."""
     from torch.utils import _pytree as pytree
 
     seen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -342,6 +342,7 @@ def _storage_bytes_held(rec: Recorder, model: nn.Module) -> int:
         if r.snapshot is not None:
             add([r.snapshot.params, r.snapshot.buffers, r.snapshot.optimizer, r.snapshot.extra])
     add([s.tensors for s in rec.ring.pool._free])
+    add([t for free in rec.ring.spares._free.values() for t in free])  # the free spares (a ring of 16 steps or more)
     pre = rec.ring._kept.get("check_update")  # the copy's only owner is the ring
     if pre is not None:
         add([pre.params, pre.buffers, pre.optimizer])
