@@ -56,6 +56,9 @@ class InputCapture:
         self._refs: dict[int, list[_Ref]] = {}     # step -> every tensor captured in it (references or copies)
         self._same_step: Optional[int] = None
         self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
+        #: ``spare(like)``: a recycled tensor of ``like``'s shape to copy a batch tensor into, or ``None``
+        #: (a long ring's :class:`~nanreplay.capture.ring.Spares`; ``None`` here: references only)
+        self.spare: Optional[Any] = None
 
     def capture(self, tree: Any, step: int) -> Any:
         """``tree`` with every tensor referenced (detached first when it requires grad) or cloned, for step ``step``; the
@@ -73,10 +76,15 @@ class InputCapture:
             orig = x
             if x.requires_grad:  # a batch tensor is usually a leaf without grad: kept as is, no new tensor object
                 x = x.detach()
-            ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0
-            if self.copying:
-                x = x.clone()
-            refs.append(_Ref(x, copy=self.copying, ptr=ptr))
+            spare = self.spare(x) if self.spare is not None and self.policy is not False and x.is_contiguous() else None
+            if spare is not None:  # a long ring: into a recycled tensor, not a reference that pins the loop's allocation
+                x = spare.copy_(x)
+                refs.append(_Ref(x, copy=True))
+            else:
+                ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0
+                if self.copying:
+                    x = x.clone()
+                refs.append(_Ref(x, copy=self.copying, ptr=ptr))
             same[id(orig)] = (orig, x)
             return x
 
@@ -102,6 +110,11 @@ class InputCapture:
             return 0
         self._storages[ptr] = step
         return ptr
+
+    def copies(self, step: int) -> list[torch.Tensor]:
+        """The tensors of step ``step`` that are copies this capture made (nothing outside the
+        Recorder has them), in capture order."""
+        return [r.t for r in self._refs.get(step, ()) if r.v is None]
 
     def tensors(self, step: int) -> list[torch.Tensor]:
         """Every tensor captured for step ``step`` (references or copies), in capture order."""

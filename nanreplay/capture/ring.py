@@ -74,6 +74,8 @@ class RingBuffer:
         self.inputs = inputs
         self.pool = SnapshotPool()
         self.spares = Spares(on=capacity >= RECYCLE_FROM, burst=capacity + 1, room=lambda n: self.held_bytes() + n <= self.budget // 4)
+        if self.spares.on and inputs.policy is not False:
+            inputs.spare = self.spares.take  # a long ring copies its batches into recycled tensors
         self.current: Optional[StepRecord] = None
         self.snapshots_refused = False
         self.over_budget = False
@@ -225,8 +227,8 @@ class RingBuffer:
             freed += r.snapshot.nbytes()
             self.pool.release(r.snapshot, reuse=reuse)
         self._done -= freed
+        self.spares.reclaim(r, copies=self.inputs.copies(r.step) if self.spares.on else ())
         self.inputs.forget(r.step)
-        self.spares.reclaim(r)
         return freed
 
     def _drop_snapshot(self, r: StepRecord) -> int:
@@ -358,11 +360,15 @@ class Spares:
                     spare.copy_(c)
                     fw.cotangent = spare
 
-    def reclaim(self, r: StepRecord) -> None:
+    def reclaim(self, r: StepRecord, copies: Any = ()) -> None:
         """``r`` left the ring: keep its cotangents and torch RNG state as spares, when nothing
-        else refers to them (nor to ``r``)."""
+        else refers to them (nor to ``r``), and ``copies``, the batch copies the input capture
+        made for it (only ``r`` refers to them when nothing else refers to ``r``)."""
         if not self.on or sys.getrefcount(r) > _REFS_OF_DROPPED_STEP:
             return
+        for t in copies:
+            if _sole_storage(t):
+                self._offer(t)
         for fw in r.forwards:
             c = fw.cotangent
             if isinstance(c, torch.Tensor) and sys.getrefcount(c) <= _REFS_OF_ATTRIBUTE and _sole_storage(c):
