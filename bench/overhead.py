@@ -628,16 +628,21 @@ def table(result: dict) -> str:
     m_ = result.get("rss")
     if m_:
         full = str(min(100 + m_["capacity"], m_["steps"]))
+        last = str(m_["steps"])
         lines += ["", f"Memory over {m_['steps']} steps of the small model (a new batch every step), each run in a fresh process; the "
-                  f"Recorder with capacity={m_['capacity']}, memory_budget={m_['budget'] / 2**20:.0f} MiB: RSS growth from step 100, and "
-                  "the part of it the Recorder does not count as held (`held_bytes()`).", "",
-                  f"| run | RSS growth, steps 100-{m_['steps']} | held bytes growth | growth beyond held | RSS growth once the ring is full (steps {full}-{m_['steps']}) |",
-                  "|---|---|---|---|---|"]
+                  f"Recorder with capacity={m_['capacity']}, memory_budget={m_['budget'] / 2**20:.0f} MiB: RSS growth from step 100 and "
+                  f"once the ring is full, and at step {last} the RSS above the plain run's and the part of it the Recorder does not "
+                  "count as held (`held_bytes()`).", "",
+                  f"| run | RSS growth, steps 100-{last} | RSS growth once the ring is full (steps {full}-{last}) | "
+                  f"RSS above plain at step {last} | held at step {last} | above plain beyond held |",
+                  "|---|---|---|---|---|---|"]
+        base = m_["plain"][last]["rss_mib"]
         for kind in ("plain", "recorder"):
             d = m_[kind]
-            a, f, e = d["100"], d[full], d[str(m_["steps"])]
-            grow, held = e["rss_mib"] - a["rss_mib"], e["held_mib"] - a["held_mib"]
-            lines.append(f"| {kind} | {grow:.1f} MiB | {held:.1f} MiB | {grow - held:.1f} MiB | {e['rss_mib'] - f['rss_mib']:.1f} MiB |")
+            a, f, e = d["100"], d[full], d[last]
+            above = e["rss_mib"] - base
+            lines.append(f"| {kind} | {e['rss_mib'] - a['rss_mib']:.1f} MiB | {e['rss_mib'] - f['rss_mib']:.1f} MiB | {above:.1f} MiB | "
+                         f"{e['held_mib']:.1f} MiB | {above - e['held_mib']:.1f} MiB |")
     b = result.get("bundle")
     if b:
         s = b["seconds_median"]
