@@ -468,16 +468,7 @@ class Recorder:
         bad_loss = rec.loss is not None and not math.isfinite(rec.loss)
         rec.finite = not (bad_grad or bad_loss) and agreed is not False
         self._steps.seal(rec)
-        waiting = self._waiting
-        if rec.finite and waiting is not None:
-            if not waiting:
-                self._waiting_since = time.monotonic()
-            waiting.append((rec, scale))  # its history row and early warning: with the next few steps' (_digest)
-            if len(waiting) >= WAIT_STEPS or time.monotonic() - self._waiting_since > WAIT_SECONDS:
-                self._digest()
-        else:
-            self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite, scale, rec.grad_norm_pre_clip)
-            waiting = None
+        waits = self._take_in(rec, scale)
         if self._amp is not None:
             self._amp.on_checked(rec.finite)
         if rec.finite:
@@ -486,10 +477,25 @@ class Recorder:
                 self._dump.programs.early(rec, self._grads(), self._live, verify=self.dist is None and self.scaler is None)
             if self._update is not None and self._update.on:
                 self._update.keep(self.snapshot_state(clone=False))
-            if waiting is None:
+            if not waits:
                 self._spike_watch.judge(rec, self._grads(), self._live, grad_norm=rec.grad_norm_pre_clip)
             return True
         self._handle_nonfinite(rec, self._grads(), bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
+        return False
+
+    def _take_in(self, rec: StepRecord, scale: Optional[float]) -> bool:
+        """Give the checked step ``rec`` to the scalar history now, or, a finite step in the default
+        mode, make it wait for the next few steps' (:meth:`_digest`, which also judges it). Returns
+        whether it waits (else a finite step is judged by the caller, with its gradients)."""
+        waiting = self._waiting
+        if rec.finite and waiting is not None:
+            if not waiting:
+                self._waiting_since = time.monotonic()
+            waiting.append((rec, scale))
+            if len(waiting) >= WAIT_STEPS or time.monotonic() - self._waiting_since > WAIT_SECONDS:
+                self._digest()
+            return True
+        self._history.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.finite, scale, rec.grad_norm_pre_clip)
         return False
 
     def _step_loss(self) -> Optional[torch.Tensor]:
