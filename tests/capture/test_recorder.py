@@ -490,3 +490,38 @@ def test_step_offset_numbers_steps_as_the_trainer_does(out_dir):
     assert ei.value.step == 1000 and open_bundle(ei.value.bundle_path).failing_step == 1000
     with pytest.raises(ValueError, match=r"step_offset must be an int >= 0 .* got -1"):
         RecorderConfig(step_offset=-1)
+
+
+def test_a_long_ring_copies_its_batches_into_recycled_tensors_and_its_bundle_replays_exactly(out_dir):
+    """capacity >= RECYCLE_FROM: each small batch tensor is copied into a spare made in one burst
+    (the loop's own tensor is not held), the copies of a step that left the ring are reused by
+    later steps, and a bundle written from such a ring replays its failing step exactly."""
+    from nanreplay import replay
+    from nanreplay.capture.ring import RECYCLE_FROM
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    capacity, bad = RECYCLE_FROM, RECYCLE_FROM * 2 + 5
+    seen: set[int] = set()
+    reused = False
+    with Recorder(model, opt, out_dir=out_dir, capacity=capacity, action="warn", diagnose=False) as rec:
+        for step in range(bad + 1):
+            x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+            if step == bad:
+                x[1, 3] = float("inf")
+            rec.record((x, y))
+            kept_x, kept_y = rec.ring.current.batches[-1]
+            assert kept_x is not x and torch.equal(kept_x, x) and torch.equal(kept_y, y)  # a copy, not the loop's tensor
+            reused |= kept_x.data_ptr() in seen
+            seen.add(kept_x.data_ptr())
+            loss = nn.functional.cross_entropy(model(x), y)
+            rec.log_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert reused  # a copy of a step that left the ring was written into again
+        assert len(rec.ring) == capacity and rec.held_bytes() == rec.ring.recount()
+    [path] = rec.bundles
+    d = replay(path)
+    assert d["step"] == bad and d["reproduction"]["verdict"] == "reproduced exactly"
