@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from io import BytesIO
 from pathlib import Path
 
@@ -36,6 +35,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import models  # noqa: E402  (bench/models.py)
+import overhead  # noqa: E402  (bench/overhead.py: the training step it times)
 
 OTHER = "nanreplay_other"
 
@@ -55,8 +55,9 @@ def run(recorders: dict, steps: int, warmup: int) -> dict[str, float]:
     """One interleaved run; returns the median extra microseconds per step of each Recorder and
     the plain step's median (``"plain_us"``)."""
     factory, make_batch, loss_fn = models.spec("small")
+    cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
-    batches = [make_batch(gen, torch.device("cpu")) for _ in range(64)]
+    batches = [make_batch(gen, cpu) for _ in range(64)]
     loops = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, cls in {"plain": None, **recorders}.items():
@@ -65,32 +66,20 @@ def run(recorders: dict, steps: int, warmup: int) -> dict[str, float]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             loops[name] = (model, opt, cls(model, opt, out_dir=tmp) if cls is not None else None)
 
-        def step(name: str, i: int) -> None:
-            model, opt, rec = loops[name]
-            x, y = batches[i % len(batches)]
-            if rec is not None:
-                rec.record((x, y))
-            loss = loss_fn(model(x), y)
-            if rec is not None:
-                rec.log_loss(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        times: dict[str, list[int]] = {n: [] for n in loops}
+        times: dict[str, list[float]] = {n: [] for n in loops}
         orders = list(itertools.permutations(loops))
         for i in range(warmup + steps):
             for name in orders[i % len(orders)]:
-                t0 = time.perf_counter_ns()
-                step(name, i)
+                model, opt, rec = loops[name]
+                dt = overhead._timed_step(model, opt, loss_fn, batches[i % len(batches)], cpu, rec)  # bench/overhead.py's step
                 if i >= warmup:
-                    times[name].append(time.perf_counter_ns() - t0)
+                    times[name].append(dt)
         for _, _, rec in loops.values():
             if rec is not None:
                 rec.close()
     plain = times.pop("plain")
-    out = {n: statistics.median(a - b for a, b in zip(t, plain)) / 1e3 for n, t in times.items()}
-    out["plain_us"] = statistics.median(plain) / 1e3
+    out = {n: statistics.median(a - b for a, b in zip(t, plain)) * 1e6 for n, t in times.items()}
+    out["plain_us"] = statistics.median(plain) * 1e6
     return out
 
 

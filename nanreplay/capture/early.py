@@ -167,13 +167,6 @@ class Band:
         return max(y, self.peak + math.log(eps)) if self.n else y
 
 
-def _log(x: Any) -> Optional[float]:
-    if x is None:
-        return None
-    x = float(x)
-    return math.log(x) if x > 0 and math.isfinite(x) else None
-
-
 class EarlyWarning:
     """The spikes of one Recorder: bands of the loss, grad norm and learning rate, the episodes, the rows.
 
@@ -226,13 +219,11 @@ class EarlyWarning:
             if name == "lr":
                 row = self._lr_jump(step, band, x)
             else:
-                if band.n:  # the floor (Band.floored)
-                    y = max(y, band.peak + math.log(eps[name]))
+                y = band.floored(y, eps[name])
                 row = None
-            if row is None and band.n >= band.warmup:
-                z = (y - band.centre) / max(band.spread, SPREAD_FLOOR)  # Band.score
-                if z > self.z:
-                    row = {"step": step, "signal": name, "kind": "spike", "value": x, "baseline": math.exp(band.centre), "score": z}
+            z = band.score(y) if row is None else None
+            if z is not None and z > self.z:
+                row = {"step": step, "signal": name, "kind": "spike", "value": x, "baseline": math.exp(band.centre), "score": z}
             band.update(y)
             if row is None and name == "loss":
                 r = band.drift_ratio()

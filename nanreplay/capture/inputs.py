@@ -34,9 +34,6 @@ class _Ref:
     def __init__(self, t: torch.Tensor, *, copy: bool, ptr: int = 0) -> None:
         self.t, self.v, self.p = t, None if copy else t._version, ptr
 
-    def fresh(self) -> bool:
-        return self.v is None or self.t._version == self.v
-
 
 class InputCapture:
     """Captures batch trees for the ring buffer, by reference or by copy.
@@ -130,7 +127,7 @@ class InputCapture:
 
     def stale(self, step: int) -> bool:
         """Whether a reference kept for step ``step`` was modified in place since capture."""
-        for r in self._refs.get(step, ()):  # _Ref.fresh, inline: one call per step, not one per tensor
+        for r in self._refs.get(step, ()):  # a reference whose version counter moved (a copy has none)
             if r.v is not None and r.t._version != r.v:
                 return True
         return False
