@@ -283,6 +283,14 @@ def replay_detector(rows: list, z: float, drift: float) -> list[dict]:
     return ew.spikes
 
 
+def _log(x: Any) -> Optional[float]:
+    """``log x`` for a finite positive value (what the bands take), else ``None``."""
+    if x is None:
+        return None
+    x = float(x)
+    return math.log(x) if 0.0 < x < math.inf else None
+
+
 def margins(rows: list) -> tuple[float, float]:
     """The largest spike score (any signal) and the largest loss drift ratio a run's values reach
     against the default bands (the bands' own winsorising at the default ``Z_SPIKE``)."""
@@ -293,7 +301,7 @@ def margins(rows: list) -> tuple[float, float]:
             continue
         lr = early._max_lr([x for x in lrs if not isinstance(x, torch.Tensor)])
         for name, x in (("loss", loss), ("grad_norm", gnorm), ("lr", lr)):
-            y = early._log(x)
+            y = _log(x)
             if y is None:
                 continue
             if name != "lr":

@@ -106,6 +106,7 @@ MAX_SPIKES = 10_000
 #: the signals judged
 SIGNALS = ("loss", "grad_norm", "lr")
 _FAST_RATE = 2.0 / (DRIFT_SPAN + 1)
+_FAST_N = (DRIFT_SPAN + 1) / 2  # from this count on the fast EMA's rate is _FAST_RATE (1 / n before)
 
 
 @dataclass
@@ -144,23 +145,40 @@ class Band:
 
     def update(self, y: float) -> None:
         """Take ``y = log x`` into the band (clipped to ``centre +- z * spread`` once warm)."""
-        n = self.n = self.n + 1
+        self.take(y)
+
+    def take(self, y: float, log_eps: Optional[float] = None) -> Optional[float]:
+        """Judge ``y = log x`` and take it in, in one call (what :meth:`EarlyWarning.observe` does
+        for each signal of each step): ``y`` raised to the floor ``peak + log_eps`` when
+        ``log_eps`` (the log of the signal's precision) is given (:meth:`floored`), its
+        :meth:`score` against the band as it was, then the band updated with it (clipped to
+        ``centre +- z * spread`` once warm). Returns the score (``None`` while warming up)."""
+        n = self.n
+        centre, spread = self.centre, self.spread
+        if n and log_eps is not None:
+            y = max(y, self.peak + log_eps)
+        wide = spread if spread > SPREAD_FLOOR else SPREAD_FLOOR
+        z = (y - centre) / wide if n >= self.warmup else None
+        n = self.n = n + 1
         if n == 1:
             self.centre = self.fast = self.peak = y
-            return
-        a = max(1.0 / n, 2.0 / (self.window + 1))
-        centre, spread = self.centre, self.spread
+            return z
+        a = 1.0 / n
+        slow = 2.0 / (self.window + 1)
+        if slow > a:
+            a = slow
         if n > self.warmup:
-            half = self.z * max(spread, SPREAD_FLOOR)
+            half = self.z * wide
             y = min(max(y, centre - half), centre + half)
         self.spread = spread + a * (abs(y - centre) - spread)
         self.centre = centre + a * (y - centre)
         fast = self.fast
-        fast = self.fast = fast + max(1.0 / n, _FAST_RATE) * (y - fast)
+        fast = self.fast = fast + (1.0 / n if n < _FAST_N else _FAST_RATE) * (y - fast)
         if fast > self.peak:
             self.peak = fast
         if n >= self.warmup and fast < self.lowest:
             self.lowest = fast
+        return z
 
     def floored(self, y: float, eps: float) -> float:
         """``y = log x`` no lower than the floor ``peak * eps`` (the module's docstring)."""
@@ -216,15 +234,15 @@ class EarlyWarning:
                 continue
             y = math.log(x)
             band = bands[name]
+            centre = band.centre
             if name == "lr":
                 row = self._lr_jump(step, band, x)
+                z = band.take(y)
             else:
-                y = band.floored(y, eps[name])
                 row = None
-            z = band.score(y) if row is None else None
-            if z is not None and z > self.z:
-                row = {"step": step, "signal": name, "kind": "spike", "value": x, "baseline": math.exp(band.centre), "score": z}
-            band.update(y)
+                z = band.take(y, math.log(eps[name]))
+            if row is None and z is not None and z > self.z:
+                row = {"step": step, "signal": name, "kind": "spike", "value": x, "baseline": math.exp(centre), "score": z}
             if row is None and name == "loss":
                 r = band.drift_ratio()
                 if r is not None and r > self.drift:

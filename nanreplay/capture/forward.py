@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import sys
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -102,13 +103,53 @@ def _eager_target(model: torch.nn.Module) -> torch.nn.Module:
             return m
 
 
-def _eager(fn: Callable) -> Callable:
-    """``fn`` run eagerly even when Dynamo traces its caller (``torch.compiler.disable``)."""
+def _dynamo_skip_tools() -> tuple[Optional[Callable], Optional[Callable]]:
+    """``(get_eval_frame_callback, skip)`` from Dynamo's internals, or ``(None, None)`` on a torch
+    without them (then :func:`_eager` falls back to ``torch.compiler.disable``'s wrapper)."""
     try:
-        return torch.compiler.disable(fn)
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.decorators import skip
+    except Exception:  # noqa: BLE001 - another torch's layout, or no working Dynamo
+        return None, None
+    return get_eval_frame_callback, skip
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` run eagerly even when Dynamo traces its caller, at no cost to an eager call.
+
+    Dynamo neither inlines the returned hook (a graph break at its call site, in torch's module
+    call, as for a ``torch.compiler.disable``'d function) nor compiles its frame (``skip``). Called
+    while a Dynamo frame callback is active (the eager part of a compiled call), it runs ``fn``
+    through ``torch.compiler.disable``'s wrapper, which turns the callback off for ``fn`` and all it
+    calls; otherwise (every plain eager forward) it calls ``fn`` directly: that wrapper sets the
+    eval frame four times per call, about 4 µs a hook in a training step (``bench/overhead.py``)."""
+    try:
+        disabled = torch.compiler.disable(fn)
     except Exception as e:  # noqa: BLE001 - a torch without a working Dynamo: plain hooks are eager anyway
         logger.debug("nanreplay: torch.compiler.disable unavailable (%s); forward hooks are plain", e)
         return fn
+    callback, skip = _dynamo_skip_tools()
+    if callback is None or skip is None:
+        return disabled
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if callback() is None:  # no Dynamo frame callback around this call: plain eager
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    functools.update_wrapper(hook, fn)
+    return skip(hook)
+
+
+def _is_eager_hook(code: Any) -> bool:
+    """Whether ``code`` is the code of :func:`_eager`'s hooks (a frame of nanreplay's that sits
+    between a module call and the hook's callbacks)."""
+    return code is _EAGER_HOOK_CODE
+
+
+#: the code of the hook :func:`_eager` makes (a constant of its own code: taken without calling it,
+#: which would import Dynamo)
+_EAGER_HOOK_CODE = next(c for c in _eager.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "hook")
 
 
 class ForwardTap:
@@ -195,7 +236,7 @@ class ForwardTap:
         for _ in range(16):
             # every frame between the wrapper's call and this hook is torch's own (module calls,
             # Dynamo's frames): the first frame of other code (the training loop) ends the search
-            if f is None or not f.f_code.co_filename.startswith(_TORCH_DIR):
+            if f is None or not (f.f_code.co_filename.startswith(_TORCH_DIR) or _is_eager_hook(f.f_code)):
                 return
             owner = f.f_locals.get("self") if f.f_code.co_name == "_call_impl" else None
             if isinstance(owner, opt) and unwrap_model(owner) is self.inner:

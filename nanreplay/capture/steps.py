@@ -60,6 +60,9 @@ class StepStart:
         self._modes = ModuleModes(model)
         self.provisional = False  # the step in progress was begun in eval mode
         self._autocast_read: Optional[int] = None  # the step whose autocast state was read
+        #: per forward begun and not ended, innermost last: its record when its output's cotangent is
+        #: to be kept, else ``None`` (cleared when a step begins: a forward that raised never ends)
+        self._open: list[Optional[ForwardRecord]] = []
 
     def begin(self, *, capture: bool = True) -> StepRecord:
         """The step in progress, begun now if none is. ``capture``: called for a batch or a
@@ -70,6 +73,7 @@ class StepStart:
                 self._restart(current)
             return current
         self.provisional = not self.model.training
+        self._open.clear()
         step = self._step()
         rec = StepRecord(step=step, rng=self.rng.capture())
         rec.training = self._modes.training()
@@ -109,24 +113,26 @@ class StepStart:
         """Before a forward: keep its inputs (and, for a later micro-batch, the RNG states now)."""
         # forwards without autograd (evaluation under no_grad) are not part of a training step
         if not self._active() or not torch.is_grad_enabled():
+            self._open.append(None)
             return
         rec = self.begin()
         # a later micro-batch: the loop may have drawn random numbers since the step began
         rng = self.rng.capture() if rec.forwards else None
         inputs = (self.inputs.capture(args, rec.step), self.inputs.capture(kwargs, rec.step) if kwargs else {})  # the args: a flat tuple, as a rule
-        rec.forwards.append(ForwardRecord(inputs=inputs, rng=rng))
+        fw = ForwardRecord(inputs=inputs, rng=rng)
+        rec.forwards.append(fw)
+        self._open.append(fw if self._capture_cotangent is not False else None)
         if rec.autocast is None and self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
             self._autocast_read = rec.step
             rec.autocast = autocast_state(self.inputs.tensors(rec.step))  # the tensors just kept: no second walk
 
     def forward_post(self, args: tuple, kwargs: dict, output: Any) -> None:
-        """After a forward: a hook on its output for the cotangent."""
-        if not self._active() or not torch.is_grad_enabled():
-            return
-        rec = self.ring.current
-        if rec is None or not rec.forwards or self._capture_cotangent is False:
-            return
-        keep_cotangent(rec.forwards[-1], output)  # auto: kept until the step is known finite (Recorder.end_step)
+        """After a forward: a hook on its output for the cotangent, when its :meth:`forward_pre`
+        recorded it (the forwards still open are a stack: a forward inside another pairs with its
+        own)."""
+        fw = self._open.pop() if self._open else None
+        if fw is not None:
+            keep_cotangent(fw, output)  # auto: kept until the step is known finite (Recorder.end_step)
 
     def seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop

@@ -265,6 +265,110 @@ def _numpy_raw() -> _RawMT:
     return _RawMT(bitgen, bitgen.ctypes.state_address if known else None, check)
 
 
+#: bytes of torch's CPU generator kept in place (``at::mt19937``'s data: seed, position flags and
+#: 624 32-bit words, 2,520 bytes; then the cached normal samples, ``optional<float>`` and
+#: ``optional<double>``, 24 bytes), from the engine's first field on
+_TORCH_CPU_BYTES = 2520 + 24
+#: how far into the ``CPUGeneratorImpl`` object the engine's first field is looked for
+_TORCH_CPU_SEARCH = 256
+
+
+def _memcmp() -> Optional[Callable[[int, Any, int], int]]:
+    """The C library's ``memcmp`` through ctypes, or ``None`` where it cannot be found."""
+    try:
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        fn = libc.memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return fn
+
+
+class _RawTorchCPU:
+    """Whether a torch CPU generator moved since the last look, from its C++ state read in place
+    (one ``memcmp`` of 2.5 KiB against a kept copy: no tensor made, nothing allocated), instead of
+    ``get_state()``'s 5 KiB tensor and a copy of its bytes to compare every step.
+
+    The engine's place in the ``CPUGeneratorImpl`` object is found once, on a private generator:
+    the bytes ``get_state()`` starts with (seed, position, flags) and its first state words, in the
+    object's first :data:`_TORCH_CPU_SEARCH` bytes; then that generator draws (uniform, normal
+    with and without a cached sample, integers, a whole Twister period, bernoulli, permutations)
+    and every change ``get_state()`` shows must show in place too, and a state put back must read
+    the same bytes. Any surprise (another torch's layout, a missing ``memcmp``) leaves
+    :attr:`ok` false, and the caller reads ``get_state()`` as before."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.ok = False
+        self._address = 0
+        self._key = ctypes.create_string_buffer(_TORCH_CPU_BYTES)
+        self._memcmp = _memcmp()
+        if self._memcmp is None or type(gen) is not torch.Generator or gen.device.type != "cpu":
+            return
+        try:
+            offset = _engine_offset(torch.Generator())
+            if offset is None:
+                return
+            self._address = _impl_address(gen) + offset
+            ctypes.memmove(self._key, self._address, _TORCH_CPU_BYTES)
+            self.ok = _state_words(gen.get_state()) == self._key.raw[20:20 + 624 * 4]
+        except Exception:  # noqa: BLE001 - any surprise: the caller reads get_state()
+            self.ok = False
+
+    def moved(self) -> bool:
+        """Whether the generator's state differs from the one at the last call (or construction);
+        the kept copy is brought up to date."""
+        if self._memcmp(self._address, self._key, _TORCH_CPU_BYTES) == 0:
+            return False
+        ctypes.memmove(self._key, self._address, _TORCH_CPU_BYTES)
+        return True
+
+
+def _impl_address(gen: torch.Generator) -> int:
+    """The address of the C++ ``GeneratorImpl`` behind ``gen`` (``THPGenerator``: the object
+    header, then ``at::Generator``, one pointer)."""
+    return ctypes.c_void_p.from_address(id(gen) + object.__basicsize__).value or 0
+
+
+def _state_words(state: torch.Tensor) -> bytes:
+    """The 624 Twister words of a CPU generator's ``get_state()`` (stored there as 64-bit words,
+    after the seed, position and flags: 24 bytes), as the engine holds them (32-bit)."""
+    words = struct.unpack_from("=624Q", state.numpy().tobytes(), 24)
+    return struct.pack("=624I", *(w & 0xFFFFFFFF for w in words))
+
+
+def _engine_offset(gen: torch.Generator) -> Optional[int]:
+    """Where the Twister's data starts in the ``CPUGeneratorImpl`` of the private CPU generator
+    ``gen``, checked by drawing from it (:class:`_RawTorchCPU`); ``None`` when not found or when
+    a change of ``get_state()`` does not show there."""
+    gen.manual_seed(20240601)
+    gen.get_state()
+    impl = _impl_address(gen)
+    if not impl:
+        return None
+    state = gen.get_state()
+    seed, left = struct.unpack_from("=Qi", state.numpy().tobytes(), 0)
+    head = struct.pack("=Qi", seed, left)
+    found = ctypes.string_at(impl, _TORCH_CPU_SEARCH).find(head)
+    if found < 0 or ctypes.string_at(impl + found + 20, 624 * 4) != _state_words(state):
+        return None
+    draws = (lambda: torch.rand(1, generator=gen), lambda: torch.randn(1, generator=gen), lambda: torch.randn(1, generator=gen),
+             lambda: torch.randn(1, dtype=torch.float64, generator=gen), lambda: torch.randn(1, dtype=torch.float64, generator=gen),
+             lambda: torch.empty(1).normal_(generator=gen), lambda: torch.empty(3).normal_(generator=gen),
+             lambda: torch.randint(0, 10, (624,), generator=gen), lambda: torch.randn(100, generator=gen),
+             lambda: torch.bernoulli(torch.full((5,), 0.5), generator=gen), lambda: torch.randperm(10, generator=gen))
+    at = impl + found
+    before, raw = gen.get_state(), ctypes.string_at(at, _TORCH_CPU_BYTES)
+    for draw in draws:
+        draw()
+        now = gen.get_state()
+        if not torch.equal(now, before) and ctypes.string_at(at, _TORCH_CPU_BYTES) == raw:
+            return None  # a change get_state() sees and the bytes in place do not
+        before, raw = now, ctypes.string_at(at, _TORCH_CPU_BYTES)
+    return found
+
+
 class RNGReader:
     """Reads :class:`RNGState` once per step for one Recorder, copying a generator's state only
     when it changed since the last read (a loop that never draws from Python's ``random`` pays
@@ -301,14 +405,42 @@ class RNGReader:
         self._torch_key: Optional[bytes] = None
         self._py_raw = _python_raw()
         self._np_raw = _numpy_raw()
+        self._torch_raw = _RawTorchCPU(torch.default_generator)
 
     def capture(self) -> RNGState:
         """The states now; parts unchanged since the last call are the same objects as then (and
-        the whole state is the last one when nothing moved)."""
+        the whole state is the last one when nothing moved). The usual step (both Twisters read in
+        place, CUDA not initialised) reads each generator inline, with no call per generator:
+        this runs once a step."""
         last = self._last
+        py_raw, np_raw = self._py_raw, self._np_raw
+        if last is None or not (py_raw.ok and np_raw.ok) or torch.cuda.is_initialized():
+            return self._capture_each(last)
+        inst = self._py_inst
+        py_key = (py_raw._view.raw, inst.gauss_next)
+        if py_key == self._py_key:
+            py = last.python
+        else:
+            self._py_key = py_key
+            py = PythonState(py_key[0], py_key[1], inst.VERSION)
+        np_key = np_raw._view.raw
+        if np_key == self._np_key and not last.numpy[3]:  # no Gaussian cached at the last read
+            np_ = last.numpy
+        else:
+            self._np_key = np_key
+            np_ = np.random.get_state()
+        cpu = self._torch_cpu(last)
+        if py is last.python and np_ is last.numpy and cpu is last.torch_cpu and not last.torch_cuda:
+            return last  # nothing moved: the same object (states are never modified in place)
+        self._last = RNGState(py, np_, cpu, [])
+        return self._last
+
+    def _capture_each(self, last: Optional[RNGState]) -> RNGState:
+        """:meth:`capture`, one generator at a time (the first read, a CUDA process, or a Twister
+        that cannot be read in place)."""
         py, np_, cpu, cuda = self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last)
         if last is not None and py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:
-            return last  # nothing moved: the same object (states are never modified in place)
+            return last
         self._last = RNGState(py, np_, cpu, cuda)
         return self._last
 
@@ -331,11 +463,16 @@ class RNGReader:
         return np.random.get_state()
 
     def _torch_cpu(self, last: Optional[RNGState]) -> torch.Tensor:
-        now = torch.default_generator.get_state()  # torch.get_rng_state(), without its Python frame
-        raw = ctypes.string_at(now.data_ptr(), now.numel())  # a 5 KiB copy and a memcmp: cheaper than torch.equal's dispatch
-        if last is not None and raw == self._torch_key:
-            return last.torch_cpu
-        self._torch_key = raw
+        if self._torch_raw.ok:
+            if not self._torch_raw.moved() and last is not None:
+                return last.torch_cpu
+            now = torch.default_generator.get_state()
+        else:
+            now = torch.default_generator.get_state()  # torch.get_rng_state(), without its Python frame
+            raw = ctypes.string_at(now.data_ptr(), now.numel())  # a 5 KiB copy and a memcmp: cheaper than torch.equal's dispatch
+            if last is not None and raw == self._torch_key:
+                return last.torch_cpu
+            self._torch_key = raw
         kept = self._spare(now) if self._spare is not None else None
         return kept.copy_(now) if kept is not None else now
 

@@ -6,6 +6,7 @@ running total of held bytes that equals a full recount."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import sys
@@ -88,11 +89,14 @@ def _nanreplay_calls(depth: int, out_dir) -> list[int]:
                     inside.discard(id(frame))
 
             if i >= 2:
+                gc.collect()
+                gc.disable()  # a collection inside a step would count the finalizers it runs (weakref callbacks)
                 sys.setprofile(prof)
             try:
                 step(rec, model, opt, b)
             finally:
                 sys.setprofile(None)
+                gc.enable()
             if i >= 2:
                 counts.append(n[0])
     return counts
