@@ -116,7 +116,8 @@ class RingBuffer:
         if rec is not None:
             if not self._live_read_after_step:  # lazily created weights and buffers exist after the first step
                 self._live, self._live_read_after_step = self._live_storages(), True
-            self.spares.settle(rec)
+            if self.spares.on:
+                self.spares.settle(rec)
             n = self._tensor_bytes(rec)
             self._cache[rec.step] = n
             self._done += n + _snapshot_bytes(rec)
@@ -227,7 +228,8 @@ class RingBuffer:
             freed += r.snapshot.nbytes()
             self.pool.release(r.snapshot, reuse=reuse)
         self._done -= freed
-        self.spares.reclaim(r, copies=self.inputs.copies(r.step) if self.spares.on else ())
+        if self.spares.on:
+            self.spares.reclaim(r, copies=self.inputs.copies(r.step))
         self.inputs.forget(r.step)
         return freed
 
@@ -249,7 +251,7 @@ class RingBuffer:
         sets :attr:`over_budget`. Within the budget it costs a few additions (no walk)."""
         while len(self._steps) > self.capacity and id(self._steps[0]) not in self._pinned:
             self._drop_oldest()
-        total = self.held_bytes() + extra
+        total = self._done + self.kept_bytes() + extra + (self._current_bytes() if self.current is not None else 0)  # held_bytes()
         if total > self.budget:
             for r in islice(self._steps, len(self._steps) - 1):  # oldest snapshots first
                 if total <= self.budget:

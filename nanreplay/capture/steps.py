@@ -137,7 +137,8 @@ class StepStart:
     def seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop
         modified a batch tensor in place (then switch to copying)."""
-        self.buffers.learn(rec.buffers)
+        if self.buffers.mutable is None:  # learnt at the first step
+            self.buffers.learn(rec.buffers)
         self.inputs.seal(rec.step)
 
 

@@ -409,12 +409,11 @@ class RNGReader:
 
     def capture(self) -> RNGState:
         """The states now; parts unchanged since the last call are the same objects as then (and
-        the whole state is the last one when nothing moved). The usual step (both Twisters read in
-        place, CUDA not initialised) reads each generator inline, with no call per generator:
-        this runs once a step."""
+        the whole state is the last one when nothing moved). Python's and NumPy's Twisters, read in
+        place, are read inline (no call per generator: this runs once a step)."""
         last = self._last
         py_raw, np_raw = self._py_raw, self._np_raw
-        if last is None or not (py_raw.ok and np_raw.ok) or torch.cuda.is_initialized():
+        if last is None or not (py_raw.ok and np_raw.ok):
             return self._capture_each(last)
         inst = self._py_inst
         py_key = (py_raw._view.raw, inst.gauss_next)
@@ -429,20 +428,18 @@ class RNGReader:
         else:
             self._np_key = np_key
             np_ = np.random.get_state()
-        cpu = self._torch_cpu(last)
-        if py is last.python and np_ is last.numpy and cpu is last.torch_cpu and not last.torch_cuda:
-            return last  # nothing moved: the same object (states are never modified in place)
-        self._last = RNGState(py, np_, cpu, [])
-        return self._last
+        return self._state(last, py, np_, self._torch_cpu(last), self._cuda(last))
 
-    def _capture_each(self, last: Optional[RNGState]) -> RNGState:
-        """:meth:`capture`, one generator at a time (the first read, a CUDA process, or a Twister
-        that cannot be read in place)."""
-        py, np_, cpu, cuda = self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last)
+    def _state(self, last: Optional[RNGState], py: Any, np_: Any, cpu: torch.Tensor, cuda: list[torch.Tensor]) -> RNGState:
+        """The last state when no part moved (the same object: states are never modified in place), else a new one."""
         if last is not None and py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:
             return last
         self._last = RNGState(py, np_, cpu, cuda)
         return self._last
+
+    def _capture_each(self, last: Optional[RNGState]) -> RNGState:
+        """:meth:`capture`, one generator at a time (the first read, or a Twister that cannot be read in place)."""
+        return self._state(last, self._python(last), self._numpy(last), self._torch_cpu(last), self._cuda(last))
 
     def _python(self, last: Optional[RNGState]) -> Any:
         if not self._py_raw.ok:
