@@ -114,15 +114,16 @@ def _dynamo_skip_tools() -> tuple[Optional[Callable], Optional[Callable]]:
     return get_eval_frame_callback, skip
 
 
-def _eager(fn: Callable) -> Callable:
+def _eager(fn: Callable, plain: Optional[Callable] = None) -> Callable:
     """``fn`` run eagerly even when Dynamo traces its caller, at no cost to an eager call.
 
     Dynamo neither inlines the returned hook (a graph break at its call site, in torch's module
     call, as for a ``torch.compiler.disable``'d function) nor compiles its frame (``skip``). Called
     while a Dynamo frame callback is active (the eager part of a compiled call), it runs ``fn``
     through ``torch.compiler.disable``'s wrapper, which turns the callback off for ``fn`` and all it
-    calls; otherwise (every plain eager forward) it calls ``fn`` directly: that wrapper sets the
-    eval frame four times per call, about 4 µs a hook in a training step (``bench/overhead.py``)."""
+    calls; otherwise (every plain eager forward) it calls ``plain`` (default ``fn``: same
+    arguments; what ``fn`` does outside Dynamo) directly: that wrapper sets the eval frame four
+    times per call, a few µs a hook in a training step (``bench/overhead.py``)."""
     try:
         disabled = torch.compiler.disable(fn)
     except Exception as e:  # noqa: BLE001 - a torch without a working Dynamo: plain hooks are eager anyway
@@ -131,10 +132,11 @@ def _eager(fn: Callable) -> Callable:
     callback, skip = _dynamo_skip_tools()
     if callback is None or skip is None:
         return disabled
+    eager = fn if plain is None else plain
 
     def hook(*args: Any, **kwargs: Any) -> Any:
         if callback() is None:  # no Dynamo frame callback around this call: plain eager
-            return fn(*args, **kwargs)
+            return eager(*args, **kwargs)
         return disabled(*args, **kwargs)
 
     functools.update_wrapper(hook, fn)
@@ -153,8 +155,9 @@ _EAGER_HOOK_CODE = next(c for c in _eager.__code__.co_consts if isinstance(c, ty
 
 
 class ForwardTap:
-    """Calls ``pre(args, kwargs)`` before and ``post(args, kwargs, output)`` after every call of
-    the model's top-level forward, eagerly. A removable handle: :meth:`remove` undoes everything.
+    """Calls ``pre(module, args, kwargs)`` before and ``post(module, args, kwargs, output)`` after
+    every call of the model's top-level forward, eagerly (a forward hook's arguments: on an eager
+    model the hooks call them directly). A removable handle: :meth:`remove` undoes everything.
 
     Args:
         model: what the user gave the Recorder (a module, a DDP/DataParallel wrapper, a compiled
@@ -162,7 +165,7 @@ class ForwardTap:
         pre, post: the callbacks; their return values are ignored.
     """
 
-    def __init__(self, model: torch.nn.Module, pre: Callable[[tuple, dict], None], post: Callable[[tuple, dict, Any], None]) -> None:
+    def __init__(self, model: torch.nn.Module, pre: Callable[[Any, tuple, dict], None], post: Callable[[Any, tuple, dict, Any], None]) -> None:
         self.inner = unwrap_model(model)
         self._pre_cb, self._post_cb = pre, post
         self._handles: list[Any] = []
@@ -183,19 +186,21 @@ class ForwardTap:
 
     # -- the three ways to attach ----------------------------------------------------------
     def _hook(self, module: torch.nn.Module) -> None:
+        # pre and post run under Dynamo (the eager part of a compiled call: a compiled wrapper may be
+        # calling the model, and the hooks may have moved); a plain eager call runs the callbacks alone
         def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if not self._on_wrapper:
                 self._maybe_move_to_caller()
-            self._pre_cb(args, kwargs)
+            self._pre_cb(mod, args, kwargs)
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            self._post_cb(args, kwargs, out)
+            self._post_cb(mod, args, kwargs, out)
             if self._on_wrapper and not self._on_wrapper_only:
                 # the call in progress when the hooks moved has ended: the model's own post hook goes
                 self._drop_inner_post()
 
-        pre_h = module.register_forward_pre_hook(_eager(pre), with_kwargs=True)
-        post_h = module.register_forward_hook(_eager(post), with_kwargs=True)
+        pre_h = module.register_forward_pre_hook(_eager(pre, self._pre_cb), with_kwargs=True)
+        post_h = module.register_forward_hook(_eager(post, self._post_cb), with_kwargs=True)
         self._handles += [pre_h, post_h]
         if not self._on_wrapper:
             self._inner_pre, self._inner_post = pre_h, post_h
@@ -204,9 +209,9 @@ class ForwardTap:
         impl = module._compiled_call_impl
 
         def eager_call(*args: Any, **kwargs: Any) -> Any:
-            self._pre_cb(args, kwargs)
+            self._pre_cb(module, args, kwargs)
             out = impl(*args, **kwargs)
-            self._post_cb(args, kwargs, out)
+            self._post_cb(module, args, kwargs, out)
             return out
 
         self._wrapped, self._orig_impl = module, impl
@@ -267,12 +272,12 @@ class ForwardTap:
             if not self._on_wrapper_only:
                 self._drop_inner_post()
             armed[0] = True
-            self._pre_cb(args, kwargs)
+            self._pre_cb(mod, args, kwargs)
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             if armed[0]:
                 armed[0] = False
-                self._post_cb(args, kwargs, out)
+                self._post_cb(mod, args, kwargs, out)
 
         self._handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(wrapper.register_forward_hook(post, with_kwargs=True))

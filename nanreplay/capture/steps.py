@@ -109,8 +109,8 @@ class StepStart:
         rec = self.begin()
         rec.batches.append(self.inputs.capture(batch, rec.step))
 
-    def forward_pre(self, args: tuple, kwargs: dict) -> None:
-        """Before a forward: keep its inputs (and, for a later micro-batch, the RNG states now)."""
+    def forward_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Before a forward (of ``module``: the tap's hook arguments): keep its inputs (and, for a later micro-batch, the RNG states now)."""
         # forwards without autograd (evaluation under no_grad) are not part of a training step
         if not self._active() or not torch.is_grad_enabled():
             self._open.append(None)
@@ -126,7 +126,7 @@ class StepStart:
             self._autocast_read = rec.step
             rec.autocast = autocast_state(self.inputs.tensors(rec.step))  # the tensors just kept: no second walk
 
-    def forward_post(self, args: tuple, kwargs: dict, output: Any) -> None:
+    def forward_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """After a forward: a hook on its output for the cotangent, when its :meth:`forward_pre`
         recorded it (the forwards still open are a stack: a forward inside another pairs with its
         own)."""
