@@ -174,7 +174,7 @@ class RecorderConfig:
             :class:`~nanreplay.errors.SpikeError` before the update. ``None``: off. Cost: none on
             the device; on the host a few float operations per step on the values the check
             already read. With ``"warn"`` or ``None`` (and no weight snapshots), finite steps are
-            judged together, up to 16 steps or 1 s after their own step
+            judged together, up to 64 steps or 1 s after their own step
             (``nanreplay.capture.recorder.WAIT_STEPS`` / ``WAIT_SECONDS``), and always before anything
             reads the result (a non-finite step, a bundle, :attr:`Recorder.spikes`, the rollback
             plan, ``close()``): the log line names the spike's own step. With ``check_every > 1``,

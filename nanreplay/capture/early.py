@@ -512,26 +512,40 @@ class SpikeWatch:
         mode, where the step is long past: then every row acts as ``"warn"``). ``live``: the
         live state for the bundle (a callable returning a :class:`Snapshot`). ``grad_norm``: the
         norm to judge when it is not the check's (the norm before clipping)."""
+        rows = self._observe(rec.step, rec.loss, rec.grad_norm if grad_norm is None else grad_norm, rec.lrs)
+        if rows:
+            self._alarm(rec.step, rows, rec, grads, live)
+
+    def judge_late(self, step: int, loss: Optional[float], grad_norm: Optional[float], lrs: list) -> None:
+        """Feed a finite step judged after it is over, from its host values alone (its record may
+        have left the ring buffer, its gradients are gone): every row acts as ``"warn"``, no bundle."""
+        rows = self._observe(step, loss, grad_norm, lrs)
+        if rows:
+            self._alarm(step, rows, None, None, None)
+
+    def _observe(self, step: int, loss: Optional[float], grad_norm: Optional[float], lrs: list) -> list[dict]:
         self.log.finite()
         if self.early is None:
-            return
-        rows = self.early.observe(rec.step, loss=rec.loss, grad_norm=rec.grad_norm if grad_norm is None else grad_norm,
-                                  lrs=[x for x in rec.lrs if not isinstance(x, torch.Tensor)])
-        if not rows:
-            return
-        self.alert = rec.step
+            return []
+        return self.early.observe(step, loss=loss, grad_norm=grad_norm, lrs=[x for x in lrs if not isinstance(x, torch.Tensor)])
+
+    def _alarm(self, step: int, rows: list[dict], rec: Optional[StepRecord], grads: Optional[list], live: Any) -> None:
+        """Step ``step`` is out of band (``rows``): it becomes the alert, secures a healthy snapshot
+        when it opens an episode, and its ``SPIKE_ACTIONS`` row acts (``"warn"`` without ``grads``;
+        a bundle needs the step's record ``rec``)."""
+        self.alert = step
         new = self.early.new_episode
         if new:
-            self.secure(rec.step)
+            self.secure(step)
         name = self.on_spike if grads is not None else "warn"
         action = SPIKE_ACTIONS[name]
-        plan = self.plan(rec.step)
+        plan = self.plan(step)
         path = None
-        if new and action.dumps(self.actions) and self.dump.spike_allowed:
+        if new and rec is not None and action.dumps(self.actions) and self.dump.spike_allowed:
             path = self.dump(rec, grads, live, spike=True, cause={"spike": rows, "rollback": plan,
                                                                   "message": "spike: " + describe(rows)})
-        msg = (f"early warning at step {rec.step}: {describe(rows)}; rollback plan: {plan_phrase(plan)}"
+        msg = (f"early warning at step {step}: {describe(rows)}; rollback plan: {plan_phrase(plan)}"
                + (f"; bundle: {path}" if path else ""))
         if new and self.dump.trackers:  # log_to: one event per episode, with its bundle when one was written
-            self.dump.trackers.emit(event_for_spike(rec.step, rows, message=msg, rollback=plan, bundle=path))
-        self.actions.action_for(action, Incident(rec.step, msg, path, None, spikes=rows, rollback=plan, new_episode=new))
+            self.dump.trackers.emit(event_for_spike(step, rows, message=msg, rollback=plan, bundle=path))
+        self.actions.action_for(action, Incident(step, msg, path, None, spikes=rows, rollback=plan, new_episode=new))

@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Recorder", "RecorderConfig", "model_info", "WAIT_STEPS", "WAIT_SECONDS"]
 
 #: most finite steps whose scalar history and early warning wait to be taken in together (:meth:`Recorder._digest`)
-WAIT_STEPS = 16
+WAIT_STEPS = 64
 #: most seconds the oldest of them waits (a slow step is taken in at once)
 WAIT_SECONDS = 1.0
 
@@ -203,7 +203,9 @@ class Recorder:
         self._dump.history = self._scalars  # every dump comes after a _digest
         # finite steps whose scalar history and early warning wait to be taken in together (_digest):
         # only where the early warning acts by a log line alone and needs no state of the step
-        self._waiting: Optional[list[tuple[StepRecord, Any]]] = (
+        # (step, loss, grad norm, lrs, grad norm before clipping, loss scale): host values only, so a
+        # waiting step holds nothing of its record (which may leave the ring buffer meanwhile)
+        self._waiting: Optional[list[tuple]] = (
             [] if self.config.on_spike in (None, "warn") and not self.config.snapshot_every and self.config.check_every == 1 else None)
         self._waiting_since = 0.0
         self._amp = None
@@ -251,9 +253,9 @@ class Recorder:
         if not waiting:
             return
         self._waiting = []
-        for rec, scale in waiting:
-            self._scalars.add(rec.step, rec.loss, rec.grad_norm, rec.lrs, True, scale, rec.grad_norm_pre_clip)
-            self._spike_watch.judge(rec, None, self._live, grad_norm=rec.grad_norm_pre_clip)
+        for step, loss, norm, lrs, pre_clip, scale in waiting:
+            self._scalars.add(step, loss, norm, lrs, True, scale, pre_clip)
+            self._spike_watch.judge_late(step, loss, norm if pre_clip is None else pre_clip, lrs)
 
     @property
     def _current(self) -> Optional[StepRecord]:
@@ -491,7 +493,7 @@ class Recorder:
         if rec.finite and waiting is not None:
             if not waiting:
                 self._waiting_since = time.monotonic()
-            waiting.append((rec, scale))
+            waiting.append((rec.step, rec.loss, rec.grad_norm, rec.lrs, rec.grad_norm_pre_clip, scale))
             if len(waiting) >= WAIT_STEPS or time.monotonic() - self._waiting_since > WAIT_SECONDS:
                 self._digest()
             return True

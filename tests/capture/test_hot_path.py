@@ -218,6 +218,30 @@ def test_held_bytes_running_total_matches_a_full_recount(out_dir, options):
     assert rec.held_bytes() > 0
 
 
+def test_a_waiting_step_holds_nothing_of_its_record(out_dir, monkeypatch):
+    """A finite step waiting for the early warning keeps only host values: once it leaves the ring
+    buffer its batch is freed, although its scalars have not been taken in yet."""
+    import weakref
+
+    monkeypatch.setattr(recorder_module, "WAIT_SECONDS", float("inf"))
+    torch.manual_seed(0)
+    model = mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    capacity = 4
+    with Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, capacity=capacity) as rec:
+        first = None
+        for i, b in enumerate(batches(capacity + 3)):
+            step(rec, model, opt, b)
+            if i == 0:
+                first = weakref.ref(b[0])
+            del b
+        assert len(rec._waiting) == capacity + 3  # none taken in yet
+        gc.collect()
+        assert first() is None  # the first step left the ring: its batch went with it
+        assert [w[0] for w in rec._waiting] == list(range(capacity + 3))
+    assert [r[0] for r in rec._history.rows] == list(range(capacity + 3))
+
+
 def test_finite_steps_wait_and_are_taken_in_before_anything_reads_them(out_dir, monkeypatch, caplog):
     """The default mode takes a finite step's scalar history and early warning in with the next
     few steps' (WAIT_STEPS); a reader (the scalar history, close) never sees them late."""
