@@ -308,7 +308,7 @@ def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
     on each floating leaf."""
     if isinstance(output, torch.Tensor):  # the common case, without a tree
         fw.cotangent = None
-        if output.requires_grad and is_float(output):
+        if output.requires_grad and (output.is_floating_point() or output.is_complex()):  # is_float, inline: once a step
             node = output.grad_fn
             if node is not None:  # a pre-hook of the node that made it: torch's C++ registration, no handle dict
                 node.register_prehook(functools.partial(_keep_node_cotangent, fw, output.output_nr))
@@ -343,12 +343,14 @@ def _keep_node_cotangent(fw: ForwardRecord, nr: int, grad_outputs: tuple) -> Non
         fw.cotangent = g.detach()
 
 
-def autocast_state(*trees: Any) -> Optional[dict]:
+def autocast_state(*trees: Any, other: Optional[str] = None) -> Optional[dict]:
     """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
-    ``None`` outside autocast; replay runs the step under the same autocast. A single list of
-    tensors (the inputs the capture kept) is read as is, without a tree walk."""
-    leaves = trees[0] if len(trees) == 1 and type(trees[0]) is list else pytree.tree_leaves(trees)
-    other = next((t.device.type for t in leaves if isinstance(t, torch.Tensor) and not t.is_cpu), None)
+    ``None`` outside autocast; replay runs the step under the same autocast. The device types
+    looked at are the CPU's and that of the first tensor of ``trees`` on another device, or, with
+    no ``trees``, ``other`` (the inputs' device type when it is not the CPU, as the input capture
+    tells it: :meth:`~nanreplay.capture.inputs.InputCapture.device_type`)."""
+    if trees:
+        other = next((t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and not t.is_cpu), None)
     kinds = ["cpu"] if other is None else ["cpu", other]
     for dev in reversed(kinds):
         try:

@@ -24,15 +24,11 @@ __all__ = ["InputCapture"]
 _TENSOR = repeat(torch.Tensor)
 
 
-class _Ref:
-    """A captured tensor: a reference plus its version counter at capture time, or a copy
-    (``v`` is ``None``: nothing outside the Recorder can change it); ``p``: its storage's address
-    when it was watched for reuse, else 0."""
-
-    __slots__ = ("t", "v", "p")
-
-    def __init__(self, t: torch.Tensor, *, copy: bool, ptr: int = 0) -> None:
-        self.t, self.v, self.p = t, None if copy else t._version, ptr
+#: a captured tensor, kept per step as a tuple ``(tensor, version, storage address)``: the version
+#: counter at capture time for a reference (``None`` for a copy: nothing outside the Recorder can
+#: change it), the address of its storage while it is watched for reuse, else 0. (A tuple, not an
+#: object: two are made every step.)
+_REF_COPY = None
 
 
 class InputCapture:
@@ -50,7 +46,7 @@ class InputCapture:
         self.policy = copy_batch
         self.copying = copy_batch is True
         self._storages: dict[int, int] = {}        # storage address -> last step it was an input of (steps held only)
-        self._refs: dict[int, list[_Ref]] = {}     # step -> every tensor captured in it (references or copies)
+        self._refs: dict[int, list[tuple]] = {}    # step -> every tensor captured in it (references or copies), _REF_COPY's tuples
         self._same_step: Optional[int] = None
         self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
         #: ``spare(like)``: a recycled tensor of ``like``'s shape to copy a batch tensor into, or ``None``
@@ -76,12 +72,12 @@ class InputCapture:
             spare = self.spare(x) if self.spare is not None and self.policy is not False and x.is_contiguous() else None
             if spare is not None:  # a long ring: into a recycled tensor, not a reference that pins the loop's allocation
                 x = spare.copy_(x)
-                refs.append(_Ref(x, copy=True))
+                refs.append((x, _REF_COPY, 0))
             else:
-                ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0
+                ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0  # may turn copying on
                 if self.copying:
                     x = x.clone()
-                refs.append(_Ref(x, copy=self.copying, ptr=ptr))
+                refs.append((x, _REF_COPY if self.copying else x._version, ptr))
             same[id(orig)] = (orig, x)
             return x
 
@@ -111,11 +107,18 @@ class InputCapture:
     def copies(self, step: int) -> list[torch.Tensor]:
         """The tensors of step ``step`` that are copies this capture made (nothing outside the
         Recorder has them), in capture order."""
-        return [r.t for r in self._refs.get(step, ()) if r.v is None]
+        return [t for t, v, _ in self._refs.get(step, ()) if v is None]
 
     def tensors(self, step: int) -> list[torch.Tensor]:
         """Every tensor captured for step ``step`` (references or copies), in capture order."""
-        return [r.t for r in self._refs.get(step, ())]
+        return [t for t, _, _ in self._refs.get(step, ())]
+
+    def device_type(self, step: int) -> Optional[str]:
+        """The device type of the first tensor captured for step ``step`` that is not on the CPU, else ``None``."""
+        for t, _, _ in self._refs.get(step, ()):
+            if not t.is_cpu:
+                return t.device.type
+        return None
 
     def seal(self, step: int) -> None:
         """End of step ``step``: switch to copies (auto policy) when one of its references was
@@ -127,21 +130,21 @@ class InputCapture:
 
     def stale(self, step: int) -> bool:
         """Whether a reference kept for step ``step`` was modified in place since capture."""
-        for r in self._refs.get(step, ()):  # a reference whose version counter moved (a copy has none)
-            if r.v is not None and r.t._version != r.v:
+        for t, v, _ in self._refs.get(step, ()):  # a reference whose version counter moved (a copy has none)
+            if v is not None and t._version != v:
                 return True
         return False
 
     def keep_only(self, step: int, tensors: list[torch.Tensor]) -> None:
         """Forget the references of step ``step`` except those to ``tensors``."""
         kept = {id(t) for t in tensors}
-        self._refs[step] = [r for r in self._refs.get(step, []) if id(r.t) in kept]
+        self._refs[step] = [r for r in self._refs.get(step, []) if id(r[0]) in kept]
         self._same = {k: v for k, v in self._same.items() if id(v[1]) in kept}
 
     def forget(self, step: int) -> None:
         """Drop the references of a step that left the ring buffer, and its storages: once no
         step holds a reference to one, the allocator may hand its address to a new batch, which
         is no reuse."""
-        for r in self._refs.pop(step, ()):
-            if r.p and self._storages.get(r.p) == step:
-                del self._storages[r.p]
+        for _, _, ptr in self._refs.pop(step, ()):
+            if ptr and self._storages.get(ptr) == step:
+                del self._storages[ptr]

@@ -397,13 +397,6 @@ class Recorder:
                            "will not name it", step, f" ({path})" if path is not None else "")
         return entry
 
-    def _take_losses(self) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
-        """The step's loss (:meth:`_step_loss`; ``None`` without one or with ``check_loss=False``)
-        and its micro-batches' losses; both are cleared."""
-        loss, micro = self._step_loss(), self._micro_losses
-        self._pending_loss, self._micro_losses = None, []
-        return (loss if self.config.check_loss else None), micro
-
     def held_bytes(self) -> int:
         """Bytes the Recorder holds beyond what training holds anyway, as counted against
         ``memory_budget`` (:mod:`nanreplay.capture.ring` lists them). Host cost: a running total
@@ -446,9 +439,11 @@ class Recorder:
             return True
         self._tap.check()
         rec = self._steps.begin(capture=False)
-        rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]
+        rec.lrs = [g["lr"] if type(g["lr"]) is float else lr_value(g["lr"]) for g in self.optimizer.param_groups]
         norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
-        loss, micro = self._take_losses()
+        # the step's loss (None without one or with check_loss=False) and its micro-batches' losses, taken
+        loss, micro = self._step_loss() if self.config.check_loss else None, self._micro_losses
+        self._pending_loss, self._micro_losses = None, []
         pre, self._pending_grad_norm = self._pending_grad_norm, None
         if self._lagged is not None:
             rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
@@ -511,7 +506,7 @@ class Recorder:
         """Close the step in progress: the next forward or :meth:`record` starts step
         ``self.step + 1``. The optimizer step post-hook calls it."""
         pre = self._update.take() if self._update is not None else None
-        rec = self._current
+        rec = self.ring.current
         if rec is not None and rec.finite and self.config.capture_cotangent is None and self.loss_fn is not None and rec.batches:
             for fw in rec.forwards:  # a replay runs the loss function: a finite step's cotangent is not needed
                 fw.cotangent = None

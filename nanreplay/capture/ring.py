@@ -120,7 +120,7 @@ class RingBuffer:
                 self.spares.settle(rec)
             n = self._tensor_bytes(rec)
             self._cache[rec.step] = n
-            self._done += n + _snapshot_bytes(rec)
+            self._done += n + (rec.snapshot.nbytes() if rec.snapshot is not None else 0)
         self.current = None
 
     def make_room(self) -> None:

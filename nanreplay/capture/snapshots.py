@@ -169,7 +169,7 @@ class SnapshotPool:
 
     def nbytes(self) -> int:
         """Bytes held in free slots."""
-        return sum(s.nbytes for s in self._free)
+        return sum(s.nbytes for s in self._free) if self._free else 0
 
 
 class StepStartBuffers:

@@ -124,7 +124,7 @@ class StepStart:
         self._open.append(fw if self._capture_cotangent is not False else None)
         if rec.autocast is None and self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
             self._autocast_read = rec.step
-            rec.autocast = autocast_state(self.inputs.tensors(rec.step))  # the tensors just kept: no second walk
+            rec.autocast = autocast_state(other=self.inputs.device_type(rec.step))  # from the tensors just kept: no second walk
 
     def forward_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """After a forward: a hook on its output for the cotangent, when its :meth:`forward_pre`

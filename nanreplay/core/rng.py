@@ -301,27 +301,29 @@ class _RawTorchCPU:
 
     def __init__(self, gen: torch.Generator) -> None:
         self.ok = False
-        self._address = 0
-        self._key = ctypes.create_string_buffer(_TORCH_CPU_BYTES)
-        self._memcmp = _memcmp()
-        if self._memcmp is None or type(gen) is not torch.Generator or gen.device.type != "cpu":
+        #: where the engine's bytes are, the copy they are compared with, and ``memcmp`` (the reader
+        #: inlines :meth:`moved`'s comparison, once a step)
+        self.address = 0
+        self.key = ctypes.create_string_buffer(_TORCH_CPU_BYTES)
+        self.memcmp = _memcmp()
+        if self.memcmp is None or type(gen) is not torch.Generator or gen.device.type != "cpu":
             return
         try:
             offset = _engine_offset(torch.Generator())
             if offset is None:
                 return
-            self._address = _impl_address(gen) + offset
-            ctypes.memmove(self._key, self._address, _TORCH_CPU_BYTES)
-            self.ok = _state_words(gen.get_state()) == self._key.raw[20:20 + 624 * 4]
+            self.address = _impl_address(gen) + offset
+            ctypes.memmove(self.key, self.address, _TORCH_CPU_BYTES)
+            self.ok = _state_words(gen.get_state()) == self.key.raw[20:20 + 624 * 4]
         except Exception:  # noqa: BLE001 - any surprise: the caller reads get_state()
             self.ok = False
 
     def moved(self) -> bool:
         """Whether the generator's state differs from the one at the last call (or construction);
         the kept copy is brought up to date."""
-        if self._memcmp(self._address, self._key, _TORCH_CPU_BYTES) == 0:
+        if self.memcmp(self.address, self.key, _TORCH_CPU_BYTES) == 0:
             return False
-        ctypes.memmove(self._key, self._address, _TORCH_CPU_BYTES)
+        ctypes.memmove(self.key, self.address, _TORCH_CPU_BYTES)
         return True
 
 
@@ -428,7 +430,13 @@ class RNGReader:
         else:
             self._np_key = np_key
             np_ = np.random.get_state()
-        return self._state(last, py, np_, self._torch_cpu(last), self._cuda(last))
+        raw = self._torch_raw
+        cpu = last.torch_cpu if raw.ok and raw.memcmp(raw.address, raw.key, _TORCH_CPU_BYTES) == 0 else self._torch_cpu(last)
+        cuda = self._cuda(last)
+        if py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:
+            return last  # nothing moved: the same object (states are never modified in place)
+        self._last = RNGState(py, np_, cpu, cuda)
+        return self._last
 
     def _state(self, last: Optional[RNGState], py: Any, np_: Any, cpu: torch.Tensor, cuda: list[torch.Tensor]) -> RNGState:
         """The last state when no part moved (the same object: states are never modified in place), else a new one."""
