@@ -215,7 +215,7 @@ class Recorder:
             self._amp = ScalerWatch(scaler, optimizer, step_open=lambda: not self._closed and self._current is not None,
                                     on_skip=self._on_scaler_skip)
             self._handles.append(self._amp)
-        self._steps = StepStart(self.model, self.ring, self._inputs, step=lambda: self.step, active=lambda: not (self._dump.replaying or self._closed),
+        self._steps = StepStart(self.model, self.ring, self._inputs, step=lambda: self.step, replay_state=self._dump,
                                 snapshot_every=self.config.snapshot_every, snapshot_state=self._live, capture_cotangent=self.config.capture_cotangent)
         self._tap = ForwardTap(model, self._steps.forward_pre, self._steps.forward_post)
         self._dump.compile_state = lambda: compile_state(self.wrapper, self.model, self._tap.compiled_wrapper)
@@ -317,6 +317,7 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._steps.closed = True
         if self.dist is not None:
             self.dist.close()
         self._closed = True
@@ -438,7 +439,7 @@ class Recorder:
         if self._closed:
             return True
         self._tap.check()
-        rec = self._steps.begin(capture=False)
+        rec = self.ring.current or self._steps.begin(capture=False)
         rec.lrs = [g["lr"] if type(g["lr"]) is float else lr_value(g["lr"]) for g in self.optimizer.param_groups]
         norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
         # the step's loss (None without one or with check_loss=False) and its micro-batches' losses, taken

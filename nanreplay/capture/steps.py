@@ -34,6 +34,10 @@ from .snapshots import StepStartBuffers
 
 logger = logging.getLogger(__name__)
 
+#: whether any autocast region is on, in one C call (``torch._C._is_any_autocast_enabled``; on a
+#: torch without it, always true: :func:`~nanreplay.capture.forward.autocast_state` then looks)
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
 __all__ = ["StepStart"]
 
 
@@ -43,16 +47,20 @@ class StepStart:
     Args:
         model: the unwrapped model. ring, inputs: the Recorder's ring buffer and input capture.
         step: returns the index of the step in progress.
-        active: returns whether capture is on (not while the Recorder replays or once closed).
+        replay_state: an object whose ``replaying`` attribute is true while the Recorder replays a
+            step itself (its :class:`~nanreplay.capture.dump.Dump`): capture is off then, and once
+            :attr:`closed` is set (``Recorder.close``). Both are read as attributes, not through a
+            call: the capture runs two or three times a step.
         snapshot_every: weight snapshot period (0: none). snapshot_state: the live state, as
             references (``Recorder.snapshot_state(clone=False)``), copied into the snapshot slot.
         capture_cotangent: ``RecorderConfig.capture_cotangent`` (``False``: no cotangent hook).
     """
 
-    def __init__(self, model: torch.nn.Module, ring: RingBuffer, inputs: InputCapture, *, step: Callable[[], int], active: Callable[[], bool],
+    def __init__(self, model: torch.nn.Module, ring: RingBuffer, inputs: InputCapture, *, step: Callable[[], int], replay_state: Any,
                  snapshot_every: int, snapshot_state: Callable[[], Snapshot], capture_cotangent: Optional[bool]) -> None:
         self.model, self.ring, self.inputs = model, ring, inputs
-        self._step, self._active = step, active
+        self._step, self._replay_state = step, replay_state
+        self.closed = False
         self._snapshot_every, self._snapshot_state = snapshot_every, snapshot_state
         self._capture_cotangent = capture_cotangent
         self.buffers = StepStartBuffers(model)
@@ -104,7 +112,7 @@ class StepStart:
 
     def batch(self, batch: Any) -> None:
         """``Recorder.record``: keep ``batch`` in the step in progress."""
-        if not self._active():
+        if self.closed or self._replay_state.replaying:
             return
         rec = self.begin()
         rec.batches.append(self.inputs.capture(batch, rec.step))
@@ -112,10 +120,12 @@ class StepStart:
     def forward_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
         """Before a forward (of ``module``: the tap's hook arguments): keep its inputs (and, for a later micro-batch, the RNG states now)."""
         # forwards without autograd (evaluation under no_grad) are not part of a training step
-        if not self._active() or not torch.is_grad_enabled():
+        if self.closed or self._replay_state.replaying or not torch.is_grad_enabled():
             self._open.append(None)
             return
-        rec = self.begin()
+        rec = self.ring.current
+        if rec is None or self.provisional:  # else the step began with Recorder.record
+            rec = self.begin()
         # a later micro-batch: the loop may have drawn random numbers since the step began
         rng = self.rng.capture() if rec.forwards else None
         inputs = (self.inputs.capture(args, rec.step), self.inputs.capture(kwargs, rec.step) if kwargs else {})  # the args: a flat tuple, as a rule
@@ -124,7 +134,8 @@ class StepStart:
         self._open.append(fw if self._capture_cotangent is not False else None)
         if rec.autocast is None and self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
             self._autocast_read = rec.step
-            rec.autocast = autocast_state(other=self.inputs.device_type(rec.step))  # from the tensors just kept: no second walk
+            if _any_autocast():  # else no region is on: nothing to look up
+                rec.autocast = autocast_state(other=self.inputs.device_type(rec.step))  # from the tensors just kept: no second walk
 
     def forward_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """After a forward: a hook on its output for the cotangent, when its :meth:`forward_pre`

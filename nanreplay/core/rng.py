@@ -432,7 +432,7 @@ class RNGReader:
             np_ = np.random.get_state()
         raw = self._torch_raw
         cpu = last.torch_cpu if raw.ok and raw.memcmp(raw.address, raw.key, _TORCH_CPU_BYTES) == 0 else self._torch_cpu(last)
-        cuda = self._cuda(last)
+        cuda = self._cuda(last) if last.torch_cuda or torch.cuda.is_initialized() else last.torch_cuda
         if py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:
             return last  # nothing moved: the same object (states are never modified in place)
         self._last = RNGState(py, np_, cpu, cuda)
