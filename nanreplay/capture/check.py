@@ -49,7 +49,7 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     norm before clipping), their host floats returned in order (``None`` for a ``None``); they
     take no part in the ranks' agreement."""
     if dist is None and norms and len(norms) <= HOST_NORMS and not any(map(is_not, extra, _NONE)) and \
-            (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and loss.device == norms[0].device)):
+            (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and (loss.is_cpu and norms[0].is_cpu or loss.device == norms[0].device))):
         return (*_read_norms(norms, loss), None, [None] * len(extra))  # the usual step
     norm = combined_norm(norms)
     present = [t for t in (norm, loss) if t is not None]

@@ -53,7 +53,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> list[torc
 
     if not tensors:
         return []
-    if tensors[0].device == tensors[-1].device:  # the usual case: one call, no Python work per tensor
+    if tensors[0].get_device() == tensors[-1].get_device():  # the usual case (an int compare, no device objects): one call
         try:
             return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
         except (TypeError, RuntimeError):  # several devices after all, float64, an older torch: by group
