@@ -201,3 +201,20 @@ def test_the_plan_names_the_last_checkpoint_when_no_snapshot_is_held(tmp_path):
     plan = rec.rollback_plan()
     assert (plan["step"], plan["restore_step"], plan["source"], plan["skip_steps"]) == (30, 20, "checkpoint", [30])
     assert rec.roll_back(plan) is None  # loading a checkpoint is the loop's job
+
+
+def test_band_take_is_floored_then_score_then_update():
+    """Band.take (one call per signal and step) judges as floored, score and update do one by one."""
+    import random
+
+    from nanreplay.capture.early import Band, EPS_FLOAT32
+
+    rnd = random.Random(3)
+    one, parts = Band(), Band()
+    for k in range(300):
+        y = math.log(math.exp(rnd.gauss(0, 0.2)) * (1e4 if k % 97 == 50 else 1.0) * (1e-9 if k % 131 == 70 else 1.0))
+        floored = parts.floored(y, EPS_FLOAT32)
+        expected = parts.score(floored)
+        parts.update(floored)
+        assert one.take(y, math.log(EPS_FLOAT32)) == expected
+        assert vars(one) == vars(parts)

@@ -58,3 +58,46 @@ def test_cuda_generator_roundtrip():
     a = torch.rand(4, device="cuda")
     _flat_roundtrip(s).restore()
     assert torch.equal(a, torch.rand(4, device="cuda"))
+
+
+TORCH_DRAWS = [
+    lambda: torch.rand(1),
+    lambda: torch.randn(1),   # makes two normals, caches one: the next randn(1) leaves the Twister alone
+    lambda: torch.randn(1),
+    lambda: torch.randn(1, dtype=torch.float64),
+    lambda: torch.randint(0, 10, (624,)),  # a whole Twister period
+    lambda: torch.nn.functional.dropout(torch.ones(16), 0.5),
+    lambda: torch.randperm(7),
+]
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_reader_sees_every_move_of_torchs_cpu_generator_and_only_those(monkeypatch, in_place):
+    """RNGReader (in place: one memcmp of the engine's bytes; else get_state() compared) hands back
+    the last state object exactly when torch's CPU generator did not move, and a state equal to
+    torch.get_rng_state() otherwise, cached normal samples included."""
+    from nanreplay.core import rng as rng_module
+
+    if not in_place:
+        monkeypatch.setattr(rng_module, "_engine_offset", lambda gen: None)  # a layout it does not know
+    reader = rng_module.RNGReader()
+    assert reader._torch_raw.ok is in_place
+    last = reader.capture()
+    for draw in TORCH_DRAWS:
+        assert reader.capture() is last  # nothing drawn since
+        draw()
+        now = reader.capture()
+        assert now is not last and torch.equal(now.torch_cpu, torch.get_rng_state())
+        last = now
+    torch.set_rng_state(torch.get_rng_state())  # set to the state it has (its padding bytes may change: then a copy)
+    assert torch.equal(reader.capture().torch_cpu, last.torch_cpu)
+
+
+def test_the_in_place_layout_is_checked_on_a_private_generator():
+    """Finding the engine's bytes draws only from a private generator: the process's own stream
+    is where it was."""
+    from nanreplay.core import rng as rng_module
+
+    before = torch.get_rng_state()
+    assert rng_module._engine_offset(torch.Generator()) is not None
+    assert torch.equal(torch.get_rng_state(), before)
