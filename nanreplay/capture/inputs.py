@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, Optional
 
 import torch
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["InputCapture"]
 
 _TENSOR = repeat(torch.Tensor)
+_TENSOR_OF = itemgetter(0)  # the tensor of a captured (tensor, version, address) tuple
 
 
 #: a captured tensor, kept per step as a tuple ``(tensor, version, storage address)``: the version
@@ -111,7 +113,7 @@ class InputCapture:
 
     def tensors(self, step: int) -> list[torch.Tensor]:
         """Every tensor captured for step ``step`` (references or copies), in capture order."""
-        return [t for t, _, _ in self._refs.get(step, ())]
+        return list(map(_TENSOR_OF, self._refs.get(step, ())))
 
     def device_type(self, step: int) -> Optional[str]:
         """The device type of the first tensor captured for step ``step`` that is not on the CPU, else ``None``."""

@@ -223,7 +223,7 @@ class Recorder:
         self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
             self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
-        self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
+        self._handles.append(optimizer.register_step_post_hook(self.end_step))
         if self.dist is not None:
             self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook, ring=self.ring)
 
@@ -419,9 +419,6 @@ class Recorder:
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.check_step()
 
-    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self.end_step()
-
     def check_step(self) -> Optional[bool]:
         """Check the gradients now (and the loss given to :meth:`log_loss`): one fused norm and
         one host read; under ``torch.distributed`` one small all-reduce too, so every rank takes
@@ -503,9 +500,10 @@ class Recorder:
             return self._pending_loss
         return self._amp.loss
 
-    def end_step(self) -> None:
+    def end_step(self, *hook_args: Any) -> None:
         """Close the step in progress: the next forward or :meth:`record` starts step
-        ``self.step + 1``. The optimizer step post-hook calls it."""
+        ``self.step + 1``. It is the optimizer's step post-hook (``hook_args``: the hook's
+        optimizer, args and kwargs, unused)."""
         pre = self._update.take() if self._update is not None else None
         rec = self.ring.current
         if rec is not None and rec.finite and self.config.capture_cotangent is None and self.loss_fn is not None and rec.batches:
