@@ -188,6 +188,9 @@ class _RawMT:
         self.owner = owner
         self.ok = False
         self._view: Any = None
+        #: where the state lives, and a copy of it as last taken (:meth:`take`), for ``memcmp``
+        self.address = address or 0
+        self.key = ctypes.create_string_buffer(_MT_BYTES)
         if address is None:  # a layout this reader does not know: never touch that memory
             return
         try:
@@ -198,6 +201,11 @@ class _RawMT:
 
     def read(self) -> bytes:
         return self._view.raw
+
+    def take(self) -> bytes:
+        """The state's bytes now, kept as :attr:`key` too (what the next comparison is against)."""
+        ctypes.memmove(self.key, self.address, _MT_BYTES)
+        return self.key.raw
 
 class PythonState(Sequence):
     """``random.getstate()``'s value ``(version, 625 words, gauss_next)`` kept as the generator's
@@ -408,27 +416,28 @@ class RNGReader:
         self._py_raw = _python_raw()
         self._np_raw = _numpy_raw()
         self._torch_raw = _RawTorchCPU(torch.default_generator)
+        self._memcmp = self._torch_raw.memcmp  # the C library's (None where not found: every read is a copy)
 
     def capture(self) -> RNGState:
         """The states now; parts unchanged since the last call are the same objects as then (and
         the whole state is the last one when nothing moved). Python's and NumPy's Twisters, read in
         place, are read inline (no call per generator: this runs once a step)."""
         last = self._last
-        py_raw, np_raw = self._py_raw, self._np_raw
-        if last is None or not (py_raw.ok and np_raw.ok):
+        py_raw, np_raw, memcmp = self._py_raw, self._np_raw, self._memcmp
+        if last is None or not (py_raw.ok and np_raw.ok) or memcmp is None:
             return self._capture_each(last)
+        # each Twister compared in place with its copy from the last read (no bytes object made)
         inst = self._py_inst
-        py_key = (py_raw._view.raw, inst.gauss_next)
-        if py_key == self._py_key:
+        gauss = inst.gauss_next
+        if memcmp(py_raw.address, py_raw.key, _MT_BYTES) == 0 and gauss == self._py_key[1]:
             py = last.python
         else:
-            self._py_key = py_key
-            py = PythonState(py_key[0], py_key[1], inst.VERSION)
-        np_key = np_raw._view.raw
-        if np_key == self._np_key and not last.numpy[3]:  # no Gaussian cached at the last read
+            self._py_key = (py_raw.take(), gauss)
+            py = PythonState(self._py_key[0], gauss, inst.VERSION)
+        if memcmp(np_raw.address, np_raw.key, _MT_BYTES) == 0 and not last.numpy[3]:  # no Gaussian cached at the last read
             np_ = last.numpy
         else:
-            self._np_key = np_key
+            self._np_key = np_raw.take()
             np_ = np.random.get_state()
         raw = self._torch_raw
         cpu = last.torch_cpu if raw.ok and raw.memcmp(raw.address, raw.key, _TORCH_CPU_BYTES) == 0 else self._torch_cpu(last)
@@ -452,7 +461,7 @@ class RNGReader:
     def _python(self, last: Optional[RNGState]) -> Any:
         if not self._py_raw.ok:
             return random.getstate()
-        raw, gauss = self._py_raw.read(), self._py_inst.gauss_next
+        raw, gauss = self._py_raw.take(), self._py_inst.gauss_next
         if last is not None and (raw, gauss) == self._py_key:
             return last.python
         self._py_key = (raw, gauss)
@@ -461,7 +470,7 @@ class RNGReader:
     def _numpy(self, last: Optional[RNGState]) -> Any:
         if not self._np_raw.ok:
             return np.random.get_state()
-        raw = self._np_raw.read()
+        raw = self._np_raw.take()
         if last is not None and raw == self._np_key and not last.numpy[3]:  # no Gaussian cached at the last read
             return last.numpy
         self._np_key = raw
