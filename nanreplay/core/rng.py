@@ -282,13 +282,17 @@ _TORCH_CPU_SEARCH = 256
 
 
 def _memcmp() -> Optional[Callable[[int, Any, int], int]]:
-    """The C library's ``memcmp`` through ctypes, or ``None`` where it cannot be found."""
-    try:
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        fn = libc.memcmp
-    except (OSError, AttributeError, TypeError):
+    """The C library's ``memcmp`` through ctypes, or ``None`` where it cannot be found: the
+    process's own symbols (Linux, macOS), else Windows' C runtime. (Not ``ctypes.util.find_library``,
+    which may run ``ldconfig`` in a subprocess.)"""
+    fn = None
+    for load in (lambda: ctypes.CDLL(None), lambda: ctypes.cdll.msvcrt):
+        try:
+            fn = load().memcmp
+            break
+        except (OSError, AttributeError, TypeError):
+            continue
+    if fn is None:
         return None
     fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     return fn
