@@ -9,8 +9,9 @@ so the tap attaches where the call is still eager:
   runs eagerly around the compiled forward (0 graph breaks);
 * ``model.compile()`` (before or after the Recorder is built): the module's compiled call is wrapped
   by an eager function (0 graph breaks); :meth:`ForwardTap.check` notices a later ``compile()``;
-* ``Recorder(model)`` then ``torch.compile(model)``: the hooks are wrapped in
-  ``torch.compiler.disable`` so they still run eagerly; on the first compiled call the tap finds
+* ``Recorder(model)`` then ``torch.compile(model)``: the hooks are marked for Dynamo to skip and,
+  when a Dynamo frame callback is active, run their work through ``torch.compiler.disable``, so
+  they still run eagerly (:func:`_eager`; a plain eager call pays neither); on the first compiled call the tap finds
   the ``OptimizedModule`` calling the model (a short walk up the Python stack), moves its hooks
   there and takes its own off the model (the post hook after the call in progress returns, so
   that call keeps its cotangent), so Dynamo recompiles once without them.
