@@ -26,10 +26,10 @@ _TENSOR = repeat(torch.Tensor)
 _TENSOR_OF = itemgetter(0)  # the tensor of a captured (tensor, version, address) tuple
 
 
-#: a captured tensor, kept per step as a tuple ``(tensor, version, storage address)``: the version
-#: counter at capture time for a reference (``None`` for a copy: nothing outside the Recorder can
-#: change it), the address of its storage while it is watched for reuse, else 0. (A tuple, not an
-#: object: two are made every step.)
+#: the version a copy keeps in its captured tuple. Each captured tensor is kept per step as
+#: ``(tensor, version, storage address)``: a reference keeps its version counter at capture time,
+#: a copy (which nothing outside the Recorder can change) this; the address is its storage's while
+#: it is watched for reuse, else 0. (Tuples, not objects: two or more are made every step.)
 _REF_COPY = None
 
 
@@ -48,7 +48,7 @@ class InputCapture:
         self.policy = copy_batch
         self.copying = copy_batch is True
         self._storages: dict[int, int] = {}        # storage address -> last step it was an input of (steps held only)
-        self._refs: dict[int, list[tuple]] = {}    # step -> every tensor captured in it (references or copies), _REF_COPY's tuples
+        self._refs: dict[int, list[tuple]] = {}    # step -> every tensor captured in it, as (tensor, version, address)
         self._same_step: Optional[int] = None
         self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
         #: ``spare(like)``: a recycled tensor of ``like``'s shape to copy a batch tensor into, or ``None``

@@ -357,7 +357,6 @@ def _engine_offset(gen: torch.Generator) -> Optional[int]:
     ``gen``, checked by drawing from it (:class:`_RawTorchCPU`); ``None`` when not found or when
     a change of ``get_state()`` does not show there."""
     gen.manual_seed(20240601)
-    gen.get_state()
     impl = _impl_address(gen)
     if not impl:
         return None
