@@ -37,6 +37,9 @@ import dataclasses
 import logging
 import math
 import time
+from functools import partial
+from itertools import chain
+from operator import attrgetter, is_not, itemgetter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,6 +69,9 @@ from .update import UpdateCheck, check_update
 logger = logging.getLogger(__name__)
 
 __all__ = ["Recorder", "RecorderConfig", "model_info", "WAIT_STEPS", "WAIT_SECONDS"]
+
+_PARAMS, _GRAD = itemgetter("params"), attrgetter("grad")
+_NOT_NONE = partial(is_not, None)  # a gradient that exists
 
 #: most finite steps whose scalar history and early warning wait to be taken in together (:meth:`Recorder._digest`)
 WAIT_STEPS = 64
@@ -407,10 +413,10 @@ class Recorder:
 
     # -- steps ---------------------------------------------------------------------------------
     def _grad_tensors(self) -> list[torch.Tensor]:
-        """The gradients :meth:`_grads` pairs with their FQNs, in the same order, without the names."""
-        if self._sharded:
-            return [local(p.grad) for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        """The gradients :meth:`_grads` pairs with their FQNs, in the same order, without the names
+        (walked by C iterators: no Python bytecode per parameter)."""
+        grads = filter(_NOT_NONE, map(_GRAD, chain.from_iterable(map(_PARAMS, self.optimizer.param_groups))))
+        return list(map(local, grads) if self._sharded else grads)
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         sharded, fqn = self._sharded, self._param_fqn
