@@ -516,12 +516,19 @@ class SpikeWatch:
         if rows:
             self._alarm(rec.step, rows, rec, grads, live)
 
-    def judge_late(self, step: int, loss: Optional[float], grad_norm: Optional[float], lrs: list) -> None:
-        """Feed a finite step judged after it is over, from its host values alone (its record may
-        have left the ring buffer, its gradients are gone): every row acts as ``"warn"``, no bundle."""
-        rows = self._observe(step, loss, grad_norm, lrs)
-        if rows:
-            self._alarm(step, rows, None, None, None)
+    def judge_late(self, steps: list[tuple[int, Optional[float], Optional[float], list]]) -> None:
+        """Feed finite steps judged after they are over, ``(step, loss, grad norm, lrs)``, oldest
+        first (the Recorder's batch of waiting steps), from their host values alone (their records
+        may have left the ring buffer, their gradients are gone): every row acts as ``"warn"``, no
+        bundle; the episode log hears of them once."""
+        self.log.finite()
+        early = self.early
+        if early is None:
+            return
+        for step, loss, grad_norm, lrs in steps:
+            rows = early.observe(step, loss=loss, grad_norm=grad_norm, lrs=[x for x in lrs if not isinstance(x, torch.Tensor)])
+            if rows:
+                self._alarm(step, rows, None, None, None)
 
     def _observe(self, step: int, loss: Optional[float], grad_norm: Optional[float], lrs: list) -> list[dict]:
         self.log.finite()

@@ -260,9 +260,11 @@ class Recorder:
         if not waiting:
             return
         self._waiting = []
+        add = self._scalars.add
         for step, loss, norm, lrs, pre_clip, scale in waiting:
-            self._scalars.add(step, loss, norm, lrs, True, scale, pre_clip)
-            self._spike_watch.judge_late(step, loss, norm if pre_clip is None else pre_clip, lrs)
+            add(step, loss, norm, lrs, True, scale, pre_clip)
+        self._spike_watch.judge_late([(step, loss, norm if pre_clip is None else pre_clip, lrs)
+                                      for step, loss, norm, lrs, pre_clip, _ in waiting])
 
     @property
     def _current(self) -> Optional[StepRecord]:
