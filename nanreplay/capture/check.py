@@ -50,9 +50,7 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     take no part in the ranks' agreement."""
     if dist is None and norms and len(norms) <= HOST_NORMS and not any(map(is_not, extra, _NONE)) and \
             (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and (loss.is_cpu and norms[0].is_cpu or loss.device == norms[0].device))):
-        if CPU_READS_EACH and norms[0].is_cpu and (loss is None or loss.is_cpu):  # the usual CPU step: each norm read as it is
-            return total_norm(list(map(float, norms))), (float(loss) if loss is not None else None), None, [None] * len(extra)
-        return (*_read_stacked(norms, loss), None, [None] * len(extra))  # the usual step on a device
+        return (*_read_norms(norms, loss), None, [None] * len(extra))  # the usual step
     norm = combined_norm(norms)
     present = [t for t in (norm, loss) if t is not None]
     more = [t for t in extra if t is not None]
@@ -77,10 +75,12 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     return g, lo, agreed, [None if t is None else next(tail) for t in extra]
 
 
-def _read_stacked(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[float, Optional[float]]:
+def _read_norms(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[float, Optional[float]]:
     """(total grad norm, loss) from the per-tensor norms and a 0-dim float32 loss on their device,
-    in one host read (a device's path; on the CPU, where nothing waits on a device, :func:`read_check`
-    reads each norm as it is, cheaper than stacking them first)."""
+    in one host read (on the CPU, where nothing waits on a device, each read as it is: cheaper
+    than stacking them first)."""
+    if CPU_READS_EACH and norms[0].is_cpu and (loss is None or loss.is_cpu):
+        return total_norm(list(map(float, norms))), (float(loss) if loss is not None else None)
     vals = torch.stack([*norms, loss] if loss is not None else norms).tolist()
     lo = vals.pop() if loss is not None else None
     return total_norm(vals), lo

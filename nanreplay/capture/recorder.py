@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Recorder", "RecorderConfig", "model_info", "WAIT_STEPS", "WAIT_SECONDS"]
 
-_PARAMS, _GRAD = itemgetter("params"), attrgetter("grad")
+_PARAMS, _GRAD, _LR = itemgetter("params"), attrgetter("grad"), itemgetter("lr")
 _NOT_NONE = partial(is_not, None)  # a gradient that exists
 
 #: most finite steps whose scalar history and early warning wait to be taken in together (:meth:`Recorder._digest`)
@@ -208,10 +208,8 @@ class Recorder:
         self._actions.final_plan = self._spike_watch.final_plan  # the plan a give-up (skip past max_consecutive) carries
         self._scalars = ScalarHistory(self.config.history_steps)
         self._dump.history = self._scalars  # every dump comes after a _digest
-        # finite steps whose scalar history and early warning wait to be taken in together (_digest):
-        # only where the early warning acts by a log line alone and needs no state of the step
-        # (step, loss, grad norm, lrs, grad norm before clipping, loss scale): host values only, so a
-        # waiting step holds nothing of its record (which may leave the ring buffer meanwhile)
+        # finite steps waiting to be taken in together (_digest), where the early warning acts by a log line alone: host
+        # values (step, loss, grad norm, lrs, norm before clipping, loss scale), nothing of their records (they may leave the ring)
         self._waiting: Optional[list[tuple]] = (
             [] if self.config.on_spike in (None, "warn") and not self.config.snapshot_every and self.config.check_every == 1 else None)
         self._waiting_since = 0.0
@@ -446,7 +444,7 @@ class Recorder:
             return True
         self._tap.check()
         rec = self.ring.current or self._steps.begin(capture=False)
-        rec.lrs = [g["lr"] if type(g["lr"]) is float else lr_value(g["lr"]) for g in self.optimizer.param_groups]
+        rec.lrs = list(map(lr_value, map(_LR, self.optimizer.param_groups)))
         norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
         # the step's loss (None without one or with check_loss=False) and its micro-batches' losses, taken
         loss, micro = self._step_loss() if self.config.check_loss else None, self._micro_losses
