@@ -5,6 +5,7 @@ running total of held bytes that equals a full recount."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -261,3 +262,38 @@ def test_finite_steps_wait_and_are_taken_in_before_anything_reads_them(out_dir, 
     assert [r[0] for r in rec._history.rows] == list(range(len(data)))
     with Recorder(mlp(2), opt, out_dir=out_dir, on_spike="dump") as other:
         assert other._waiting is None  # a spike action that needs the step's own state: judged at once
+
+
+def test_an_eager_forward_runs_the_hooks_without_dynamos_disable_wrapper(out_dir, monkeypatch):
+    """On a plain eager model the forward hooks call the step's callbacks directly: no
+    torch.compiler.disable wrapper setting Dynamo's eval frame around them (C calls and a Python
+    frame each, every step), so a recorded step sets it as often as a plain one (the optimizer's
+    own step does); under a compiled call they still go through it (tests/engine/test_compile.py)."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    def eval_frame_sets(rec):
+        torch.manual_seed(0)
+        model = mlp(2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = batches(4)
+        with rec(model, opt) if rec else contextlib.nullcontext() as r:
+            (step if r else plain_step)(r, model, opt, data[0])
+            calls = []
+            original = eval_frame.set_eval_frame
+            monkeypatch.setattr(eval_frame, "set_eval_frame", lambda cb: calls.append(cb) or original(cb))
+            for b in data[1:]:
+                (step if r else plain_step)(r, model, opt, b)
+            monkeypatch.undo()
+            if r:
+                assert [len(s.forwards) for s in r.ring] == [1, 1, 1, 1]  # the hooks ran, every step
+        return len(calls)
+
+    def plain_step(_, model, opt, batch):
+        loss = loss_fn(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    plain = eval_frame_sets(None)
+    recorded = eval_frame_sets(lambda model, opt: Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir))
+    assert recorded == plain
