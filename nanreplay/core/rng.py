@@ -314,7 +314,8 @@ class _RawTorchCPU:
     def __init__(self, gen: torch.Generator) -> None:
         self.ok = False
         #: where the engine's bytes are, the copy they are compared with, and ``memcmp`` (the reader
-        #: inlines :meth:`moved`'s comparison, once a step)
+        #: inlines :meth:`same_impl` and :meth:`moved`, once a step); once found, ``impl_view`` reads
+        #: the generator's C++ object pointer in place and ``impl`` is its value then
         self.address = 0
         self.key = ctypes.create_string_buffer(_TORCH_CPU_BYTES)
         self.memcmp = _memcmp()
@@ -324,11 +325,22 @@ class _RawTorchCPU:
             offset = _engine_offset(torch.Generator())
             if offset is None:
                 return
-            self.address = _impl_address(gen) + offset
+            self._gen = gen  # kept alive: its object holds the pointer read below
+            self.impl_view = ctypes.c_void_p.from_address(id(gen) + object.__basicsize__)
+            self.impl = self.impl_view.value
+            self.address = self.impl + offset
             ctypes.memmove(self.key, self.address, _TORCH_CPU_BYTES)
             self.ok = _state_words(gen.get_state()) == self.key.raw[20:20 + 624 * 4]
         except Exception:  # noqa: BLE001 - any surprise: the caller reads get_state()
             self.ok = False
+
+    def same_impl(self) -> bool:
+        """Whether the generator still holds the C++ object found at construction (torch gives a
+        CPU generator no way to swap it; checked each step all the same, before reading its
+        memory): when not, :attr:`ok` turns off for good."""
+        if self.impl_view.value != self.impl:
+            self.ok = False
+        return self.ok
 
     def moved(self) -> bool:
         """Whether the generator's state differs from the one at the last call (or construction);
@@ -443,7 +455,8 @@ class RNGReader:
             self._np_key = np_raw.take()
             np_ = np.random.get_state()
         raw = self._torch_raw
-        cpu = last.torch_cpu if raw.ok and raw.memcmp(raw.address, raw.key, _TORCH_CPU_BYTES) == 0 else self._torch_cpu(last)
+        cpu = (last.torch_cpu if raw.ok and raw.impl_view.value == raw.impl and raw.memcmp(raw.address, raw.key, _TORCH_CPU_BYTES) == 0
+               else self._torch_cpu(last))  # same_impl() and not moved(), inline
         cuda = self._cuda(last) if last.torch_cuda or torch.cuda.is_initialized() else last.torch_cuda
         if py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:
             return last  # nothing moved: the same object (states are never modified in place)
@@ -480,7 +493,7 @@ class RNGReader:
         return np.random.get_state()
 
     def _torch_cpu(self, last: Optional[RNGState]) -> torch.Tensor:
-        if self._torch_raw.ok:
+        if self._torch_raw.ok and self._torch_raw.same_impl():
             if not self._torch_raw.moved() and last is not None:
                 return last.torch_cpu
             now = torch.default_generator.get_state()

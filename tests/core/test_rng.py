@@ -101,3 +101,19 @@ def test_the_in_place_layout_is_checked_on_a_private_generator():
     before = torch.get_rng_state()
     assert rng_module._engine_offset(torch.Generator()) is not None
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_in_place_reader_stops_reading_memory_it_no_longer_knows():
+    """Should the generator ever hold another C++ object than the one found at construction, the
+    reader stops reading that memory and reads get_state() from then on, still exactly."""
+    from nanreplay.core import rng as rng_module
+
+    reader = rng_module.RNGReader()
+    assert reader._torch_raw.ok
+    last = reader.capture()
+    reader._torch_raw.impl += 64  # as if the pointer had changed since
+    torch.rand(1)
+    now = reader.capture()
+    assert not reader._torch_raw.ok
+    assert now is not last and torch.equal(now.torch_cpu, torch.get_rng_state())
+    assert reader.capture() is now  # unchanged, through get_state()
