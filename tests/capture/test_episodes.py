@@ -352,9 +352,11 @@ def test_the_trainer_callbacks_register_the_trainers_checkpoints(tmp_path, frame
         else:
             cb.on_save(SimpleNamespace(output_dir=str(tmp_path / "hf")), SimpleNamespace(global_step=6), None)
         cb.recorder = None
-    path = str(tmp_path / "hf" / "checkpoint-5") if framework == "transformers" else None
-    assert rec._watch.log.checkpoints[0] == {"step": 5, "path": path, "finite": True}
-    assert rec._watch.log.checkpoints[1] == {"step": 6, "path": path and path.replace("-5", "-6"), "finite": False}
+    def path(step: int):
+        return str(tmp_path / "hf" / f"checkpoint-{step}") if framework == "transformers" else None
+
+    assert rec._watch.log.checkpoints[0] == {"step": 5, "path": path(5), "finite": True}
+    assert rec._watch.log.checkpoints[1] == {"step": 6, "path": path(6), "finite": False}  # built per step: the tmp dir may hold "-5"
     assert rec.extra_meta["last_checkpoint_step"] == 6 and rec.extra_meta["last_checkpoint_global_step"] == 6
 
 
