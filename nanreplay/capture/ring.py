@@ -303,9 +303,11 @@ class Spares:
     mappings, and only when ``room(bytes)`` says they fit: a quarter of the budget); free spares
     count against the budget (:meth:`nbytes`, :meth:`RingBuffer.kept_bytes`) and are dropped
     before any step is evicted. The input capture copies small batch tensors into spares too
-    (:attr:`~nanreplay.capture.inputs.InputCapture.spare`). Measured with ``capacity=1000``
-    (``bench/README.md``): once the ring is full the RSS stays flat (+0.5 MiB over 1,900 steps,
-    from +20-34 MiB before).
+    (:attr:`~nanreplay.capture.inputs.InputCapture.spare`). A burst is zero-filled: its pages are
+    the process's at once (the budget counts them from then on), so the RSS does not creep up by
+    the ring's size as the ring fills. Measured with ``capacity=1000`` (``bench/README.md``): 2.1
+    MiB of RSS growth over steps 100-3,000 (28 MiB while the ring filled, before the fill), 0.3 MiB
+    once the ring is full.
 
     Off (``on=False``) for a ring shorter than :data:`RECYCLE_FROM` steps: the few allocations it
     pins turn over within a few steps, so recycling (a copy and a few reference counts a step,
@@ -344,7 +346,7 @@ class Spares:
         size = like.numel() * like.element_size()
         if self.burst > 1 and key not in self._made and size <= BURST_MAX_BYTES and (self._room is None or self._room(size * self.burst)):
             self._made.add(key)
-            made = [torch.empty(like.shape, dtype=like.dtype, device=like.device) for _ in range(self.burst)]
+            made = [torch.zeros(like.shape, dtype=like.dtype, device=like.device) for _ in range(self.burst)]  # touched now
             t = made.pop()
             self._free[key] = made
             self._bytes += size * len(made)
