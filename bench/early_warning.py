@@ -304,12 +304,9 @@ def margins(rows: list) -> tuple[float, float]:
             y = _log(x)
             if y is None:
                 continue
-            if name != "lr":
-                y = bands[name].floored(y, early.EPS_FLOAT32)
-            z = bands[name].score(y)
+            z = bands[name].take(y, math.log(early.EPS_FLOAT32) if name != "lr" else None)  # floored, scored, taken in
             if z is not None:
                 zmax = max(zmax, z)
-            bands[name].update(y)
             if name == "loss":
                 d = bands[name].drift_ratio()
                 if d is not None:

@@ -512,6 +512,7 @@ class SpikeWatch:
         mode, where the step is long past: then every row acts as ``"warn"``). ``live``: the
         live state for the bundle (a callable returning a :class:`Snapshot`). ``grad_norm``: the
         norm to judge when it is not the check's (the norm before clipping)."""
+        self.log.finite()
         rows = self._observe(rec.step, rec.loss, rec.grad_norm if grad_norm is None else grad_norm, rec.lrs)
         if rows:
             self._alarm(rec.step, rows, rec, grads, live)
@@ -522,16 +523,13 @@ class SpikeWatch:
         may have left the ring buffer, their gradients are gone): every row acts as ``"warn"``, no
         bundle; the episode log hears of them once."""
         self.log.finite()
-        early = self.early
-        if early is None:
-            return
         for step, loss, grad_norm, lrs in steps:
-            rows = early.observe(step, loss=loss, grad_norm=grad_norm, lrs=[x for x in lrs if not isinstance(x, torch.Tensor)])
+            rows = self._observe(step, loss, grad_norm, lrs)
             if rows:
                 self._alarm(step, rows, None, None, None)
 
     def _observe(self, step: int, loss: Optional[float], grad_norm: Optional[float], lrs: list) -> list[dict]:
-        self.log.finite()
+        """The early warning's rows for one finite step (``[]`` with ``on_spike=None``); host learning rates only."""
         if self.early is None:
             return []
         return self.early.observe(step, loss=loss, grad_norm=grad_norm, lrs=[x for x in lrs if not isinstance(x, torch.Tensor)])

@@ -309,7 +309,7 @@ def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
     on each floating leaf."""
     if isinstance(output, torch.Tensor):  # the common case, without a tree
         fw.cotangent = None
-        if output.requires_grad and (output.is_floating_point() or output.is_complex()):  # is_float, inline: once a step
+        if output.requires_grad and is_float(output):
             node = output.grad_fn
             if node is not None:  # a pre-hook of the node that made it: torch's C++ registration, no handle dict
                 node.register_prehook(functools.partial(_keep_node_cotangent, fw, output.output_nr))
@@ -344,14 +344,11 @@ def _keep_node_cotangent(fw: ForwardRecord, nr: int, grad_outputs: tuple) -> Non
         fw.cotangent = g.detach()
 
 
-def autocast_state(*trees: Any, other: Optional[str] = None) -> Optional[dict]:
+def autocast_state(other: Optional[str] = None) -> Optional[dict]:
     """``{"device_type", "dtype"}`` of the autocast region the model's forward runs in, or
     ``None`` outside autocast; replay runs the step under the same autocast. The device types
-    looked at are the CPU's and that of the first tensor of ``trees`` on another device, or, with
-    no ``trees``, ``other`` (the inputs' device type when it is not the CPU, as the input capture
-    tells it: :meth:`~nanreplay.capture.inputs.InputCapture.device_type`)."""
-    if trees:
-        other = next((t.device.type for t in pytree.tree_leaves(trees) if isinstance(t, torch.Tensor) and not t.is_cpu), None)
+    looked at are the CPU's and ``other``, the inputs' device type when it is not the CPU (as the
+    input capture tells it: :meth:`~nanreplay.capture.inputs.InputCapture.device_type`)."""
     kinds = ["cpu"] if other is None else ["cpu", other]
     for dev in reversed(kinds):
         try:

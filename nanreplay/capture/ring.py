@@ -120,7 +120,7 @@ class RingBuffer:
                 self.spares.settle(rec)
             n = self._tensor_bytes(rec)
             self._cache[rec.step] = n
-            self._done += n + (rec.snapshot.nbytes() if rec.snapshot is not None else 0)
+            self._done += n + _snapshot_bytes(rec)
         self.current = None
 
     def make_room(self) -> None:
@@ -355,9 +355,7 @@ class Spares:
 
     def settle(self, rec: StepRecord) -> None:
         """The step is over: each cotangent it keeps as a plain tensor moves into a spare, when one
-        fits (the one autograd allocated is freed)."""
-        if not self.on:
-            return
+        fits (the one autograd allocated is freed; with the spares off, :meth:`take` finds none)."""
         for fw in rec.forwards:
             c = fw.cotangent
             if isinstance(c, torch.Tensor) and c.is_contiguous() and not c.requires_grad:  # an expanded one holds next to nothing

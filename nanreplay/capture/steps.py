@@ -135,7 +135,7 @@ class StepStart:
         if rec.autocast is None and self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
             self._autocast_read = rec.step
             if _any_autocast():  # else no region is on: nothing to look up
-                rec.autocast = autocast_state(other=self.inputs.device_type(rec.step))  # from the tensors just kept: no second walk
+                rec.autocast = autocast_state(self.inputs.device_type(rec.step))  # from the tensors just kept: no second walk
 
     def forward_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """After a forward: a hook on its output for the cotangent, when its :meth:`forward_pre`
