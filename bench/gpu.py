@@ -28,7 +28,7 @@ so a run cut short keeps what it measured:
    of a step call (the host's own work, or its wait at a sync). Then, per variant, host syncs
    counted by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``: one warning per
    synchronizing operation) beside the Python-level count of ``bench/overhead.py``'s
-   ``SyncCounter``; the sync-free mode's steps between reads run under ``"error"`` mode, where
+   ``SyncCounter``; the sync-free mode's steps that made no synchronizing call run under ``"error"`` mode, where
    any sync raises. Targets on the 124M model: default Recorder <= 1.01x, ``check_every=8`` <=
    1.005x; a missed target adds a ``torch.profiler`` summary of the recorded step against the
    plain one (the host ops that make the floor).
@@ -390,7 +390,7 @@ def sync_free_error_mode(v: Any, syncs: dict, batches: list, plan: Plan, offset:
         except RuntimeError as e:
             raised.append(f"step {j} after the count: {_short(e)} (at {_where(e)})")
             break  # the step stopped half way: this variant's later steps would say nothing
-    return {"check_every": every, "read_phase": [i for i, p in enumerate(pattern) if p], "steps_under_error_mode": checked,
+    return {"check_every": every, "read_phase": [i for i, p in enumerate(pattern) if p], "steps_under_error_mode": checked, "steps": plan.sync_steps,
             "raised": raised, "cuda": plan.device.type == "cuda"}
 
 
@@ -595,6 +595,7 @@ def bench_dump_replay(run: Run, key: str, deadline: float) -> dict:
                 diagnose_s=(log.seconds(r"^nanreplay: diagnosis of step %d \(", 1) or [None])[0],
                 summary=diag.get("summary"), verdict=(diag.get("reproduction") or {}).get("verdict"),
                 origin=(diag.get("origin") or {}).get("module"),
+                log=[r.getMessage()[:600] for r in log.records if r.levelno >= logging.WARNING][-12:],  # what the dump said
             )
             res["in_process_x_step"] = res["in_process_s"] / step
             res["bundle_x_state"] = res["bundle_bytes"] / res["training_state_bytes"]
@@ -743,7 +744,8 @@ def _sync_free_and_profile_lines(model: str, sec: dict) -> list[str]:
     e = sec.get("sync_free_error_mode")
     if isinstance(e, dict) and "error" not in e:
         lines.append(f"{model}: sync-free mode (check_every={e['check_every']}) under `set_sync_debug_mode(\"error\")`: "
-                     f"{e['steps_under_error_mode']} steps between reads, {len(e['raised'])} raised"
+                     f"{e['steps_under_error_mode']} steps of {e.get('steps', e['steps_under_error_mode'])} (those that made no "
+                     f"synchronizing call when counted), {len(e['raised'])} raised"
                      + (f" ({e['raised'][0]})" if e["raised"] else "") + ("" if e["cuda"] else " (no CUDA: nothing to raise)") + ".")
     elif _err(e):
         lines.append(f"{model}: sync-free mode under error mode: {_err(e)}")
