@@ -103,21 +103,28 @@ class RecorderConfig:
             ``init_scale=2**32`` skips about 20 steps in a row); skips at a falling scale no longer
             count, so the same value now only catches a stuck scale. Default 10.
         check_every: read the check's verdict on the host every N steps (1 = every step, one host
-            sync per step). With N > 1 the check is sync-free in between: each step's grad norm
-            (and loss) stays a device scalar, and a device-side latch copies the step's pre-step
-            weights, optimizer state tensors and gradients into one preallocated slot, with
-            ``torch.where`` under the latch, until a non-finite step sets it; from then on the slot
-            is frozen. When the host reads the verdicts (one ``tolist()`` every N steps, and at
-            :meth:`Recorder.close`) and finds the first non-finite step k, the bundle holds step
-            k's batch, RNG states, learning rates, step-start buffers (from the ring buffer, whose
-            unchecked steps are never evicted), pre-step weights, optimizer state and gradients
-            (from the slot): the same content as with N = 1. What differs: steps k+1.. ran on the
-            corrupted weights until the host learned of it; ``"raise"`` and ``"skip"`` put the
-            weights and optimizer state back to step k's pre-step values (``"skip"`` then goes
-            on from there, so the updates of steps k..k+N-1 are dropped), ``"warn"`` leaves them.
-            Cost per step: one masked copy of params + optimizer state + gradients (read 2x,
-            write 1x; about 4x the parameter bytes for Adam, held once). Worth it where a host
-            sync costs more than that copy (GPUs); on CPU a sync is free and N = 1 is cheaper.
+            sync per step). With N > 1 the check is sync-free: each step's grad norm (and loss)
+            stays a device scalar, copied on CUDA to pinned host memory as it is made, and a
+            device-side latch copies the step's pre-step weights, optimizer state tensors and
+            gradients into one preallocated slot, with ``torch.where`` under the latch, until a
+            non-finite step sets it; from then on the slot is frozen. With a fused optimizer
+            (``fused=True``) and ``"raise"`` or ``"skip"`` only the gradients are copied: the
+            optimizer gets the latch as its ``found_inf`` (as under a GradScaler) and skips its own
+            update from the first non-finite step on. The host reads the verdicts of N steps in the
+            optimizer pre-hook of the step after them, before that step's own, so on CUDA it waits
+            only for an event that step's queued forward and backward pass follow (no stream
+            sync: the device never runs dry), and at :meth:`Recorder.close`. When it finds the
+            first non-finite step k, the bundle holds step k's batch, RNG states, learning rates,
+            step-start buffers (from the ring buffer, whose unchecked steps are never evicted),
+            pre-step weights, optimizer state and gradients (from the slot): the same content as
+            with N = 1. What differs: steps k+1 .. up to N later ran on the corrupted (or, frozen,
+            on step k's) weights until the host learned of it; ``"raise"`` and ``"skip"`` put the
+            weights and optimizer state back to step k's pre-step values (``"skip"`` then goes on
+            from there, so the updates of step k and those after it up to the read are dropped),
+            ``"warn"`` leaves them. Cost per step: one masked copy of params + optimizer state +
+            gradients (read 2x, write 1x; about 4x the parameter bytes for Adam, held once), of
+            the gradients alone with a fused optimizer. Worth it where a host sync costs more
+            than that copy (GPUs); on CPU a sync is free and N = 1 is cheaper.
         check_update: also check the optimizer update (off by default). Every step, the
             pre-step weights and optimizer state are copied in the step pre-hook (one copy of
             params + optimizer state: about 3x the parameter bytes for Adam, in memory and in

@@ -31,7 +31,7 @@ from .sharded import local
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaggedCheck", "Latch", "check_combination", "nonfinite_flag"]
+__all__ = ["LaggedCheck", "Latch", "can_freeze", "check_combination", "nonfinite_flag"]
 
 
 def check_combination(config: Any, *, scaler: Any) -> None:
@@ -62,8 +62,19 @@ def nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -
     return out
 
 
-def _layout(spec: object, tensors: list) -> tuple:
-    return (str(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+def _layout(tensors: list) -> tuple:
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _nbytes(tensors: list) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def can_freeze(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips its own update on the device when given a ``found_inf`` flag,
+    as it does under a GradScaler: torch's fused optimizers (``fused=True``: Adam, AdamW, SGD,
+    Adagrad) say so with ``_step_supports_amp_scaling``."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 class Latch:
@@ -78,49 +89,94 @@ class Latch:
     right while nothing has latched, so a layout change also reads the latch (the one case that
     syncs between checks: the first step of a fresh optimizer, and the first after a param starts
     receiving gradients).
+
+    With ``freeze`` (a fused optimizer, whose update the flag skips on the device: the
+    Recorder sets ``optimizer.found_inf`` to ``latched``, as GradScaler does) the params and
+    optimizer state stay as they were before the first non-finite step by themselves: only the
+    gradients are latched, the slot holds no copy of the weights (a third of the bytes and of
+    the per-step ``where`` calls for Adam).
+
+    Tensors off the flag's device type (a non-fused optimizer's ``step`` counters stay on the
+    CPU beside CUDA weights) cannot be selected by a device flag without a sync: each step's
+    values of those are kept on the host (:meth:`update`'s ``step``) and the first non-finite
+    step's are put in the slot when the host has read which step that was (:meth:`settle`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, freeze: bool = False) -> None:
+        self.freeze = freeze
         self.latched: Optional[torch.Tensor] = None  # 0-dim bool, device
         self.key: Optional[tuple] = None
         self.names: list[str] = []
         self.live_spec: Any = None
-        self.params: list[torch.Tensor] = []
-        self.opt: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
+        self.slot: list[torch.Tensor] = []  # the copies: params + optimizer state + gradients (gradients only with freeze)
+        self.live: list[torch.Tensor] = []  # with freeze: the live params + optimizer state tensors, not copied
+        self.split = (0, 0)  # (params, optimizer state tensors) counts
+        self.off: list[int] = []  # slot positions off the flag's device type, kept per step in history
+        self.history: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return (self.live if self.freeze else self.slot)[:self.split[0]]
+
+    @property
+    def opt(self) -> list[torch.Tensor]:
+        n_p, n_o = self.split
+        return (self.live if self.freeze else self.slot)[n_p:n_p + n_o]
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return self.slot[len(self.slot) - len(self.names):]
 
     def update(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads: list, bad: torch.Tensor, *,
-               room: Optional[Callable[[int], bool]] = None) -> bool:
-        """Move the latch for one step: ``grads`` are its ``(fqn, gradient)`` pairs, ``bad`` its
-        0-dim bool device flag (non-finite grad norm or loss). No host sync, but on a layout change.
-        ``room(nbytes)``: asked before the slot is (re)allocated; when it says no, nothing changes
-        and ``False`` is returned."""
+               room: Optional[Callable[[int], bool]] = None, step: int = 0) -> bool:
+        """Move the latch for step ``step``: ``grads`` are its ``(fqn, gradient)`` pairs, ``bad``
+        its 0-dim bool device flag (non-finite grad norm or loss). No host sync, but on a layout
+        change. ``room(nbytes)``: asked before the slot is (re)allocated; when it says no,
+        nothing changes and ``False`` is returned."""
         params = [(n, local(p).detach()) for n, p in model.named_parameters()]  # DTensor: this rank's shard
         opt_leaves, opt_spec = pytree.tree_flatten(optimizer.state_dict()["state"])
         opt_t = [local(t) for t in opt_leaves if isinstance(t, torch.Tensor)]
-        g = [t for _, t in grads]
-        key = (tuple(n for n, _ in params), _layout(opt_spec, opt_t), tuple(n for n, _ in grads), _layout(None, g))
+        g = [t.detach() for _, t in grads]
+        live = [p for _, p in params] + opt_t
+        copied = g if self.freeze else live + g
+        key = (tuple(n for n, _ in params), opt_spec, _layout(opt_t), tuple(n for n, _ in grads), _layout(g))
         dev = bad.device
         if key != self.key:
             if self.latched is not None and bool(self.latched):  # layout change after a latch: keep it frozen
                 self.latched = self.latched | bad
                 return True
-            if room is not None and not room(sum(t.numel() * t.element_size() for t in [p for _, p in params] + opt_t + g)):
+            if room is not None and not room(_nbytes(copied)):
                 return False
-            self.key, self.names, self.live_spec = key, [n for n, _ in grads], opt_spec
-            self.params = [p.clone() for _, p in params]
-            self.opt = [t.clone() for t in opt_t]
-            self.grads = [t.detach().clone() for t in g]
+            self.key, self.names, self.live_spec, self.split = key, [n for n, _ in grads], opt_spec, (len(params), len(opt_t))
+            self.slot = [t.clone() for t in copied]
+            self.off = [i for i, t in enumerate(copied) if t.device.type != dev.type]
+            self.history = {}
             self.latched = torch.zeros((), dtype=torch.bool, device=dev)
         else:
-            keep = self.latched
-            for dst, src in zip(self.params + self.opt + self.grads, [p for _, p in params] + opt_t + g):
-                torch.where(keep.to(dst.device), dst, src.detach(), out=dst)
+            keep, off = self.latched, set(self.off)
+            keeps = {dev: keep}
+            for i, (dst, src) in enumerate(zip(self.slot, copied)):
+                if i not in off:
+                    d = dst.device
+                    torch.where(keeps[d] if d in keeps else keeps.setdefault(d, keep.to(d)), dst, src, out=dst)
+        if self.off:
+            self.history[step] = [copied[i].clone() for i in self.off]
+        if self.freeze:
+            self.live = live
         self.latched = self.latched | bad
         return True
 
+    def settle(self, step: int) -> None:
+        """Put step ``step``'s values (the first non-finite step's, read on the host) of the
+        tensors off the flag's device into the slot."""
+        kept = self.history.get(step)
+        if kept is not None:
+            for i, t in zip(self.off, kept):
+                self.slot[i].copy_(t)
+
     def reset(self) -> None:
         """Open the latch again after a host check; the slot's tensors are kept for reuse."""
+        self.history = {}
         if self.latched is not None:
             self.latched = torch.zeros_like(self.latched)
 
@@ -145,7 +201,24 @@ class Latch:
         return list(zip(self.names, self.grads))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.params + self.opt + self.grads)
+        """Bytes of the copies the latch holds (the slot, and the host history of the tensors off the flag's device)."""
+        return _nbytes(self.slot) + sum(_nbytes(h) for h in self.history.values())
+
+
+def _to_host(values: list) -> tuple[Optional[torch.Tensor], Any]:
+    """A step's device scalars as one float32 tensor, and on CUDA its copy to pinned host memory
+    started now with the event that marks it done: ``(values, event or None)``. No sync."""
+    if not values:
+        return None, None
+    dev = values[0].device
+    flat = torch.stack([v.detach().reshape(()).to(device=dev, dtype=torch.float32) for v in values])
+    if dev.type != "cuda":
+        return flat, None
+    host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 class LaggedCheck:
@@ -154,22 +227,29 @@ class LaggedCheck:
     Args:
         every: ``check_every``, the steps between host reads.
         ring: the ring buffer: it pins the unchecked steps and counts the latch (as ``"latch"``).
+        freeze: the optimizer skips its update on the device once the latch holds
+            (:func:`can_freeze`; only where the action puts the pre-step state back anyway, so
+            the state after the host read is the same): :meth:`push` sets its ``found_inf``,
+            :meth:`after_step` takes it away.
 
     Attributes:
         latch: the :class:`Latch`. refused: bytes the latch needed when :meth:`push` refused it.
     """
 
-    def __init__(self, every: int, ring: Any) -> None:
+    def __init__(self, every: int, ring: Any, *, freeze: bool = False) -> None:
         self.every = every
         self.ring = ring
-        self.latch = Latch()
+        self.freeze = freeze
+        self.latch = Latch(freeze)
         self.refused = 0
-        self._pending: list[tuple[StepRecord, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        # per unread step: its record, whether it has a norm / a loss, their values (a device tensor, or on
+        # CUDA a pinned host buffer being filled) and the CUDA event recorded after the copy (else None)
+        self._pending: list[tuple[StepRecord, bool, bool, Optional[torch.Tensor], Any]] = []
 
     @property
     def pending(self) -> list[StepRecord]:
         """The steps whose verdict is still on the device, oldest first."""
-        return [r for r, _, _ in self._pending]
+        return [p[0] for p in self._pending]
 
     def push(self, rec: StepRecord, norm: Optional[torch.Tensor], loss: Optional[torch.Tensor], model: torch.nn.Module,
              optimizer: torch.optim.Optimizer, grads: list) -> bool:
@@ -185,10 +265,12 @@ class LaggedCheck:
 
         bad = nonfinite_flag(norm, loss)
         if bad is not None:
-            if not self.latch.update(model, optimizer, grads, bad, room=room):
+            if not self.latch.update(model, optimizer, grads, bad, room=room, step=rec.step):
                 return False
             self.ring.keep("latch", self.latch)
-        self._pending.append((rec, norm, loss))
+            if self.freeze:  # the fused update reads it (as under a GradScaler): skipped from the first non-finite step on
+                optimizer.found_inf = self.latch.latched.to(torch.float32)
+        self._pending.append((rec, norm is not None, loss is not None, *_to_host([t for t in (norm, loss) if t is not None])))
         self.ring.pin(rec)
         return True
 
@@ -197,18 +279,25 @@ class LaggedCheck:
         return len(self._pending) >= self.every
 
     def read(self) -> Optional[StepRecord]:
-        """Read every pending verdict (one host sync) into its step's ``grad_norm``, ``loss`` and
-        ``finite``, and unpin the steps. Returns the first non-finite step, whose pre-step state
-        and gradients the latch holds (the steps after it ran on corrupted weights: their
+        """Read every pending verdict into its step's ``grad_norm``, ``loss`` and ``finite``, and
+        unpin the steps. On CUDA the values were copied to pinned host memory when each step was
+        pushed, so this waits only for the event recorded after the last step's copy, never for
+        the stream's later work (the Recorder reads before it pushes the step in progress: the
+        forward and backward pass it has queued keep the device busy meanwhile); elsewhere it is
+        one host read. Returns the first non-finite step, whose pre-step state and gradients the
+        latch holds (the steps after it ran on corrupted weights, or on the frozen ones: their
         ``finite`` is ``None``); else ``None``, and the latch opens again."""
         pending, self._pending = self._pending, []
-        vals = [t.detach().reshape(()).to(torch.float32) for _, norm, loss in pending for t in (norm, loss) if t is not None]
-        host = iter(torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else [])  # the one sync
+        events = [p[4] for p in pending if p[4] is not None]
+        if events and not events[-1].query():  # stream order: the last copy done means all are
+            events[-1].synchronize()
+        vals = [p[3] for p in pending if p[3] is not None]
+        host = iter(torch.cat([v.to(vals[0].device) for v in vals]).tolist() if vals else [])  # one read (host memory on CUDA)
         first: Optional[StepRecord] = None
-        for r, norm, loss in pending:
+        for r, has_norm, has_loss, _, _ in pending:
             self.ring.unpin(r)
-            r.grad_norm = next(host) if norm is not None else None
-            r.loss = next(host) if loss is not None else None
+            r.grad_norm = next(host) if has_norm else None
+            r.loss = next(host) if has_loss else None
             if first is not None:
                 r.finite = None  # ran on corrupted weights: its verdict says nothing
                 continue
@@ -217,7 +306,14 @@ class LaggedCheck:
                 first = r
         if first is None:
             self.latch.reset()
+        else:
+            self.latch.settle(first.step)
         return first
+
+    @staticmethod
+    def after_step(optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step is over: the ``found_inf`` flag :meth:`push` gave it goes."""
+        optimizer.__dict__.pop("found_inf", None)
 
     @contextlib.contextmanager
     def pre_step_state(self, first: StepRecord, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, restore: bool,
@@ -231,7 +327,7 @@ class LaggedCheck:
         latch = self.latch
         state = latch.snapshot(optimizer.state_dict(), first)
         saved = None
-        if restore or diagnose:
+        if (restore or diagnose) and not latch.freeze:  # frozen: the live state is the pre-step state
             saved = None if restore else live_copy()
             restore_into(model, optimizer, state)
         try:
@@ -250,8 +346,9 @@ class LaggedCheck:
             "MiB), which memory_budget=%d bytes (%.2f MiB) cannot hold beside the step in progress; the check reads its "
             "verdict on the host every step from now on (check_every=1). Raise memory_budget to at least %d bytes (%.2f MiB) "
             "to keep it sync-free", self.every, self.refused, self.refused / MiB, budget, budget / MiB, required, required / MiB)
-        for r, _, _ in self._pending:
-            self.ring.unpin(r)
+        for p in self._pending:
+            self.ring.unpin(p[0])
         self._pending = []
         self.ring.release("latch")
         self.latch = Latch()
+        self.freeze = False

@@ -50,14 +50,14 @@ from ..core.callables import callable_path, callable_record, import_callable
 from ..core.numerics import combined_norm, fused_norm, tensor_norms
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
-from .actions import Actions, Incident
+from .actions import ACTIONS, Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info
 from .early import ScalarHistory, SpikeWatch
 from .check import explosion, lr_value, nonfinite_micro_batch, read_check
 from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
-from .lagged import LaggedCheck, check_combination
+from .lagged import LaggedCheck, can_freeze, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import is_sharded, local
 from .compiled import compile_state
@@ -174,7 +174,8 @@ class Recorder:
         self._inputs = InputCapture(self.config.copy_batch)
         self.ring = RingBuffer(self.config.capacity + self.config.check_every - 1, self.config.memory_budget,
                                model=self.model, inputs=self._inputs)
-        self._lagged = LaggedCheck(self.config.check_every, self.ring) if self.config.check_every > 1 else None
+        self._lagged = (LaggedCheck(self.config.check_every, self.ring, freeze=can_freeze(optimizer) and ACTIONS[self.config.action].restores)
+                        if self.config.check_every > 1 else None)
         self._update = UpdateCheck(self.ring) if self.config.check_update else None
 
         # the step in progress and the outcomes so far
@@ -324,6 +325,7 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        LaggedCheck.after_step(self.optimizer)  # a found_inf flag left by a step that raised
         self._steps.closed = True
         if self.dist is not None:
             self.dist.close()
@@ -452,11 +454,15 @@ class Recorder:
         pre, self._pending_grad_norm = self._pending_grad_norm, None
         if self._lagged is not None:
             rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
+            # the earlier steps' verdicts first: their values are on the host by now, and this step's forward and backward
+            # pass, queued, keep the device busy (reading after this step's push would wait for them)
+            if self._lagged.due() and self._check_pending(final=False):
+                rec.finite = None  # it ran on the weights of a non-finite episode; the action has dealt with its update
+                self._steps.seal(rec)
+                return None
             norm = combined_norm(norms)
             if self._lagged.push(rec, norm, loss, self.model, self.optimizer, self._grads()):
                 self._steps.seal(rec)
-                if self._lagged.due():
-                    self._check_pending(final=False)
                 return None
             self._lagged_off()
         scale_t = self._amp.scale_tensor() if self._amp is not None else None
@@ -519,6 +525,8 @@ class Recorder:
         self._actions.verify_skip(self.step)
         if self._amp is not None:
             self._amp.end_step()
+        if self._lagged is not None:
+            self._lagged.after_step(self.optimizer)
         self.step += 1
         self.ring.end()
         self._pending_loss, self._micro_losses, self._pending_grad_norm = None, [], None
@@ -533,10 +541,10 @@ class Recorder:
             self.ring.evict()
 
     # -- the sync-free check (check_every > 1) ------------------------------------------------------
-    def _check_pending(self, *, final: bool) -> None:
-        """Read the pending verdicts (one host sync) and handle the first non-finite step: put
-        back its pre-step state from the latch (``raise``, ``skip``; for the diagnosis only with
-        ``warn``), dump, act."""
+    def _check_pending(self, *, final: bool) -> bool:
+        """Read the pending verdicts (:meth:`LaggedCheck.read`) and handle the first non-finite
+        step: put back its pre-step state from the latch (``raise``, ``skip``; for the diagnosis
+        only with ``warn``), dump, act. Returns whether there was one (and the action did not raise)."""
         assert self._lagged is not None
         pending = self._lagged.pending
         first = self._lagged.read()
@@ -546,7 +554,7 @@ class Recorder:
                 self._watch.judge(r, None, self._live, grad_norm=r.grad_norm_pre_clip)
         if first is None:
             self._actions.finite()
-            return
+            return False
         bad_grad = first.grad_norm is not None and not math.isfinite(first.grad_norm)
         bad_loss = first.loss is not None and not math.isfinite(first.loss)
         with self._lagged.pre_step_state(first, self.model, self.optimizer, restore=self._actions.restores, diagnose=self.config.diagnose,
@@ -555,8 +563,9 @@ class Recorder:
                 self.nonfinite_steps.append(first.step)
                 if self._dump.allowed:
                     self._dump(first, grads, state, bad_grad=bad_grad, bad_loss=bad_loss)
-                return
+                return True
             self._handle_nonfinite(first, grads, bad_grad, bad_loss, state=state)
+        return True
 
     def _lagged_off(self) -> None:
         """The latch cannot grow to the size it needs within ``memory_budget``: read the verdicts
@@ -568,6 +577,7 @@ class Recorder:
         if lagged.pending:
             self._check_pending(final=False)
         self._lagged = None
+        lagged.after_step(self.optimizer)
         lagged.close(required)
         self.ring.capacity = self.config.capacity
 

@@ -83,12 +83,14 @@ def test_sync_free_mode_reads_the_device_once_per_check(out_dir):
     assert all(r.finite for r in rec.ring if r.grad_norm is not None)
 
 
-def _poisoned_run(out_dir, *, action, k=5, n=4, steps=12):
-    """Train an MLP with dropout and AdamW; the batch of step k holds an Inf. Returns the
-    recorder, the raised error, and what the loop knew at the start of step k."""
+def _poisoned_run(out_dir, *, action, k=5, n=4, steps=12, fused=False):
+    """Train an MLP with dropout and AdamW (``fused``: torch's fused kernel, whose update the
+    sync-free mode skips on the device from the first non-finite step); the batch of step k
+    holds an Inf. Returns the recorder, the raised error, and what the loop knew at the start of
+    step k."""
     torch.manual_seed(0)
     model = models.make_dropout_mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None)
     seen = {}
     err = None
     rec = Recorder(model, opt, out_dir=out_dir, check_every=n, action=action, capacity=2)
@@ -112,10 +114,13 @@ def _poisoned_run(out_dir, *, action, k=5, n=4, steps=12):
     return rec, err, seen, model, opt
 
 
-def test_sync_free_mode_bundles_the_failing_steps_own_state(out_dir):
-    rec, err, seen, model, opt = _poisoned_run(out_dir, action="raise", k=5, n=4)
-    # the host learns at the check that covers steps 4..7, and blames step 5, not step 7
-    assert err is not None and seen["raised_at"] == 7
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_sync_free_mode_bundles_the_failing_steps_own_state(out_dir, fused):
+    rec, err, seen, model, opt = _poisoned_run(out_dir, action="raise", k=5, n=4, fused=fused)
+    assert rec._lagged is None or rec._lagged.freeze == fused
+    # the host learns at the check that covers steps 4..7, made at step 8's (before its own verdict
+    # is pushed: the values of 4..7 are on the host by then), and blames step 5, not step 7
+    assert err is not None and seen["raised_at"] == 8
     assert err.step == 5 and rec.nonfinite_steps == [5]
     with open_bundle(err.bundle_path) as b:
         assert b.failing_step == 5
@@ -144,23 +149,58 @@ def test_sync_free_mode_bundles_the_failing_steps_own_state(out_dir):
             assert torch.equal(live[pid][key], v), (pid, key)
 
 
-def test_sync_free_skip_goes_on_from_the_failing_steps_weights(out_dir):
-    rec, err, seen, model, opt = _poisoned_run(out_dir, action="skip", k=5, n=4, steps=8)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_sync_free_skip_goes_on_from_the_failing_steps_weights(out_dir, fused):
+    rec, err, seen, model, opt = _poisoned_run(out_dir, action="skip", k=5, n=4, steps=9, fused=fused)
+    assert not hasattr(opt, "found_inf")  # the flag lives for one optimizer step
     assert err is None and rec.nonfinite_steps == [5] and len(rec.bundles) == 1
-    for nm, p in model.named_parameters():  # step 7 was the check: it was skipped too
+    for nm, p in model.named_parameters():  # step 8 was the check (of steps 4..7): it was skipped too
         assert torch.equal(p, seen["params"][nm]), nm
     _train_step(model, opt, torch.randn(4, 8), rec)  # recorder closed; training goes on finite
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_close_checks_the_steps_still_on_the_device(out_dir):
-    rec, err, seen, model, opt = _poisoned_run(out_dir, action="raise", k=5, n=8, steps=7)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_close_checks_the_steps_still_on_the_device(out_dir, fused):
+    rec, err, seen, model, opt = _poisoned_run(out_dir, action="raise", k=5, n=8, steps=7, fused=fused)
     assert err is None  # the check was not due yet when the loop ended
     assert rec.nonfinite_steps == [5] and len(rec.bundles) == 1
     with open_bundle(rec.bundles[0]) as b:
         assert b.failing_step == 5
         for nm, w in seen["params"].items():
             assert torch.equal(b.state().params[nm], w), nm
+
+
+def test_with_a_fused_optimizer_the_latch_copies_only_the_gradients(out_dir):
+    """A fused optimizer skips its own update on the device under ``found_inf`` (as under a
+    GradScaler): the sync-free mode gives it the latch's flag instead of copying the weights and
+    optimizer state every step, so the weights stop moving at the first non-finite step and stay
+    there until the host reads the verdicts; with ``action="warn"`` (nothing is put back) the
+    update is left alone and the latch copies everything."""
+    torch.manual_seed(0)
+    model = models.make_dropout_mlp()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for action, freeze in (("raise", True), ("warn", False)):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        with Recorder(m, opt, out_dir=out_dir, check_every=4, action=action, diagnose=False) as rec:
+            weights = []
+            for i in range(3):
+                x = torch.randn(4, 8)
+                if i == 1:
+                    x[0, 0] = float("nan")
+                _train_step(m, opt, x, rec)
+                weights.append({n: p.detach().clone() for n, p in m.named_parameters()})
+                assert not hasattr(opt, "found_inf")
+            latch = rec._lagged.latch
+            assert latch.freeze is freeze
+            assert latch.nbytes() == (grad_bytes if freeze else 2 * grad_bytes + sum(t.nbytes for t in latch.opt))
+            moved = [any(not torch.equal(a[n], b[n]) for n in a) for a, b in zip(weights, weights[1:])]
+            if freeze:  # step 1 (NaN) and step 2 left the weights as they were after step 0
+                assert moved == [False, False]
+                assert all(torch.isfinite(p).all() for p in m.parameters())
+            else:  # warn keeps the update: the weights took the NaN step
+                assert not all(torch.isfinite(p).all() for p in m.parameters())
 
 
 def test_recycled_snapshot_slots_hold_each_steps_own_weights(out_dir):

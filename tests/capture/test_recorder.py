@@ -347,7 +347,7 @@ def _storage_bytes_held(rec: Recorder, model: nn.Module) -> int:
     if pre is not None:
         add([pre.params, pre.buffers, pre.optimizer])
     if rec._lagged is not None:
-        add([rec._lagged.latch.params, rec._lagged.latch.opt, rec._lagged.latch.grads])
+        add([rec._lagged.latch.slot, list(rec._lagged.latch.history.values())])
     return total
 
 
