@@ -640,11 +640,11 @@ def machine_info(device: torch.device) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
         "nanreplay": nanreplay.__version__, "device": "cpu", "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
-    try:
+    try:  # NANREPLAY_COMMIT: the device tool copies the working tree, whose .git may be older than the files
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=str(ROOT), capture_output=True, text=True, timeout=10)
-        info["git"] = git.stdout.strip() or None
+        info["git"] = os.environ.get("NANREPLAY_COMMIT") or git.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
-        info["git"] = None
+        info["git"] = os.environ.get("NANREPLAY_COMMIT")
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         info.update(device=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,

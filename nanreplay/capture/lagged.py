@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 import contextlib
 import logging
 import math
+from itertools import chain
+from operator import attrgetter, is_, itemgetter
 
 import torch
 from torch.utils import _pytree as pytree
@@ -60,6 +62,9 @@ def nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -
     for f in flags[1:]:
         out = out | f.to(out.device)
     return out
+
+
+_PARAMS, _SHAPE = itemgetter("params"), attrgetter("shape")
 
 
 def _layout(tensors: list) -> tuple:
@@ -107,12 +112,14 @@ class Latch:
         self.latched: Optional[torch.Tensor] = None  # 0-dim bool, device
         self.key: Optional[tuple] = None
         self.names: list[str] = []
-        self.live_spec: Any = None
         self.slot: list[torch.Tensor] = []  # the copies: params + optimizer state + gradients (gradients only with freeze)
         self.live: list[torch.Tensor] = []  # with freeze: the live params + optimizer state tensors, not copied
         self.split = (0, 0)  # (params, optimizer state tensors) counts
         self.off: list[int] = []  # slot positions off the flag's device type, kept per step in history
         self.history: dict[int, list[torch.Tensor]] = {}
+        self.param_names: list[str] = []
+        self._ids: Any = None  # what identified the live params and optimizer state when the module tree was last walked
+        self._params: list = []
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -133,13 +140,11 @@ class Latch:
         its 0-dim bool device flag (non-finite grad norm or loss). No host sync, but on a layout
         change. ``room(nbytes)``: asked before the slot is (re)allocated; when it says no,
         nothing changes and ``False`` is returned."""
-        params = [(n, local(p).detach()) for n, p in model.named_parameters()]  # DTensor: this rank's shard
-        opt_leaves, opt_spec = pytree.tree_flatten(optimizer.state_dict()["state"])
-        opt_t = [local(t) for t in opt_leaves if isinstance(t, torch.Tensor)]
+        params, opt_t, ids = self._live_state(model, optimizer)
         g = [t.detach() for _, t in grads]
         live = [p for _, p in params] + opt_t
         copied = g if self.freeze else live + g
-        key = (tuple(n for n, _ in params), opt_spec, _layout(opt_t), tuple(n for n, _ in grads), _layout(g))
+        key = (ids, tuple(n for n, _ in grads), _layout(g), None if self.freeze else tuple(map(_SHAPE, live)))
         dev = bad.device
         if key != self.key:
             if self.latched is not None and bool(self.latched):  # layout change after a latch: keep it frozen
@@ -147,24 +152,44 @@ class Latch:
                 return True
             if room is not None and not room(_nbytes(copied)):
                 return False
-            self.key, self.names, self.live_spec, self.split = key, [n for n, _ in grads], opt_spec, (len(params), len(opt_t))
-            self.slot = [t.clone() for t in copied]
+            self.key, self.names, self.split = key, [n for n, _ in grads], (len(params), len(opt_t))
+            self.param_names = [n for n, _ in params]
+            self.slot = [t.detach().clone() for t in copied]
             self.off = [i for i, t in enumerate(copied) if t.device.type != dev.type]
             self.history = {}
             self.latched = torch.zeros((), dtype=torch.bool, device=dev)
         else:
             keep, off = self.latched, set(self.off)
             keeps = {dev: keep}
-            for i, (dst, src) in enumerate(zip(self.slot, copied)):
-                if i not in off:
-                    d = dst.device
-                    torch.where(keeps[d] if d in keeps else keeps.setdefault(d, keep.to(d)), dst, src, out=dst)
+            with torch.no_grad():
+                for i, (dst, src) in enumerate(zip(self.slot, copied)):
+                    if i not in off:
+                        d = dst.device
+                        torch.where(keeps[d] if d in keeps else keeps.setdefault(d, keep.to(d)), dst, src, out=dst)
         if self.off:
-            self.history[step] = [copied[i].clone() for i in self.off]
+            self.history[step] = [copied[i].detach().clone() for i in self.off]
         if self.freeze:
             self.live = live
         self.latched = self.latched | bad
         return True
+
+    def _live_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list, Any]:
+        """The live ``(fqn, parameter)`` pairs and optimizer state tensors (in the order of
+        ``optimizer.state_dict()["state"]`` flattened, which :meth:`snapshot` follows), and what
+        identifies them. Per step one pass over ``optimizer.state`` and the param groups; the
+        module tree and the state dict are walked again only when those objects changed (the
+        state created at a first step, ``load_state_dict``), or every step for an optimizer
+        whose ``state_dict()`` does not hand out its state's own tensors in that order."""
+        opt_t = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        ids = (tuple(map(id, chain.from_iterable(map(_PARAMS, optimizer.param_groups)))), tuple(map(id, opt_t)))
+        if ids == self._ids:
+            return self._params, opt_t, ids
+        params = [(n, local(p)) for n, p in model.named_parameters()]  # DTensor: this rank's shard
+        leaves = pytree.tree_leaves(optimizer.state_dict()["state"])
+        sd_t = [local(t) for t in leaves if isinstance(t, torch.Tensor)]
+        same = len(sd_t) == len(opt_t) and all(map(is_, sd_t, opt_t))
+        self._ids, self._params = (ids if same else None), params
+        return params, sd_t, (ids if same else tuple(map(id, sd_t)))
 
     def settle(self, step: int) -> None:
         """Put step ``step``'s values (the first non-finite step's, read on the host) of the
@@ -183,7 +208,7 @@ class Latch:
     def snapshot(self, live_sd: dict, rec: StepRecord) -> Snapshot:
         """The latched step's pre-step state as a Snapshot (params, buffers from the ring record,
         optimizer state with the slot's tensors and the live non-tensor entries, lrs of ``rec``)."""
-        names = self.key[0] if self.key else ()
+        names = self.param_names
         leaves, spec = pytree.tree_flatten(live_sd["state"])
         it = iter(self.opt)
         state = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
@@ -191,7 +216,7 @@ class Latch:
         for gr, lr in zip(groups, rec.lrs):
             gr["lr"] = lr
         return Snapshot(
-            params=dict(zip(names, self.params)),
+            params={n: p.detach() for n, p in zip(names, self.params)},
             buffers=dict(rec.buffers or {}),
             optimizer={"state": state, "param_groups": groups},
             extra={},

@@ -13,7 +13,8 @@ Storage, without pickle. ``torch.export.save`` writes a zip whose graph is JSON 
 ``torch/_export/serde/schema.py``) and whose weights, constants and example inputs are
 ``torch.save`` pickles (``serialize_torch_artifact``). Only the JSON part is kept here
 (``serialize(..., serialize_state_dict=False, serialize_constants=False,
-serialize_example_inputs=False)``), as a JSON object in the bundle metadata; every weight, buffer
+serialize_example_inputs=False)``; a torch without those options pickles them in memory and they
+are dropped), as a JSON object in the bundle metadata; every weight, buffer
 and tensor constant goes into the bundle's tensor dict (or is shared with a tensor the bundle
 already holds, such as ``state/params/<fqn>``), and is handed back to the deserializer as a
 tensor. Before torch's deserializer reads it, every operator the JSON names is checked against
@@ -413,7 +414,6 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
               dyn: bool, shared: dict[int, str], prefix: str) -> tuple[ProgramCapture, dict[str, torch.Tensor]]:
     """The capture, and every tensor the program names by its bundle key (shared ones too)."""
     from torch._export.serde.schema import SCHEMA_VERSION
-    from torch._export.serde.serialize import serialize
     from torch.export.graph_signature import InputKind
 
     sig = ep.graph_signature
@@ -449,12 +449,7 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
         val = node.meta.get("val")
         shapes.append({"dtype": _dtype_name(val.dtype), "shape": [int(s) if isinstance(s, int) else None for s in val.shape]})
     inputs["tensor_meta"] = shapes
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        art = serialize(ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
-    if art.state_dict or art.constants or art.example_inputs:  # the pickled parts must be empty
-        raise RuntimeError("torch.export's serializer produced pickled data although asked not to")
-    program = json.loads(art.exported_program)
+    program = json.loads(_program_json(ep))
     _keep_user_frames(program)
     if kind == "forward" and outputs is None:
         raise RuntimeError("the export did not trace the model's output")
@@ -477,6 +472,27 @@ def _describe(ep: Any, outputs: Optional[dict], model: torch.nn.Module, kind: st
         "program": program,
     }
     return ProgramCapture(meta=meta, tensors=tensors), every
+
+
+def _program_json(ep: Any) -> bytes:
+    """The JSON part of torch.export's serialization of ``ep`` (bytes); the pickled parts
+    (weights, constants, example inputs) are never kept. Where torch's ``serialize`` cannot be
+    told to skip them (``serialize_state_dict=`` and the like are missing, as in torch 2.11), it
+    pickles them in memory and they are dropped here: slower and, for the moment, the weights'
+    bytes again, never written anywhere."""
+    from torch._export.serde.serialize import serialize
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            art = serialize(ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
+        except TypeError as e:
+            if "serialize_state_dict" not in str(e):
+                raise
+            return serialize(ep).exported_program
+    if art.state_dict or art.constants or art.example_inputs:  # the pickled parts must be empty
+        raise RuntimeError("torch.export's serializer produced pickled data although asked not to")
+    return art.exported_program
 
 
 # -- safety: only allowlisted operators ----------------------------------------------------------

@@ -123,7 +123,7 @@ def test_the_sync_free_bundle_holds_the_failing_steps_state_on_cuda(out_dir, fus
     torch.manual_seed(0)
     model = models.make_dropout_mlp().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None)
-    xs = _batches(8)
+    xs = _batches(10)  # steps 4..7 are read at step 8's check
     xs[5][1, 3] = float("inf")
     seen, err = {}, None
     with Recorder(model, opt, out_dir=out_dir, check_every=4, action="raise") as rec:

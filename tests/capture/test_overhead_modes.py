@@ -203,6 +203,39 @@ def test_with_a_fused_optimizer_the_latch_copies_only_the_gradients(out_dir):
                 assert not all(torch.isfinite(p).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("change", ["load_state_dict", "state_dict_hook"])
+def test_the_latch_follows_a_changed_optimizer_state(out_dir, change):
+    """The latch walks the module tree and the optimizer's state dict only when the state's
+    tensors changed: an optimizer reloaded between checks (new tensors) is followed, and one
+    whose ``state_dict()`` hands out copies (a post-hook) is walked every step; either way the
+    bundle holds the failing step's own optimizer state."""
+    torch.manual_seed(0)
+    model = models.make_dropout_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if change == "state_dict_hook":
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "state": copy.deepcopy(sd["state"])})
+    seen, err = {}, None
+    with Recorder(model, opt, out_dir=out_dir, check_every=4, diagnose=False) as rec:
+        for i in range(10):
+            if change == "load_state_dict" and i == 3:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            x = torch.randn(4, 8)
+            if i == 5:
+                x[0, 0] = float("inf")
+                seen = copy.deepcopy(opt.state_dict()["state"])
+            try:
+                _train_step(model, opt, x, rec)
+            except NonFiniteGradientError as e:
+                err = e
+                break
+    assert err is not None and err.step == 5
+    with open_bundle(err.bundle_path) as b:
+        got = b.state().optimizer["state"]
+        for pid, entries in seen.items():
+            for key, v in entries.items():
+                assert torch.equal(got[pid][key], v), (pid, key)
+
+
 def test_recycled_snapshot_slots_hold_each_steps_own_weights(out_dir):
     model = models.make_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
