@@ -352,7 +352,7 @@ class LaggedCheck:
         latch = self.latch
         state = latch.snapshot(optimizer.state_dict(), first)
         saved = None
-        if (restore or diagnose) and not latch.freeze:  # frozen: the live state is the pre-step state
+        if restore or diagnose:  # frozen (a fused optimizer), the live params and state already are the pre-step ones: the buffers are not
             saved = None if restore else live_copy()
             restore_into(model, optimizer, state)
         try:

@@ -203,6 +203,29 @@ def test_with_a_fused_optimizer_the_latch_copies_only_the_gradients(out_dir):
                 assert not all(torch.isfinite(p).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_sync_free_skip_puts_back_the_failing_steps_buffers(out_dir, fused):
+    """BatchNorm's running stats move in every forward, also in the steps that ran after the
+    non-finite one before the host read its verdict (with a fused optimizer the weights stay
+    frozen meanwhile, the buffers do not): ``"skip"`` puts them back to the failing step's start."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
+    seen = {}
+    with Recorder(model, opt, out_dir=out_dir, check_every=4, action="skip", diagnose=False) as rec:
+        for i in range(9):
+            x = torch.randn(8, 8)
+            if i == 5:
+                x[0, 0] = float("inf")
+                seen = {n: b.clone() for n, b in model.named_buffers()}
+            _train_step(model, opt, x, rec)
+            if i == 7:
+                assert not torch.isfinite(model[1].running_mean).all()  # the Inf went through BatchNorm's stats
+    assert rec.nonfinite_steps == [5]
+    for n, b in model.named_buffers():
+        assert torch.equal(b, seen[n]), n
+
+
 @pytest.mark.parametrize("change", ["load_state_dict", "state_dict_hook"])
 def test_the_latch_follows_a_changed_optimizer_state(out_dir, change):
     """The latch walks the module tree and the optimizer's state dict only when the state's
