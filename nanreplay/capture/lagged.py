@@ -33,7 +33,7 @@ from .sharded import local
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaggedCheck", "Latch", "can_freeze", "check_combination", "nonfinite_flag"]
+__all__ = ["LaggedCheck", "Latch", "advise", "can_freeze", "check_combination", "nonfinite_flag"]
 
 
 def check_combination(config: Any, *, scaler: Any) -> None:
@@ -51,6 +51,21 @@ def check_combination(config: Any, *, scaler: Any) -> None:
             f"check_every={config.check_every} (the sync-free check) does not yet combine with {', '.join(clash)}; "
             "use check_every=1 there (one host read per step)"
         )
+
+
+def advise(config: Any, model: torch.nn.Module, *, scaler: Any) -> None:
+    """One INFO line when the per-step check (``check_every=1``) runs on a CUDA model where the
+    sync-free mode could: its one host read per step lets the device's queue run dry (1.19x
+    against 1.024x for ``check_every=8`` on GPT-2 small's shape on an H200, ``bench/README.md``)."""
+    if config.check_every != 1 or scaler is not None or config.check_update:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        logger.info("nanreplay: the check reads one value on the host per step, after which the GPU's queue runs dry until "
+                    "the next kernels are launched; Recorder(..., check_every=8) reads every 8 steps without a sync "
+                    "(the same bundle, its verdict up to 9 steps later; measured in bench/README.md)")
 
 
 def nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

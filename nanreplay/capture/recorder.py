@@ -57,7 +57,7 @@ from .early import ScalarHistory, SpikeWatch
 from .check import explosion, lr_value, nonfinite_micro_batch, read_check
 from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
-from .lagged import LaggedCheck, can_freeze, check_combination
+from .lagged import LaggedCheck, advise, can_freeze, check_combination
 from .ring import RingBuffer, check_budget
 from .sharded import is_sharded, local
 from .compiled import compile_state
@@ -168,6 +168,7 @@ class Recorder:
         self._param_fqn = {id(p): n for n, p in self.model.named_parameters()}
         self._sharded = is_sharded(self.model)  # DTensor parameters: their gradients are read as local shards
         check_combination(self.config, scaler=scaler)
+        advise(self.config, self.model, scaler=scaler)
         check_budget(self.config, self.model, optimizer)
 
         # what the ring buffer keeps (all of the memory budget), and the modes that add to it

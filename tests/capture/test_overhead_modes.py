@@ -324,3 +324,24 @@ def test_on_the_cpu_the_check_reads_each_norm_and_agrees_with_the_device_path(ou
     for (g1, l1), (g2, l2) in zip(seen[True], seen[False]):
         assert g1 == pytest.approx(g2, rel=1e-6) and l1 == l2
     assert len(seen[True]) == 3
+
+
+def test_a_cuda_model_on_the_per_step_check_is_told_of_the_sync_free_mode(caplog):
+    """One INFO line where the sync-free mode could run and would spare the GPU's queue; none on
+    the CPU, in the sync-free mode itself, or where it cannot run (a GradScaler)."""
+    import logging
+    from types import SimpleNamespace
+
+    from nanreplay.capture.config import RecorderConfig
+    from nanreplay.capture.lagged import advise
+
+    def model_on(kind):
+        return SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device(kind))]))
+
+    told = []
+    for kind, options, scaler in (("cuda", {}, None), ("cpu", {}, None), ("cuda", {"check_every": 8}, None), ("cuda", {}, object())):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nanreplay"):
+            advise(RecorderConfig(**options), model_on(kind), scaler=scaler)
+        told.append(any("check_every=8" in r.getMessage() for r in caplog.records))
+    assert told == [True, False, False, False]
