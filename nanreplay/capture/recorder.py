@@ -460,6 +460,7 @@ class Recorder:
             if self._lagged.due() and self._check_pending(final=False):
                 rec.finite = None  # it ran on the weights of a non-finite episode; the action has dealt with its update
                 self._steps.seal(rec)
+                self._history.add(rec.step, None, None, rec.lrs, None)  # its values stay unread: no sync for them
                 return None
             norm = combined_norm(norms)
             if self._lagged.push(rec, norm, loss, self.model, self.optimizer, self._grads()):

@@ -153,6 +153,8 @@ def test_sync_free_mode_bundles_the_failing_steps_own_state(out_dir, fused):
 def test_sync_free_skip_goes_on_from_the_failing_steps_weights(out_dir, fused):
     rec, err, seen, model, opt = _poisoned_run(out_dir, action="skip", k=5, n=4, steps=9, fused=fused)
     assert not hasattr(opt, "found_inf")  # the flag lives for one optimizer step
+    verdicts = {row[0]: row[4] for row in rec._history.rows}  # step 8, the check's, is in the history, unjudged
+    assert [verdicts[i] for i in range(4, 9)] == [True, False, None, None, None]
     assert err is None and rec.nonfinite_steps == [5] and len(rec.bundles) == 1
     for nm, p in model.named_parameters():  # step 8 was the check (of steps 4..7): it was skipped too
         assert torch.equal(p, seen["params"][nm]), nm
