@@ -65,7 +65,7 @@ def advise(config: Any, model: torch.nn.Module, *, scaler: Any) -> None:
     if p is not None and p.device.type == "cuda":
         logger.info("nanreplay: the check reads one value on the host per step, after which the GPU's queue runs dry until "
                     "the next kernels are launched; Recorder(..., check_every=8) reads every 8 steps without a sync "
-                    "(the same bundle, its verdict up to 9 steps later; measured in bench/README.md)")
+                    "(the same bundle, its verdict up to 8 steps later; measured in bench/README.md)")
 
 
 def nonfinite_flag(norm: Optional[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
