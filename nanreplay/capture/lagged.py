@@ -28,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..format.records import Snapshot, StepRecord
-from .ring import MiB
+from .ring import MiB, tensor_bytes
 from .sharded import local
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,6 @@ _PARAMS, _SHAPE = itemgetter("params"), attrgetter("shape")
 
 def _layout(tensors: list) -> tuple:
     return tuple((t.shape, t.dtype, t.device) for t in tensors)
-
-
-def _nbytes(tensors: list) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def can_freeze(optimizer: torch.optim.Optimizer) -> bool:
@@ -165,7 +161,7 @@ class Latch:
             if self.latched is not None and bool(self.latched):  # layout change after a latch: keep it frozen
                 self.latched = self.latched | bad
                 return True
-            if room is not None and not room(_nbytes(copied)):
+            if room is not None and not room(tensor_bytes(copied)):
                 return False
             self.key, self.names, self.split = key, [n for n, _ in grads], (len(params), len(opt_t))
             self.param_names = [n for n, _ in params]
@@ -242,7 +238,7 @@ class Latch:
 
     def nbytes(self) -> int:
         """Bytes of the copies the latch holds (the slot, and the host history of the tensors off the flag's device)."""
-        return _nbytes(self.slot) + sum(_nbytes(h) for h in self.history.values())
+        return tensor_bytes(self.slot) + sum(tensor_bytes(h) for h in self.history.values())
 
 
 def _to_host(values: list) -> tuple[Optional[torch.Tensor], Any]:
@@ -279,12 +275,16 @@ class LaggedCheck:
     def __init__(self, every: int, ring: Any, *, freeze: bool = False) -> None:
         self.every = every
         self.ring = ring
-        self.freeze = freeze
         self.latch = Latch(freeze)
         self.refused = 0
         # per unread step: its record, whether it has a norm / a loss, their values (a device tensor, or on
         # CUDA a pinned host buffer being filled) and the CUDA event recorded after the copy (else None)
         self._pending: list[tuple[StepRecord, bool, bool, Optional[torch.Tensor], Any]] = []
+
+    @property
+    def freeze(self) -> bool:
+        """Whether the optimizer skips its own update under the latch (the latch's mode)."""
+        return self.latch.freeze
 
     @property
     def pending(self) -> list[StepRecord]:
@@ -391,4 +391,3 @@ class LaggedCheck:
         self._pending = []
         self.ring.release("latch")
         self.latch = Latch()
-        self.freeze = False

@@ -43,7 +43,7 @@ from .snapshots import SnapshotPool, storage_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RingBuffer", "MiB", "check_budget"]
+__all__ = ["RingBuffer", "MiB", "check_budget", "tensor_bytes"]
 
 MiB = 1 << 20
 
@@ -426,8 +426,15 @@ def _snapshot_bytes(r: StepRecord) -> int:
     return r.snapshot.nbytes() if r.snapshot is not None else 0
 
 
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the elements of the tensors among ``tensors`` (an iterable; anything else is
+    skipped), as the copies the modes keep count them."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _nbytes(tensors: Any) -> int:
-    return sum(local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """:func:`tensor_bytes` of this rank's shards (a ``DTensor``'s local tensor)."""
+    return tensor_bytes(map(local, tensors))
 
 
 def check_budget(config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

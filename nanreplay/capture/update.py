@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.numerics import fused_norm, is_float
 from ..format.records import Snapshot
-from .ring import MiB
+from .ring import MiB, tensor_bytes
 from .sharded import local
 
 logger = logging.getLogger(__name__)
@@ -115,4 +115,4 @@ def _copy_bytes(live: Snapshot) -> int:
     opt_state = (live.optimizer or {}).get("state", {})
     tensors = [*live.params.values(), *live.buffers.values(), *(v for st in opt_state.values() for v in st.values()),
                *pytree.tree_leaves(live.extra)]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return tensor_bytes(tensors)
