@@ -446,6 +446,8 @@ class Recorder:
         if self._closed:
             return True
         self._tap.check()
+        if self._steps.retained:
+            self._steps.cotangents_in()
         rec = self.ring.current or self._steps.begin(capture=False)
         rec.lrs = list(map(lr_value, map(_LR, self.optimizer.param_groups)))
         norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
@@ -520,6 +522,8 @@ class Recorder:
         ``self.step + 1``. It is the optimizer's step post-hook (``hook_args``: the hook's
         optimizer, args and kwargs, unused)."""
         pre = self._update.take() if self._update is not None else None
+        if self._steps.retained:
+            self._steps.cotangents_in(final=True)
         rec = self.ring.current
         if rec is not None and rec.finite and self.config.capture_cotangent is None and self.loss_fn is not None and rec.batches:
             for fw in rec.forwards:  # a replay runs the loss function: a finite step's cotangent is not needed
@@ -591,6 +595,8 @@ class Recorder:
         (:meth:`nanreplay.capture.amp.ScalerWatch.failure`)."""
         rec = self._current
         assert rec is not None and self._amp is not None
+        if self._steps.retained:
+            self._steps.cotangents_in()
         rec.scaler_skipped = True
         rec.finite = False
         rec.lrs = [lr_value(g["lr"]) for g in self.optimizer.param_groups]

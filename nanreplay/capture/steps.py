@@ -71,6 +71,10 @@ class StepStart:
         #: per forward begun and not ended, innermost last: its record when its output's cotangent is
         #: to be kept, else ``None`` (cleared when a step begins: a forward that raised never ends)
         self._open: list[Optional[ForwardRecord]] = []
+        #: forwards whose small output retains its gradient, as ``(record, output, output._version)``
+        #: (:func:`~nanreplay.capture.forward.keep_cotangent`), until :meth:`cotangents_in`
+        self.retained: list[tuple] = []
+        self._retain = True  # off once the loop was seen modifying an output in place: a pre-hook keeps every cotangent
 
     def begin(self, *, capture: bool = True) -> StepRecord:
         """The step in progress, begun now if none is. ``capture``: called for a batch or a
@@ -143,7 +147,28 @@ class StepStart:
         own)."""
         fw = self._open.pop() if self._open else None
         if fw is not None:
-            keep_cotangent(fw, output)  # auto: kept until the step is known finite (Recorder.end_step)
+            keep_cotangent(fw, output, self.retained if self._retain else None)  # auto: kept until the step is known finite (Recorder.end_step)
+
+    def cotangents_in(self, *, final: bool = False) -> None:
+        """After the backward pass, before anything reads a cotangent: each retained output's
+        gradient goes into its forward's record (an output still without one waits, unless
+        ``final``: the step ends, and that forward had no cotangent). An output modified in
+        place after its forward holds the gradient of its new value, not of the model's output:
+        that forward keeps none (its replay runs forward only), and from then on every cotangent
+        is kept by a pre-hook of the node that made the output."""
+        waiting = []
+        for fw, out, version in self.retained:
+            if out._version != version:
+                if self._retain:
+                    self._retain = False
+                    logger.info("nanreplay: step %d: the loop modified the model's output in place after the forward; its cotangent "
+                                "is not kept, and from now on cotangents are kept by a pre-hook of the node that made the output "
+                                "(a call into Python in each backward pass)", self._step())
+            elif out.grad is not None:
+                fw.cotangent = out.grad.detach()  # its own tensor: the Recorder never writes into the output's .grad
+            elif not final:
+                waiting.append((fw, out, version))
+        self.retained = waiting
 
     def seal(self, rec: StepRecord) -> None:
         """End-of-step bookkeeping: learn which buffers change in a step and whether the loop

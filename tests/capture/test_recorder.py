@@ -184,6 +184,58 @@ def test_gradient_accumulation_captures_every_micro_batch(out_dir):
             assert fw.cotangent is not None and fw.cotangent.shape == (2, 4)
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_cotangent_is_the_gradient_wrt_the_output_small_or_large(out_dir, wide):
+    """A small output keeps its cotangent by retain_grad (no Python in the backward pass), a large
+    one (over RETAIN_MAX_BYTES) by a pre-hook of its node: either way the ring holds exactly the
+    gradient of the loss w.r.t. the model's output, as its own tensor, and the loop's output.grad
+    is what torch gives it (None on an output it did not retain)."""
+    from nanreplay.capture.forward import RETAIN_MAX_BYTES
+
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = RETAIN_MAX_BYTES // (4 * 4) + 1 if wide else 3  # float32 outputs of 4 features
+    loss = lambda o: (o.sin() * 3).sum()  # noqa: E731
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        for step in range(3):
+            out = model(torch.randn(rows, 8))
+            want = 3 * out.detach().cos()  # d/d out of sum(3 sin(out))
+            loss(out).backward()
+            opt.step()
+            opt.zero_grad()
+            got = {r.step: r for r in rec.ring}[step].forwards[0].cotangent
+            assert torch.allclose(got, want)
+            assert (out.numel() * 4 > RETAIN_MAX_BYTES) is wide
+            assert out.retains_grad is not wide
+            if not wide:
+                assert torch.equal(out.grad, got) and got is not out.grad
+
+
+def test_an_output_modified_in_place_after_the_forward_switches_to_the_pre_hook(out_dir, caplog):
+    """An output the loop scales in place holds, under retain_grad, the gradient of its new value:
+    that step keeps no cotangent (said once, at INFO), and the later steps keep the gradient w.r.t.
+    what the model returned, by the pre-hook of its node."""
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = lambda o: (o * o).sum()  # noqa: E731
+    with caplog.at_level("INFO", logger="nanreplay"), Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        for step in range(3):
+            x = torch.randn(3, 8)
+            out = model(x)
+            want = 8 * out.detach().clone()  # d/d out of (2 out)^2
+            out.mul_(2)  # a temperature the loop applies after the forward
+            loss(out).backward()
+            opt.step()
+            opt.zero_grad()
+            got = {r.step: r for r in rec.ring}[step].forwards[0].cotangent
+            if step == 0:
+                assert got is None
+            else:
+                assert torch.allclose(got, want)
+    said = [r.getMessage() for r in caplog.records if "modified the model's output in place" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("nanreplay: step 0:")
+
+
 def test_in_place_change_of_a_batch_tensor_switches_to_copies(out_dir):
     model = models.make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
