@@ -178,7 +178,8 @@ _MT_BYTES = 4 + 624 * 4
 
 class _RawMT:
     """The raw bytes of one Mersenne Twister's C state, read in place (a ctypes array over that
-    memory, made once: about 0.3 µs a read, nothing allocated per word): a fingerprint that is the
+    memory, made once; its ``raw`` copies the 2.5 KiB into a bytes object, about 0.1 µs, and ``==``
+    compares them in C: no foreign call, nothing allocated per word): a fingerprint that is the
     whole state, so equal bytes mean an equal generator. ``address`` is where the state lives (the
     owner is kept alive by the reader); ``check(raw)`` says whether those bytes agree with the
     public ``getstate`` API, and is asked once: a layout that does not (another interpreter or
@@ -187,25 +188,26 @@ class _RawMT:
     def __init__(self, owner: Any, address: Optional[int], check: Callable[[bytes], bool]) -> None:
         self.owner = owner
         self.ok = False
-        self._view: Any = None
-        #: where the state lives, and a copy of it as last taken (:meth:`take`), for ``memcmp``
-        self.address = address or 0
-        self.key = ctypes.create_string_buffer(_MT_BYTES)
+        #: a ctypes array over the state's memory (its ``raw`` is a copy of the bytes as they are now)
+        self.view: Any = None
+        #: the bytes as last taken (:meth:`take`): what the next read is compared with
+        self.last = b""
         if address is None:  # a layout this reader does not know: never touch that memory
             return
         try:
-            self._view = (ctypes.c_char * _MT_BYTES).from_address(address)
+            self.view = (ctypes.c_char * _MT_BYTES).from_address(address)
             self.ok = bool(check(self.read()))
         except Exception:  # noqa: BLE001 - any surprise: fall back to the public API
             self.ok = False
 
     def read(self) -> bytes:
-        return self._view.raw
+        return self.view.raw
 
     def take(self) -> bytes:
-        """The state's bytes now, kept as :attr:`key` too (what the next comparison is against)."""
-        ctypes.memmove(self.key, self.address, _MT_BYTES)
-        return self.key.raw
+        """The state's bytes now, kept as :attr:`last` too (what the next comparison is against)."""
+        self.last = self.view.raw
+        return self.last
+
 
 class PythonState(Sequence):
     """``random.getstate()``'s value ``(version, 625 words, gauss_next)`` kept as the generator's
@@ -281,45 +283,28 @@ _TORCH_CPU_BYTES = 2520 + 24
 _TORCH_CPU_SEARCH = 256
 
 
-def _memcmp() -> Optional[Callable[[int, Any, int], int]]:
-    """The C library's ``memcmp`` through ctypes, or ``None`` where it cannot be found: the
-    process's own symbols (Linux, macOS), else Windows' C runtime. (Not ``ctypes.util.find_library``,
-    which may run ``ldconfig`` in a subprocess.)"""
-    fn = None
-    for load in (lambda: ctypes.CDLL(None), lambda: ctypes.cdll.msvcrt):
-        try:
-            fn = load().memcmp
-            break
-        except (OSError, AttributeError, TypeError):
-            continue
-    if fn is None:
-        return None
-    fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    return fn
-
-
 class _RawTorchCPU:
     """Whether a torch CPU generator moved since the last look, from its C++ state read in place
-    (one ``memcmp`` of 2.5 KiB against a kept copy: no tensor made, nothing allocated), instead of
-    ``get_state()``'s 5 KiB tensor and a copy of its bytes to compare every step.
+    (2.5 KiB copied into a bytes object and compared with the last copy, in C: no tensor made, no
+    foreign call), instead of ``get_state()``'s 5 KiB tensor and a copy of its bytes to compare every
+    step.
 
     The engine's place in the ``CPUGeneratorImpl`` object is found once, on a private generator:
     the bytes ``get_state()`` starts with (seed, position, flags) and its first state words, in the
     object's first :data:`_TORCH_CPU_SEARCH` bytes; then that generator draws (uniform, normal
     with and without a cached sample, integers, a whole Twister period, bernoulli, permutations)
     and every change ``get_state()`` shows must show in place too, and a state put back must read
-    the same bytes. Any surprise (another torch's layout, a missing ``memcmp``) leaves
-    :attr:`ok` false, and the caller reads ``get_state()`` as before."""
+    the same bytes. Any surprise (another torch's layout) leaves :attr:`ok` false, and the caller
+    reads ``get_state()`` as before."""
 
     def __init__(self, gen: torch.Generator) -> None:
         self.ok = False
-        #: where the engine's bytes are, the copy they are compared with, and ``memcmp`` (the reader
-        #: inlines :meth:`same_impl` and :meth:`moved`, once a step); once found, ``impl_view`` reads
-        #: the generator's C++ object pointer in place and ``impl`` is its value then
-        self.address = 0
-        self.key = ctypes.create_string_buffer(_TORCH_CPU_BYTES)
-        self.memcmp = _memcmp()
-        if self.memcmp is None or type(gen) is not torch.Generator or gen.device.type != "cpu":
+        #: the engine's bytes in place (a ctypes array), the copy they are compared with, and the
+        #: generator's C++ object pointer read in place (``impl_view``) with its value then (``impl``);
+        #: the reader inlines :meth:`same_impl` and :meth:`moved`, once a step
+        self.view: Any = None
+        self.last = b""
+        if type(gen) is not torch.Generator or gen.device.type != "cpu":
             return
         try:
             offset = _engine_offset(torch.Generator())
@@ -328,9 +313,9 @@ class _RawTorchCPU:
             self._gen = gen  # kept alive: its object holds the pointer read below
             self.impl_view = ctypes.c_void_p.from_address(id(gen) + object.__basicsize__)
             self.impl = self.impl_view.value
-            self.address = self.impl + offset
-            ctypes.memmove(self.key, self.address, _TORCH_CPU_BYTES)
-            self.ok = _state_words(gen.get_state()) == self.key.raw[20:20 + 624 * 4]
+            self.view = (ctypes.c_char * _TORCH_CPU_BYTES).from_address(self.impl + offset)
+            self.last = self.view.raw
+            self.ok = _state_words(gen.get_state()) == self.last[20:20 + 624 * 4]
         except Exception:  # noqa: BLE001 - any surprise: the caller reads get_state()
             self.ok = False
 
@@ -345,9 +330,10 @@ class _RawTorchCPU:
     def moved(self) -> bool:
         """Whether the generator's state differs from the one at the last call (or construction);
         the kept copy is brought up to date."""
-        if self.memcmp(self.address, self.key, _TORCH_CPU_BYTES) == 0:
+        now = self.view.raw
+        if now == self.last:
             return False
-        ctypes.memmove(self.key, self.address, _TORCH_CPU_BYTES)
+        self.last = now
         return True
 
 
@@ -431,31 +417,32 @@ class RNGReader:
         self._py_raw = _python_raw()
         self._np_raw = _numpy_raw()
         self._torch_raw = _RawTorchCPU(torch.default_generator)
-        self._memcmp = self._torch_raw.memcmp  # the C library's (None where not found: every read is a copy)
 
     def capture(self) -> RNGState:
         """The states now; parts unchanged since the last call are the same objects as then (and
         the whole state is the last one when nothing moved). Python's and NumPy's Twisters, read in
         place, are read inline (no call per generator: this runs once a step)."""
         last = self._last
-        py_raw, np_raw, memcmp = self._py_raw, self._np_raw, self._memcmp
-        if last is None or not (py_raw.ok and np_raw.ok) or memcmp is None:
+        py_raw, np_raw = self._py_raw, self._np_raw
+        if last is None or not (py_raw.ok and np_raw.ok):
             return self._capture_each(last)
-        # each Twister compared in place with its copy from the last read (no bytes object made)
+        # each Twister's bytes now (one copy into a bytes object) compared with those of the last read
         inst = self._py_inst
         gauss = inst.gauss_next
-        if memcmp(py_raw.address, py_raw.key, _MT_BYTES) == 0 and gauss == self._py_key[1]:
+        now = py_raw.view.raw
+        if now == py_raw.last and gauss == self._py_key[1]:
             py = last.python
         else:
-            self._py_key = (py_raw.take(), gauss)
-            py = PythonState(self._py_key[0], gauss, inst.VERSION)
-        if memcmp(np_raw.address, np_raw.key, _MT_BYTES) == 0 and not last.numpy[3]:  # no Gaussian cached at the last read
+            py_raw.last, self._py_key = now, (now, gauss)
+            py = PythonState(now, gauss, inst.VERSION)
+        now = np_raw.view.raw
+        if now == np_raw.last and not last.numpy[3]:  # no Gaussian cached at the last read
             np_ = last.numpy
         else:
-            self._np_key = np_raw.take()
+            np_raw.last = self._np_key = now
             np_ = np.random.get_state()
         raw = self._torch_raw
-        cpu = (last.torch_cpu if raw.ok and raw.impl_view.value == raw.impl and raw.memcmp(raw.address, raw.key, _TORCH_CPU_BYTES) == 0
+        cpu = (last.torch_cpu if raw.ok and raw.impl_view.value == raw.impl and raw.view.raw == raw.last
                else self._torch_cpu(last))  # same_impl() and not moved(), inline
         cuda = self._cuda(last) if last.torch_cuda or torch.cuda.is_initialized() else last.torch_cuda
         if py is last.python and np_ is last.numpy and cpu is last.torch_cpu and cuda is last.torch_cuda:

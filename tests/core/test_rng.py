@@ -73,7 +73,7 @@ TORCH_DRAWS = [
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_the_reader_sees_every_move_of_torchs_cpu_generator_and_only_those(monkeypatch, in_place):
-    """RNGReader (in place: one memcmp of the engine's bytes; else get_state() compared) hands back
+    """RNGReader (in place: the engine's bytes compared with their last copy; else get_state() compared) hands back
     the last state object exactly when torch's CPU generator did not move, and a state equal to
     torch.get_rng_state() otherwise, cached normal samples included."""
     from nanreplay.core import rng as rng_module
