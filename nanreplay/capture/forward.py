@@ -341,23 +341,30 @@ def keep_cotangent(fw: ForwardRecord, output: Any, retained: Optional[list] = No
         if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
 
             def hook(g: torch.Tensor, i: int = i, fw: ForwardRecord = fw) -> None:
-                cot[i] = g.detach()
+                cot[i] = _summed(cot[i], g)
                 fw.cotangent = pytree.tree_unflatten(cot, spec)
 
             t.register_hook(hook)
 
 
+def _summed(kept: Optional[torch.Tensor], g: torch.Tensor) -> torch.Tensor:
+    """The cotangent kept so far plus ``g``: a second backward pass through the same output in one
+    step (``retain_graph=True``, two losses) adds to the parameters' gradients, so the replay's one
+    backward pass needs the sum (as ``retain_grad`` keeps it)."""
+    return g.detach() if kept is None else kept + g.detach()
+
+
 def _keep_leaf_cotangent(fw: ForwardRecord, g: torch.Tensor) -> None:
-    fw.cotangent = g.detach()
+    fw.cotangent = _summed(fw.cotangent, g)
 
 
 def _keep_node_cotangent(fw: ForwardRecord, nr: int, grad_outputs: tuple) -> None:
     """The pre-hook of the node whose output ``nr`` is the model's output: the gradient it receives
-    there (what flows into the model's backward pass, after any tensor hook on the output), or
-    nothing when that output got none."""
+    there (what flows into the model's backward pass, after any tensor hook on the output), summed
+    over the step's backward passes, or nothing when that output got none."""
     g = grad_outputs[nr] if nr < len(grad_outputs) else None
     if g is not None:
-        fw.cotangent = g.detach()
+        fw.cotangent = _summed(fw.cotangent, g)
 
 
 def autocast_state(other: Optional[str] = None) -> Optional[dict]:

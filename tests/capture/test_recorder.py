@@ -211,6 +211,24 @@ def test_the_cotangent_is_the_gradient_wrt_the_output_small_or_large(out_dir, wi
                 assert torch.equal(out.grad, got) and got is not out.grad
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_two_backward_passes_through_one_output_keep_the_sum_of_their_cotangents(out_dir, wide):
+    """Two losses backpropagated through one output in a step (retain_graph=True) both add to the
+    parameters' gradients: the step's cotangent is the sum of the two, small output or large."""
+    from nanreplay.capture.forward import RETAIN_MAX_BYTES
+
+    model = models.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = RETAIN_MAX_BYTES // (4 * 4) + 1 if wide else 3
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        out = model(torch.randn(rows, 8))
+        want = 3 * out.detach().cos() + 2 * out.detach()  # d/d out of sum(3 sin(out)), then of sum(out^2)
+        (out.sin() * 3).sum().backward(retain_graph=True)
+        (out * out).sum().backward()
+        opt.step()
+        assert torch.allclose(rec.ring[0].forwards[0].cotangent, want)
+
+
 def test_an_output_modified_in_place_after_the_forward_switches_to_the_pre_hook(out_dir, caplog):
     """An output the loop scales in place holds, under retain_grad, the gradient of its new value:
     that step keeps no cotangent (said once, at INFO), and the later steps keep the gradient w.r.t.
