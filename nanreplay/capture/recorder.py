@@ -22,13 +22,13 @@ It coordinates rooms with one job each. The walk of a step, default options:
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step state is still in place when the pre-hook fires. On the host a step
-costs about 105-115 microseconds on a small CPU model (``bench/README.md``; ``bench/hostcost.py``
-compares revisions side by side; about a microsecond per Python call nanreplay makes in a training
-step, so the hot path makes few), whatever the number of
-modules and parameters (beyond the fused norm's gradient list): nothing walks the module tree or
-the held steps per step (``bench/overhead.py``
-measures it; ``tests/capture/test_hot_path.py`` checks its structure). Nothing is done at start-up
-beyond one scan of the weights: the program is exported when a step fails (``export_early``).
+costs about 85-95 microseconds on a small CPU model at that machine's usual speed, 105-118 in its
+slow phases (``bench/README.md``; ``bench/hostcost.py`` compares revisions side by side; about a
+microsecond per Python call nanreplay makes in a training step, so the hot path makes few), whatever
+the number of modules and parameters (beyond the fused norm's gradient list): nothing walks the
+module tree or the held steps per step (``bench/overhead.py`` measures it;
+``tests/capture/test_hot_path.py`` checks its structure). Nothing is done at start-up beyond one
+scan of the weights: the program is exported when a step fails (``export_early``).
 """
 
 from __future__ import annotations

@@ -154,8 +154,9 @@ class StepStart:
         gradient goes into its forward's record (an output still without one waits, unless
         ``final``: the step ends, and that forward had no cotangent). An output modified in
         place after its forward holds the gradient of its new value, not of the model's output:
-        that forward keeps none (its replay runs forward only), and from then on every cotangent
-        is kept by a pre-hook of the node that made the output."""
+        that forward keeps none (a replay of its step then needs the loss function, else it runs the
+        forward pass only), and from then on every cotangent is kept by a pre-hook of the node that
+        made the output."""
         waiting = []
         for fw, out, version in self.retained:
             if out._version != version:
