@@ -191,7 +191,7 @@ class _RawMT:
         self.ok = False
         #: a ctypes array over the state's memory (its ``raw`` is a copy of the bytes as they are now)
         self.view: Any = None
-        #: the bytes as last taken (:meth:`take`): what the next read is compared with
+        #: the bytes at the reader's last read of this Twister: what the next read is compared with
         self.last = b""
         if address is None:  # a layout this reader does not know: never touch that memory
             return
@@ -202,12 +202,8 @@ class _RawMT:
             self.ok = False
 
     def read(self) -> bytes:
+        """The state's bytes now (compared with :attr:`last`, which the reader sets)."""
         return self.view.raw
-
-    def take(self) -> bytes:
-        """The state's bytes now, kept as :attr:`last` too (what the next comparison is against)."""
-        self.last = self.view.raw
-        return self.last
 
 
 class PythonState(Sequence):
@@ -412,8 +408,7 @@ class RNGReader:
         self._spare = spare
         self._last: Optional[RNGState] = None
         self._py_inst = random.getstate.__self__
-        self._py_key: Any = None
-        self._np_key: Optional[bytes] = None
+        self._py_gauss: Any = None  # Python's gauss_next at the last read (its Twister's bytes are _py_raw.last)
         self._torch_key: Optional[bytes] = None
         self._py_raw = _python_raw()
         self._np_raw = _numpy_raw()
@@ -431,16 +426,16 @@ class RNGReader:
         inst = self._py_inst
         gauss = inst.gauss_next
         now = py_raw.view.raw
-        if now == py_raw.last and gauss == self._py_key[1]:
+        if now == py_raw.last and gauss == self._py_gauss:
             py = last.python
         else:
-            py_raw.last, self._py_key = now, (now, gauss)
+            py_raw.last, self._py_gauss = now, gauss
             py = PythonState(now, gauss, inst.VERSION)
         now = np_raw.view.raw
         if now == np_raw.last and not last.numpy[3]:  # no Gaussian cached at the last read
             np_ = last.numpy
         else:
-            np_raw.last = self._np_key = now
+            np_raw.last = now
             np_ = np.random.get_state()
         raw = self._torch_raw
         cpu = (last.torch_cpu if raw.ok and raw.impl_view.value == raw.impl and raw.view.raw == raw.last
@@ -465,19 +460,21 @@ class RNGReader:
     def _python(self, last: Optional[RNGState]) -> Any:
         if not self._py_raw.ok:
             return random.getstate()
-        raw, gauss = self._py_raw.take(), self._py_inst.gauss_next
-        if last is not None and (raw, gauss) == self._py_key:
+        py_raw, gauss = self._py_raw, self._py_inst.gauss_next
+        raw = py_raw.read()
+        if last is not None and raw == py_raw.last and gauss == self._py_gauss:
             return last.python
-        self._py_key = (raw, gauss)
+        py_raw.last, self._py_gauss = raw, gauss
         return PythonState(raw, gauss, self._py_inst.VERSION)  # no getstate(): its 625 ints are built when read
 
     def _numpy(self, last: Optional[RNGState]) -> Any:
         if not self._np_raw.ok:
             return np.random.get_state()
-        raw = self._np_raw.take()
-        if last is not None and raw == self._np_key and not last.numpy[3]:  # no Gaussian cached at the last read
+        np_raw = self._np_raw
+        raw = np_raw.read()
+        if last is not None and raw == np_raw.last and not last.numpy[3]:  # no Gaussian cached at the last read
             return last.numpy
-        self._np_key = raw
+        np_raw.last = raw
         return np.random.get_state()
 
     def _torch_cpu(self, last: Optional[RNGState]) -> torch.Tensor:
