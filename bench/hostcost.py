@@ -4,6 +4,7 @@ Usage::
 
     python bench/hostcost.py --against 819aa0f                 # 3 runs of 3,000 rounds each
     python bench/hostcost.py --against HEAD~3 --steps 5000 --runs 5
+    python bench/hostcost.py --against HEAD --copies 3        # 3 model copies per loop
 
 Method. The other revision's ``nanreplay`` package is taken from git (``git archive``) into a
 temporary directory under another name, so both versions load in one process. Three copies of the
@@ -14,12 +15,18 @@ step of each, in an order that cycles through the six permutations; the figure p
 median over rounds of its step time minus the plain step time of the same round (microseconds),
 and the ratio of the two medians. The machine's speed drifts between runs (the plain step here
 ranges about 0.8-1.1 ms): the ratio, measured within one run, is the steadier figure.
+
+Identical Recorders on separate copies of the model differ by up to about 5 µs within one run (where
+their tensors and objects landed in memory): ``--copies K`` gives each loop K copies of the model,
+all interleaved, and a loop's figure is the mean over its copies of their medians, which averages
+that out (a run then takes K times as long).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import subprocess
 import sys
@@ -51,25 +58,33 @@ def load_other(rev: str, into: Path) -> type:
     return mod.Recorder
 
 
-def run(recorders: dict, steps: int, warmup: int) -> dict[str, float]:
-    """One interleaved run; returns the median extra microseconds per step of each Recorder and
-    the plain step's median (``"plain_us"``)."""
+def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, float]:
+    """One interleaved run; returns the extra microseconds per step of each Recorder (the median
+    over rounds of a copy's step time minus the plain step time of the same round and copy index,
+    averaged over the ``copies`` copies) and the plain step's median (``"plain_us"``)."""
     factory, make_batch, loss_fn = models.spec("small")
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     batches = [make_batch(gen, cpu) for _ in range(64)]
     loops = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cls in {"plain": None, **recorders}.items():
-            torch.manual_seed(0)
-            model = factory()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            loops[name] = (model, opt, cls(model, opt, out_dir=tmp) if cls is not None else None)
+        for c in range(copies):
+            for name, cls in {"plain": None, **recorders}.items():
+                torch.manual_seed(0)
+                model = factory()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                loops[(name, c)] = (model, opt, cls(model, opt, out_dir=tmp) if cls is not None else None)
 
         times: dict[str, list[float]] = {n: [] for n in loops}
-        orders = list(itertools.permutations(loops))
+        orders = list(itertools.permutations(loops)) if len(loops) <= 6 else None
+        shuffle = random.Random(0).shuffle
         for i in range(warmup + steps):
-            for name in orders[i % len(orders)]:
+            if orders is None:
+                order = list(loops)
+                shuffle(order)
+            else:
+                order = orders[i % len(orders)]
+            for name in order:
                 model, opt, rec = loops[name]
                 dt = overhead._timed_step(model, opt, loss_fn, batches[i % len(batches)], cpu, rec)  # bench/overhead.py's step
                 if i >= warmup:
@@ -77,9 +92,11 @@ def run(recorders: dict, steps: int, warmup: int) -> dict[str, float]:
         for _, _, rec in loops.values():
             if rec is not None:
                 rec.close()
-    plain = times.pop("plain")
-    out = {n: statistics.median(a - b for a, b in zip(t, plain)) * 1e6 for n, t in times.items()}
-    out["plain_us"] = statistics.median(plain) * 1e6
+    out: dict[str, float] = {}
+    for name in recorders:
+        extra = [statistics.median(a - b for a, b in zip(times[(name, c)], times[("plain", c)])) for c in range(copies)]
+        out[name] = statistics.fmean(extra) * 1e6
+    out["plain_us"] = statistics.median(t for c in range(copies) for t in times[("plain", c)]) * 1e6
     return out
 
 
@@ -90,6 +107,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=300, help="untimed rounds first")
     p.add_argument("--runs", type=int, default=3, help="runs, each in this process")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--copies", type=int, default=1, help="model copies per loop, all interleaved (averages out where each landed in memory)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from nanreplay import Recorder
@@ -98,14 +116,15 @@ def main() -> None:
         other = load_other(args.against, Path(tmp))
         rows = []
         for r in range(args.runs):
-            res = run({"other": other, "this": Recorder}, args.steps, args.warmup)
+            res = run({"other": other, "this": Recorder}, args.steps, args.warmup, args.copies)
             rows.append(res)
             print(f"run {r + 1}: plain step {res['plain_us']:.0f} µs; {args.against} +{res['other']:.0f} µs/step; "
                   f"this checkout +{res['this']:.0f} µs/step; ratio {res['this'] / res['other']:.2f}", flush=True)
     this = statistics.median(r["this"] for r in rows)
     ratio = statistics.median(r["this"] / r["other"] for r in rows)
     print(f"median of {args.runs} runs: this checkout +{this:.0f} µs/step, {ratio:.2f}x the host cost of {args.against} "
-          f"(command: python bench/hostcost.py --against {args.against} --steps {args.steps} --runs {args.runs})")
+          f"(command: python bench/hostcost.py --against {args.against} --steps {args.steps} --runs {args.runs}"
+          + (f" --copies {args.copies})" if args.copies > 1 else ")"))
 
 
 if __name__ == "__main__":
