@@ -55,7 +55,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> list[torc
         return []
     if tensors[0].get_device() == tensors[-1].get_device():  # the usual case (an int compare, no device objects): one call
         try:
-            return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+            return list(torch._foreach_norm(tensors, ord, torch.float32))  # dtype given by position: no keyword parsing
         except (TypeError, RuntimeError):  # several devices after all, float64, an older torch: by group
             pass
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)

@@ -297,3 +297,19 @@ def test_an_eager_forward_runs_the_hooks_without_dynamos_disable_wrapper(out_dir
     plain = eval_frame_sets(None)
     recorded = eval_frame_sets(lambda model, opt: Recorder(model, opt, loss_fn=loss_fn, out_dir=out_dir))
     assert recorded == plain
+
+
+def test_the_check_norms_low_precision_gradients_in_float32_in_one_call():
+    """The check's fused norm takes its dtype by position (a keyword costs a few µs a step in the
+    binding) and still accumulates and returns float32 for float16 and bfloat16 gradients, mixed
+    with float32 ones in one list: a float16 gradient whose 2-norm is above float16's largest
+    value (65504) is finite, not Inf."""
+    from nanreplay.core.numerics import tensor_norms, total_norm
+
+    big = torch.full((4096,), 2.0, dtype=torch.float16)  # 2-norm 128; squared sum 16384 fits float16...
+    huge = torch.full((64,), 10000.0, dtype=torch.float16)  # ...but this one's 2-norm is 80000 > 65504
+    grads = [torch.ones(3), big, torch.ones(5, dtype=torch.bfloat16), huge]
+    norms = tensor_norms(grads)
+    assert [n.dtype for n in norms] == [torch.float32] * 4
+    assert [round(float(n), 3) for n in norms] == [round(3 ** 0.5, 3), 128.0, round(5 ** 0.5, 3), 80000.0]
+    assert total_norm([float(n) for n in norms]) == pytest.approx((3 + 4 * 4096 + 5 + 64 * 1e8) ** 0.5, rel=1e-6)
