@@ -11,7 +11,7 @@ temporary directory under another name, so both versions load in one process. Th
 ``small`` model (``bench/models.py``: a step of about 1 ms on 2 CPU threads, where the fixed cost
 shows) train on the same batches: plain, under the other revision's Recorder and under this
 checkout's, default options, ``record(batch)`` and ``log_loss(loss)`` called. Each round runs one
-step of each, in an order that cycles through the six permutations; the figure per Recorder is the
+step of each, in an order that cycles through the six permutations (shuffled with ``--copies``); the figure per Recorder is the
 median over rounds of its step time minus the plain step time of the same round (microseconds),
 and the ratio of the two medians. The machine's speed drifts between runs (the plain step here
 ranges about 0.8-1.1 ms): the ratio, measured within one run, is the steadier figure.
@@ -75,7 +75,7 @@ def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, 
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
                 loops[(name, c)] = (model, opt, cls(model, opt, out_dir=tmp) if cls is not None else None)
 
-        times: dict[str, list[float]] = {n: [] for n in loops}
+        times: dict[tuple[str, int], list[float]] = {n: [] for n in loops}
         orders = list(itertools.permutations(loops)) if len(loops) <= 6 else None
         shuffle = random.Random(0).shuffle
         for i in range(warmup + steps):
