@@ -343,7 +343,7 @@ class Spares:
             t = free.pop()
             self._bytes -= _bytes_of(t)
             return t
-        size = like.numel() * like.element_size()
+        size = _bytes_of(like)
         if self.burst > 1 and key not in self._made and size <= BURST_MAX_BYTES and (self._room is None or self._room(size * self.burst)):
             self._made.add(key)
             made = [torch.zeros(like.shape, dtype=like.dtype, device=like.device) for _ in range(self.burst)]  # touched now
@@ -394,6 +394,7 @@ class Spares:
 
 
 def _bytes_of(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (not of its storage)."""
     return t.numel() * t.element_size()
 
 
@@ -429,7 +430,7 @@ def _snapshot_bytes(r: StepRecord) -> int:
 def tensor_bytes(tensors: Any) -> int:
     """Bytes of the elements of the tensors among ``tensors`` (an iterable; anything else is
     skipped), as the copies the modes keep count them."""
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(_bytes_of(t) for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _nbytes(tensors: Any) -> int:
