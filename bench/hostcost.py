@@ -32,8 +32,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from functools import partial
 from io import BytesIO
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,10 +60,13 @@ def load_other(rev: str, into: Path) -> type:
     return mod.Recorder
 
 
-def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, float]:
-    """One interleaved run; returns the extra microseconds per step of each Recorder (the median
-    over rounds of a copy's step time minus the plain step time of the same round and copy index,
-    averaged over the ``copies`` copies) and the plain step's median (``"plain_us"``)."""
+def interleave(makers: dict[str, Callable], steps: int, warmup: int, copies: int = 1) -> tuple[dict[str, list[float]], float]:
+    """One interleaved run of the ``small`` model's step: a plain loop and one loop per entry of
+    ``makers`` (``name -> make(model, optimizer, out_dir)``, returning what the step is given: an
+    object with ``record`` and ``log_loss``, closed at the end if it has ``close``), each on
+    ``copies`` copies of the model. Returns, per name, each copy's median over rounds of its step
+    time minus the plain step time of the same round and copy index (microseconds), and the plain
+    step's median (microseconds)."""
     factory, make_batch, loss_fn = models.spec("small")
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
@@ -69,11 +74,11 @@ def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, 
     loops = {}
     with tempfile.TemporaryDirectory() as tmp:
         for c in range(copies):
-            for name, cls in {"plain": None, **recorders}.items():
+            for name, make in {"plain": None, **makers}.items():
                 torch.manual_seed(0)
                 model = factory()
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                loops[(name, c)] = (model, opt, cls(model, opt, out_dir=tmp) if cls is not None else None)
+                loops[(name, c)] = (model, opt, make(model, opt, tmp) if make is not None else None)
 
         times: dict[tuple[str, int], list[float]] = {n: [] for n in loops}
         orders = list(itertools.permutations(loops)) if len(loops) <= 6 else None
@@ -90,14 +95,23 @@ def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, 
                 if i >= warmup:
                     times[name].append(dt)
         for _, _, rec in loops.values():
-            if rec is not None:
+            if hasattr(rec, "close"):
                 rec.close()
-    out: dict[str, float] = {}
-    for name in recorders:
-        extra = [statistics.median(a - b for a, b in zip(times[(name, c)], times[("plain", c)])) for c in range(copies)]
-        out[name] = statistics.fmean(extra) * 1e6
-    out["plain_us"] = statistics.median(t for c in range(copies) for t in times[("plain", c)]) * 1e6
-    return out
+    extra = {name: [statistics.median(a - b for a, b in zip(times[(name, c)], times[("plain", c)])) * 1e6 for c in range(copies)]
+             for name in makers}
+    return extra, statistics.median(t for c in range(copies) for t in times[("plain", c)]) * 1e6
+
+
+def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, float]:
+    """One interleaved run (:func:`interleave`) of Recorder classes, default options; returns each
+    one's extra microseconds per step (the mean over its copies) and the plain step's median
+    (``"plain_us"``)."""
+    extra, plain = interleave({name: partial(_recorder, cls) for name, cls in recorders.items()}, steps, warmup, copies)
+    return {**{name: statistics.fmean(per) for name, per in extra.items()}, "plain_us": plain}
+
+
+def _recorder(cls: type, model: torch.nn.Module, opt: torch.optim.Optimizer, out_dir: str) -> object:
+    return cls(model, opt, out_dir=out_dir)
 
 
 def main() -> None:

@@ -15,19 +15,19 @@ the loss. The variants differ only in how the norm is called:
   float32 results);
 * ``none``: ``_foreach_norm(grads, 2.0)`` (no dtype: a float16 gradient would be normed in float16).
 
-Every round runs one step of a plain copy and of each variant copy, in a shuffled order; a copy's
-figure is the median over rounds of its step time minus the plain step time of that round, and a
-variant's is the mean over its copies (identical copies differ by a few µs where their tensors
-landed in memory, see ``bench/hostcost.py --copies``).
+The loop is ``bench/hostcost.py``'s (:func:`hostcost.interleave`): every round runs one step of
+each copy, plain ones included, in a shuffled order; a copy's figure is the median over rounds of
+its step time minus the plain step time of that round and copy index, and a variant's is the mean
+over its copies (identical copies differ by a few µs where their tensors landed in memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import random
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,8 +35,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import models  # noqa: E402  (bench/models.py)
-import overhead  # noqa: E402  (bench/overhead.py: the training step it times)
+import hostcost  # noqa: E402  (bench/hostcost.py: the interleaved loop of plain and hooked model copies)
 
 CALLS = {
     "keyword": lambda gs: torch._foreach_norm(gs, 2.0, dtype=torch.float32),
@@ -67,6 +66,10 @@ class NormCheck:
             raise RuntimeError("non-finite step in the benchmark")
 
 
+def _norm_check(call, model: torch.nn.Module, opt: torch.optim.Optimizer, out_dir: str) -> NormCheck:
+    return NormCheck(opt, call)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2000, help="timed rounds (each: one step of every copy)")
@@ -77,31 +80,11 @@ def main() -> None:
     args = p.parse_args()
     variants = args.variants.split(",")
     torch.set_num_threads(args.threads)
-    factory, make_batch, loss_fn = models.spec("small")
-    cpu = torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    batches = [make_batch(gen, cpu) for _ in range(64)]
-
-    loops = {}
-    for key in ["plain"] + [f"{name}:{c}" for c in range(args.copies) for name in variants]:
-        torch.manual_seed(0)
-        model = factory()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loops[key] = (model, opt, NormCheck(opt, CALLS[key.split(":")[0]]) if key != "plain" else None)
-    times: dict[str, list[float]] = {k: [] for k in loops}
-    order, shuffle = list(loops), random.Random(0).shuffle
-    for i in range(args.warmup + args.steps):
-        shuffle(order)
-        for key in order:
-            model, opt, hook = loops[key]
-            dt = overhead._timed_step(model, opt, loss_fn, batches[i % len(batches)], cpu, hook)
-            if i >= args.warmup:
-                times[key].append(dt)
-    plain = times.pop("plain")
-    print(f"plain step {statistics.median(plain) * 1e6:.0f} µs; the norm and its reads, per step (mean over {args.copies} copies "
+    makers = {name: partial(_norm_check, CALLS[name]) for name in variants}
+    extra, plain = hostcost.interleave(makers, args.steps, args.warmup, args.copies)
+    print(f"plain step {plain:.0f} µs; the norm and its reads, per step (mean over {args.copies} copies "
           f"of each copy's median extra µs):")
-    for name in variants:
-        per = [statistics.median(a - b for a, b in zip(times[f"{name}:{c}"], plain)) * 1e6 for c in range(args.copies)]
+    for name, per in extra.items():
         print(f"  {name:9s} +{statistics.fmean(per):5.1f} µs   (copies: {', '.join(f'{v:.1f}' for v in per)})")
     print(f"(command: python bench/normcall.py --steps {args.steps} --copies {args.copies} --variants {args.variants})")
 
