@@ -224,6 +224,13 @@ class Recorder:
             self._handles.append(self._amp)
         self._steps = StepStart(self.model, self.ring, self._inputs, step=lambda: self.step, replay_state=self._dump,
                                 snapshot_every=self.config.snapshot_every, snapshot_state=self._live, capture_cotangent=self.config.capture_cotangent)
+        self._attach(model, optimizer)
+
+    def _attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Hook into the training loop, each hook behind a handle this Recorder owns: the forward
+        tap on ``model`` (as given: a wrapper's call is where the capture runs eagerly), the
+        optimizer's step pre-hook (the check) and post-hook (the end of the step), and under
+        ``torch.distributed`` the ranks' own hooks."""
         self._tap = ForwardTap(model, self._steps.forward_pre, self._steps.forward_post)
         self._dump.compile_state = lambda: compile_state(self.wrapper, self.model, self._tap.compiled_wrapper)
         self._dump.run_config = lambda steps: run_config(self.wrapper, self.model, self.optimizer, steps)  # at the dump, never per step
@@ -455,20 +462,8 @@ class Recorder:
         loss, micro = self._step_loss() if self.config.check_loss else None, self._micro_losses
         self._pending_loss, self._micro_losses = None, []
         pre, self._pending_grad_norm = self._pending_grad_norm, None
-        if self._lagged is not None:
-            rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
-            # the earlier steps' verdicts first: their values are on the host by now, and this step's forward and backward
-            # pass, queued, keep the device busy (reading after this step's push would wait for them)
-            if self._lagged.due() and self._check_pending(final=False):
-                rec.finite = None  # it ran on the weights of a non-finite episode; the action has dealt with its update
-                self._steps.seal(rec)
-                self._history.add(rec.step, None, None, rec.lrs, None)  # its values stay unread: no sync for them
-                return None
-            norm = combined_norm(norms)
-            if self._lagged.push(rec, norm, loss, self.model, self.optimizer, self._grads()):
-                self._steps.seal(rec)
-                return None
-            self._lagged_off()
+        if self._lagged is not None and self._check_sync_free(rec, norms, loss, pre):
+            return None
         scale_t = self._amp.scale_tensor() if self._amp is not None else None
         rec.grad_norm, rec.loss, agreed, (scale, pre_t) = read_check(norms, loss, self.dist, extra=(scale_t, pre if isinstance(pre, torch.Tensor) else None))
         rec.grad_norm_pre_clip = pre if isinstance(pre, float) else pre_t
@@ -493,6 +488,26 @@ class Recorder:
                 self._spike_watch.judge(rec, self._grads(), self._live, grad_norm=rec.grad_norm_pre_clip)
             return True
         self._handle_nonfinite(rec, self._grads(), bad_grad, bad_loss, cause=nonfinite_micro_batch(micro) if bad_loss else None)
+        return False
+
+    def _check_sync_free(self, rec: StepRecord, norms: list[torch.Tensor], loss: Optional[torch.Tensor], pre: Any) -> bool:
+        """:meth:`check_step` with ``check_every > 1``: read the earlier steps' verdicts when due,
+        then leave this step's on the device. Returns whether it did (``check_step`` then returns
+        ``None``); ``False`` when the latch could not grow within the budget, the mode is off
+        (:meth:`_lagged_off`) and the step is checked on the host as usual."""
+        assert self._lagged is not None
+        rec.grad_norm_pre_clip = pre if isinstance(pre, float) else None  # a tensor norm is not read in the sync-free mode
+        # the earlier steps' verdicts first: their values are on the host by now, and this step's forward and backward
+        # pass, queued, keep the device busy (reading after this step's push would wait for them)
+        if self._lagged.due() and self._check_pending(final=False):
+            rec.finite = None  # it ran on the weights of a non-finite episode; the action has dealt with its update
+            self._steps.seal(rec)
+            self._history.add(rec.step, None, None, rec.lrs, None)  # its values stay unread: no sync for them
+            return True
+        if self._lagged.push(rec, combined_norm(norms), loss, self.model, self.optimizer, self._grads()):
+            self._steps.seal(rec)
+            return True
+        self._lagged_off()
         return False
 
     def _take_in(self, rec: StepRecord, scale: Optional[float]) -> bool:
