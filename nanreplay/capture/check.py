@@ -21,7 +21,7 @@ from ..format.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPU_READS_EACH", "HOST_NORMS", "read_check", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
+__all__ = ["CPU_READS_EACH", "HOST_NORMS", "read_check", "read_norms", "nonfinite_micro_batch", "overflowed_norm", "warn_explosion", "explosion", "lr_value"]
 
 
 _NONE = repeat(None)
@@ -49,8 +49,10 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     norm before clipping), their host floats returned in order (``None`` for a ``None``); they
     take no part in the ranks' agreement."""
     if dist is None and norms and len(norms) <= HOST_NORMS and not any(map(is_not, extra, _NONE)) and \
-            (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0 and (loss.is_cpu and norms[0].is_cpu or loss.device == norms[0].device))):
-        return (*_read_norms(norms, loss), None, [None] * len(extra))  # the usual step
+            (loss is None or (loss.dtype is torch.float32 and loss.dim() == 0)):
+        read = read_norms(norms, loss)  # the usual step
+        if read is not None:
+            return (*read, None, [None] * len(extra))
     norm = combined_norm(norms)
     present = [t for t in (norm, loss) if t is not None]
     more = [t for t in extra if t is not None]
@@ -75,12 +77,18 @@ def read_check(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor], dist
     return g, lo, agreed, [None if t is None else next(tail) for t in extra]
 
 
-def _read_norms(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor]) -> tuple[float, Optional[float]]:
-    """(total grad norm, loss) from the per-tensor norms and a 0-dim float32 loss on their device,
-    in one host read (on the CPU, where nothing waits on a device, each read as it is: cheaper
-    than stacking them first)."""
-    if CPU_READS_EACH and norms[0].is_cpu and (loss is None or loss.is_cpu):
-        return total_norm(list(map(float, norms))), (float(loss) if loss is not None else None)
+def read_norms(norms: Sequence[torch.Tensor], loss: Optional[torch.Tensor]) -> Optional[tuple[float, Optional[float]]]:
+    """(total grad norm, loss) from the per-tensor norms and a 0-dim float32 loss, in one host
+    read (on the CPU, where nothing waits on a device, each read as it is: cheaper than stacking
+    them first); ``None`` when the loss is on another device than the norms (:func:`read_check`
+    then moves it)."""
+    if norms[0].is_cpu:
+        if loss is not None and not loss.is_cpu:
+            return None
+        if CPU_READS_EACH:
+            return total_norm(list(map(float, norms))), (float(loss) if loss is not None else None)
+    elif loss is not None and loss.device != norms[0].device:
+        return None
     vals = torch.stack([*norms, loss] if loss is not None else norms).tolist()
     lo = vals.pop() if loss is not None else None
     return total_norm(vals), lo

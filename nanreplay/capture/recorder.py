@@ -47,14 +47,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, callable_record, import_callable
-from ..core.numerics import combined_norm, fused_norm, tensor_norms
+from ..core.numerics import FLOAT32_MAX, combined_norm, fused_norm, tensor_norms
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .actions import ACTIONS, Actions, Incident
 from .config import RecorderConfig
 from .dump import Dump, check_out_dir, model_info
 from .early import ScalarHistory, SpikeWatch
-from .check import explosion, lr_value, nonfinite_micro_batch, read_check
+from .check import HOST_NORMS, explosion, lr_value, nonfinite_micro_batch, read_check, read_norms
 from .forward import ForwardTap, unwrap_model, unwrap_optimizer
 from .inputs import InputCapture
 from .lagged import LaggedCheck, advise, can_freeze, check_combination
@@ -222,6 +222,11 @@ class Recorder:
             self._amp = ScalerWatch(scaler, optimizer, step_open=lambda: not self._closed and self._current is not None,
                                     on_skip=self._on_scaler_skip)
             self._handles.append(self._amp)
+        #: the check's usual step (:meth:`_check`): one process, no GradScaler, no update check, finite steps taken in together
+        self._usual = self._waiting is not None and self.dist is None and self._amp is None and self._update is None
+        self._verdict: Optional[bool] = None  # the last check's verdict (check_step returns it)
+        #: a replay of a finite step runs the loss function (capture_cotangent left to auto): its cotangents are dropped
+        self._cotangent_unneeded = self.config.capture_cotangent is None and self.loss_fn is not None
         self._steps = StepStart(self.model, self.ring, self._inputs, step=lambda: self.step, replay_state=self._dump,
                                 snapshot_every=self.config.snapshot_every, snapshot_state=self._live, capture_cotangent=self.config.capture_cotangent)
         self._attach(model, optimizer)
@@ -236,7 +241,7 @@ class Recorder:
         self._dump.run_config = lambda steps: run_config(self.wrapper, self.model, self.optimizer, steps)  # at the dump, never per step
         self._handles.append(self._tap)
         if self.config.check_in_optimizer_step:
-            self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
+            self._handles.append(optimizer.register_step_pre_hook(self._check))
         self._handles.append(optimizer.register_step_post_hook(self.end_step))
         if self.dist is not None:
             self.dist.attach_hooks(model, self.model, origin_hook=self.config.origin_hook, ring=self.ring)
@@ -433,9 +438,6 @@ class Recorder:
         return [(fqn.get(id(p)) or f"<unnamed:{id(p)}>", local(p.grad) if sharded else p.grad)  # a DTensor's local shard
                 for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
-    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self.check_step()
-
     def check_step(self) -> Optional[bool]:
         """Check the gradients now (and the loss given to :meth:`log_loss`): one fused norm and
         one host read; under ``torch.distributed`` one small all-reduce too, so every rank takes
@@ -450,18 +452,57 @@ class Recorder:
 
         The optimizer step pre-hook calls it; call it yourself with
         ``check_in_optimizer_step=False`` (as the Lightning callback does)."""
+        self._check()
+        return self._verdict
+
+    def _check(self, *hook_args: Any) -> None:
+        """:meth:`check_step`, registered as the optimizer's step pre-hook itself (``hook_args``:
+        the optimizer, args and kwargs, unused; a pre-hook returns ``None``), its verdict left in
+        ``_verdict``. The usual finite step (one process, no GradScaler, no ``check_update``, the
+        early warning batched: ``_waiting``) is read and taken in here with as few calls as it
+        takes (each Python call nanreplay makes in a training step costs about a microsecond:
+        ``bench/README.md``); every other step, and a non-finite one, goes on in
+        :meth:`_check_rest`."""
         if self._closed:
-            return True
+            self._verdict = True
+            return
         self._tap.check()
-        if self._steps.retained:
-            self._steps.cotangents_in()
-        rec = self.ring.current or self._steps.begin(capture=False)
+        steps = self._steps
+        if steps.retained:
+            steps.cotangents_in()
+        rec = self.ring.current or steps.begin(capture=False)
         rec.lrs = list(map(lr_value, map(_LR, self.optimizer.param_groups)))
         norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
         # the step's loss (None without one or with check_loss=False) and its micro-batches' losses, taken
-        loss, micro = self._step_loss() if self.config.check_loss else None, self._micro_losses
-        self._pending_loss, self._micro_losses = None, []
-        pre, self._pending_grad_norm = self._pending_grad_norm, None
+        loss = (self._pending_loss if self._amp is None else self._step_loss()) if self.config.check_loss else None
+        micro, pre = self._micro_losses, self._pending_grad_norm
+        self._pending_loss, self._micro_losses, self._pending_grad_norm = None, [], None
+        waiting = self._waiting
+        # the usual step: its per-tensor norms and its loss (0-dim float32 from log_loss) on one device, one host read
+        read = read_norms(norms, loss) if self._usual and norms and len(norms) <= HOST_NORMS and not isinstance(pre, torch.Tensor) else None
+        if read is not None:
+            rec.grad_norm, rec.loss = g, lo = read
+            if g <= FLOAT32_MAX and (lo is None or math.isfinite(lo)):  # both finite (a NaN compares False)
+                rec.grad_norm_pre_clip, rec.finite = pre, True
+                steps.seal(rec)
+                if not waiting:
+                    self._waiting_since = time.monotonic()
+                waiting.append((rec.step, lo, g, rec.lrs, pre, None))  # taken in with the next ones (_digest)
+                if len(waiting) >= WAIT_STEPS or time.monotonic() - self._waiting_since > WAIT_SECONDS:
+                    self._digest()
+                self._actions.skipped = 0  # Actions.finite(): a run of skipped steps is over
+                if not self._dump.programs.tried:
+                    self._dump.programs.early(rec, self._grads(), self._live, verify=True)
+                self._verdict = True
+                return
+        self._verdict = self._check_rest(rec, norms, loss, micro, pre)
+
+    def _check_rest(self, rec: StepRecord, norms: list[torch.Tensor], loss: Optional[torch.Tensor], micro: list[torch.Tensor],
+                    pre: Any) -> Optional[bool]:
+        """:meth:`check_step` past the loss and the norms, for every step :meth:`_check` does not
+        take in itself: the sync-free mode, torch.distributed, a GradScaler, ``check_update``, a
+        norm before clipping given as a tensor, and every step that is not finite (read again:
+        one more host read, on that step only)."""
         if self._lagged is not None and self._check_sync_free(rec, norms, loss, pre):
             return None
         scale_t = self._amp.scale_tensor() if self._amp is not None else None
@@ -540,10 +581,11 @@ class Recorder:
         if self._steps.retained:
             self._steps.cotangents_in(final=True)
         rec = self.ring.current
-        if rec is not None and rec.finite and self.config.capture_cotangent is None and self.loss_fn is not None and rec.batches:
+        if self._cotangent_unneeded and rec is not None and rec.finite and rec.batches:
             for fw in rec.forwards:  # a replay runs the loss function: a finite step's cotangent is not needed
                 fw.cotangent = None
-        self._actions.verify_skip(self.step)
+        if self._actions.dropped:
+            self._actions.verify_skip(self.step)
         if self._amp is not None:
             self._amp.end_step()
         if self._lagged is not None:
