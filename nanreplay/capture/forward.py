@@ -322,7 +322,7 @@ def keep_cotangent(fw: ForwardRecord, output: Any, retained: Optional[list] = No
     backward pass has run, which the caller moves into ``fw`` (:meth:`~nanreplay.capture.steps.StepStart.cotangents_in`)."""
     if isinstance(output, torch.Tensor):  # the common case, without a tree
         fw.cotangent = None
-        if output.requires_grad and is_float(output):
+        if output.requires_grad:  # only floating and complex tensors can require grad
             node = output.grad_fn
             if node is None:
                 output.register_hook(functools.partial(_keep_leaf_cotangent, fw))

@@ -51,6 +51,7 @@ class InputCapture:
         self._refs: dict[int, list[tuple]] = {}    # step -> every tensor captured in it, as (tensor, version, address)
         self._same_step: Optional[int] = None
         self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
+        self._step_refs: list[tuple] = []          # _refs[step] of the capture in progress, for _cap
         #: ``spare(like)``: a recycled tensor of ``like``'s shape to copy a batch tensor into, or ``None``
         #: (a long ring's :class:`~nanreplay.capture.ring.Spares`; ``None`` here: references only)
         self.spare: Optional[Any] = None
@@ -59,52 +60,51 @@ class InputCapture:
         """``tree`` with every tensor referenced (detached first when it requires grad) or cloned, for step ``step``; the
         tensors kept are listed in :meth:`tensors` (one walk of ``tree``). A tensor already
         captured in the step (the batch given to ``record`` and then to the model) is kept once."""
-        refs = self._refs.setdefault(step, [])
+        self._step_refs = self._refs.setdefault(step, [])  # what _cap appends to (a method: no closure made per call)
         if self._same_step != step:
             self._same_step, self._same = step, {}
-        same = self._same
-
-        def cap(x: torch.Tensor) -> torch.Tensor:
-            known = same.get(id(x))
-            if known is not None and known[0] is x:
-                return known[1]
-            orig = x
-            if x.requires_grad:  # a batch tensor is usually a leaf without grad: kept as is, no new tensor object
-                x = x.detach()
-            spare = self.spare(x) if self.spare is not None and self.policy is not False and x.is_contiguous() else None
-            if spare is not None:  # a long ring: into a recycled tensor, not a reference that pins the loop's allocation
-                x = spare.copy_(x)
-                refs.append((x, _REF_COPY, 0))
-            else:
-                ptr = self._watch_storage(x, step) if not self.copying and self.policy is not False else 0  # may turn copying on
-                if self.copying:
-                    x = x.clone()
-                refs.append((x, _REF_COPY if self.copying else x._version, ptr))
-            same[id(orig)] = (orig, x)
-            return x
-
         kind = type(tree)
         if (kind is tuple or kind is list) and all(map(isinstance, tree, _TENSOR)):  # a flat batch or forward args
-            return tuple(map(cap, tree)) if kind is tuple else list(map(cap, tree))
-        return map_tensors(cap, tree)
+            return tuple(map(self._cap, tree)) if kind is tuple else list(map(self._cap, tree))
+        return map_tensors(self._cap, tree)
 
-    def _watch_storage(self, x: torch.Tensor, step: int) -> int:
-        """Switch to copies when ``x``'s storage was an input of an earlier step still held (the
-        loop refills one buffer: the references held would change under the ring buffer).
-        Returns the storage's address while watched, else 0."""
-        try:
-            ptr = x.untyped_storage().data_ptr()
-        except RuntimeError:  # a tensor without storage (e.g. a functional wrapper)
-            return 0
-        if not ptr:
-            return 0
-        if self._storages.get(ptr, step) != step:
-            self.copying = True
-            self._storages.clear()  # not needed any more: captures are copies from now on
-            logger.info("nanreplay: the loop reuses an input buffer across steps; batches are copied from now on")
-            return 0
-        self._storages[ptr] = step
-        return ptr
+    def _cap(self, x: torch.Tensor) -> torch.Tensor:
+        """One tensor of :meth:`capture`'s tree, for the step of the last capture: its reference or copy, as kept."""
+        known = self._same.get(id(x))
+        if known is not None and known[0] is x:
+            return known[1]
+        orig, step, refs = x, self._same_step, self._step_refs
+        if x.requires_grad:  # a batch tensor is usually a leaf without grad: kept as is, no new tensor object
+            x = x.detach()
+        spare = self.spare(x) if self.spare is not None and self.policy is not False and x.is_contiguous() else None
+        if spare is not None:  # a long ring: into a recycled tensor, not a reference that pins the loop's allocation
+            x = spare.copy_(x)
+            refs.append((x, _REF_COPY, 0))
+        else:
+            ptr = 0
+            if not self.copying and self.policy is not False:
+                # its storage is watched: an input of an earlier step still held means the loop refills one
+                # buffer (the references held would change under the ring buffer): copies from now on
+                try:
+                    ptr = x.untyped_storage().data_ptr()
+                except RuntimeError:  # a tensor without storage (e.g. a functional wrapper)
+                    pass
+                if ptr and self._storages.get(ptr, step) != step:
+                    ptr = 0
+                    self._copy_from_now("the loop reuses an input buffer across steps")
+                elif ptr:
+                    self._storages[ptr] = step
+            if self.copying:
+                x = x.clone()
+            refs.append((x, _REF_COPY if self.copying else x._version, ptr))
+        self._same[id(orig)] = (orig, x)
+        return x
+
+    def _copy_from_now(self, why: str) -> None:
+        """Switch to copies (auto policy), saying ``why``; the watched storages are not needed any more."""
+        self.copying = True
+        self._storages.clear()
+        logger.info("nanreplay: %s; batches are copied from now on", why)
 
     def copies(self, step: int) -> list[torch.Tensor]:
         """The tensors of step ``step`` that are copies this capture made (nothing outside the
@@ -125,10 +125,12 @@ class InputCapture:
     def seal(self, step: int) -> None:
         """End of step ``step``: switch to copies (auto policy) when one of its references was
         modified in place during the step."""
-        if self.policy is None and not self.copying and self.stale(step):
-            self.copying = True
-            self._storages.clear()
-            logger.info("nanreplay: a batch tensor was modified in place during the step; batches are copied from now on")
+        if self.policy is not None or self.copying:
+            return
+        for t, v, _ in self._refs.get(step, ()):  # stale(step), inline: it runs every step
+            if v is not None and t._version != v:
+                self._copy_from_now("a batch tensor was modified in place during the step")
+                return
 
     def stale(self, step: int) -> bool:
         """Whether a reference kept for step ``step`` was modified in place since capture."""
