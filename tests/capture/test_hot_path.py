@@ -313,3 +313,45 @@ def test_the_check_norms_low_precision_gradients_in_float32_in_one_call():
     assert [n.dtype for n in norms] == [torch.float32] * 4
     assert [round(float(n), 3) for n in norms] == [round(3 ** 0.5, 3), 128.0, round(5 ** 0.5, 3), 80000.0]
     assert total_norm([float(n) for n in norms]) == pytest.approx((3 + 4 * 4096 + 5 + 64 * 1e8) ** 0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("pre_clip", [False, True])
+def test_the_usual_step_is_taken_in_by_the_pre_hook_as_the_general_check_would(out_dir, monkeypatch, pre_clip):
+    """The default mode's finite step is read and taken in by the optimizer's pre-hook itself
+    (Recorder._check), without read_check; its records, scalar history and verdicts are those of the
+    general check (forced by turning the usual path off), and a NaN step still goes the general way
+    (a bundle, its history)."""
+    calls = []
+    original = recorder_module.read_check
+    monkeypatch.setattr(recorder_module, "read_check", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def run(usual: bool):
+        torch.manual_seed(0)
+        model = mlp(2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = batches(6)
+        rec = Recorder(model, opt, out_dir=out_dir / f"usual{usual}", capacity=8, action="warn", diagnose=False)
+        rec._usual = rec._usual and usual
+        verdicts = []
+        for i, (x, y) in enumerate(data):
+            rec.record((x, y))
+            loss = F.cross_entropy(model(x), y) * (float("nan") if i == 4 else 1.0)
+            rec.log_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            if pre_clip:
+                rec.log_grad_norm(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+            opt.step()
+            verdicts.append(rec._verdict)
+        rec.close()
+        rows = [(r.step, r.loss, r.grad_norm, r.grad_norm_pre_clip, r.finite, r.lrs) for r in rec.ring]
+        return verdicts, rows, list(rec._history.rows), rec.nonfinite_steps, len(rec.bundles)
+
+    calls.clear()
+    usual = run(True)
+    assert len(calls) == 2  # the non-finite steps only: the NaN loss's, and the next, on the weights its update made NaN
+    general = run(False)
+    assert len(calls) == 2 + 6
+    assert usual[0] == general[0] == [True] * 4 + [False, False]
+    assert repr(usual[1:]) == repr(general[1:])  # NaN rows alike too
+    assert usual[3] == [4, 5] and usual[4] >= 1
