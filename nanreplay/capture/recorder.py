@@ -22,9 +22,10 @@ It coordinates rooms with one job each. The walk of a step, default options:
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step state is still in place when the pre-hook fires. On the host a step
-costs about 90-100 microseconds on a small CPU model at that machine's usual speed, 110-130 in its
-slow phases (``bench/README.md``; ``bench/hostcost.py`` compares revisions side by side; about a
-microsecond per Python call nanreplay makes in a training step, so the hot path makes few), whatever
+costs about 85-95 microseconds on a small CPU model at that machine's usual speed, 100-135 in its
+slow phases (``bench/README.md``; ``bench/hostcost.py`` compares revisions side by side; half a
+microsecond to a microsecond per Python call nanreplay makes in a training step, so the hot path
+makes few), whatever
 the number of modules and parameters (beyond the fused norm's gradient list): nothing walks the
 module tree or the held steps per step (``bench/overhead.py`` measures it;
 ``tests/capture/test_hot_path.py`` checks its structure). Nothing is done at start-up beyond one
@@ -459,10 +460,10 @@ class Recorder:
         """:meth:`check_step`, registered as the optimizer's step pre-hook itself (``hook_args``:
         the optimizer, args and kwargs, unused; a pre-hook returns ``None``), its verdict left in
         ``_verdict``. The usual finite step (one process, no GradScaler, no ``check_update``, the
-        early warning batched: ``_waiting``) is read and taken in here with as few calls as it
-        takes (each Python call nanreplay makes in a training step costs about a microsecond:
-        ``bench/README.md``); every other step, and a non-finite one, goes on in
-        :meth:`_check_rest`."""
+        early warning batched: ``_waiting``) is read and taken in here, without the general path's
+        helpers (with the changes to the capture that went with it, 4-7 µs less a step on a small
+        CPU model: ``bench/README.md``); every other step, and a non-finite one, goes on in
+        :meth:`_check_rest` (a non-finite step is read there again: one more host read, on that step only)."""
         if self._closed:
             self._verdict = True
             return
