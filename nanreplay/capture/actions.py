@@ -74,9 +74,13 @@ class Action:
     Attributes:
         restores: the pre-step weights, optimizer state and buffers are put back before the action
             runs (``False``: the step, or the update, is kept).
+        reads_every_step: a spike action that reads the incident's message and rollback plan at
+            every step of an episode, not only at its first (``SpikeRaise``); for the others a
+            later step of an episode gets an :class:`Incident` without them.
     """
 
     restores = True
+    reads_every_step = False
 
     def dumps(self, state: "Actions") -> bool:
         """Whether this incident gets a bundle (``max_dumps`` permitting)."""
@@ -176,6 +180,7 @@ class SpikeRaise(Action):
     """Raise :class:`~nanreplay.errors.SpikeError` before the step's update."""
 
     restores = False
+    reads_every_step = True
 
     def dumps(self, state: "Actions") -> bool:
         return False

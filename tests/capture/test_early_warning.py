@@ -218,3 +218,21 @@ def test_band_take_is_floored_then_score_then_update():
         parts.update(floored)
         assert one.take(y, math.log(EPS_FLOAT32)) == expected
         assert vars(one) == vars(parts)
+
+
+def test_a_long_episode_makes_its_plan_and_message_once_and_the_plan_when_read(tmp_path, monkeypatch):
+    """A diverging run is out of band at every step of its episode: only the episode's first step
+    makes a rollback plan and a log line (one per episode); the later steps' rows are still in
+    ``spikes``, and ``rollback_plan()`` makes the plan of the last alarm when read."""
+    from nanreplay.capture.early import SpikeWatch
+
+    plans = []
+    original = SpikeWatch.plan
+    monkeypatch.setattr(SpikeWatch, "plan", lambda self, step=None: plans.append(step) or original(self, step))
+    rec, first_bad, _ = _run({"out_dir": tmp_path, "max_dumps": 0}, steps=200, ramp_from=40)
+    episodes = {s["episode"] for s in rec.spikes}
+    alarmed = sorted({s["step"] for s in rec.spikes})
+    assert first_bad is not None and len(alarmed) > len(episodes)  # several out-of-band steps in an episode
+    assert len([p for p in plans if p is not None]) == len(episodes)  # the alarms' own (close() makes the final one)
+    plan = rec.rollback_plan()
+    assert plan["step"] >= alarmed[-1] and plan["first_abnormal_step"] <= alarmed[0]  # the NaN step may be the last alert
