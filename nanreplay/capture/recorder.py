@@ -25,9 +25,8 @@ the failing step's pre-step state is still in place when the pre-hook fires. On 
 costs about 85-95 microseconds on a small CPU model at that machine's usual speed, 100-135 in its
 slow phases (``bench/README.md``; ``bench/hostcost.py`` compares revisions side by side; half a
 microsecond to a microsecond per Python call nanreplay makes in a training step, so the hot path
-makes few), whatever
-the number of modules and parameters (beyond the fused norm's gradient list): nothing walks the
-module tree or the held steps per step (``bench/overhead.py`` measures it;
+makes few), whatever the number of modules and parameters (beyond the fused norm's gradient
+list): nothing walks the module tree or the held steps per step (``bench/overhead.py`` measures it;
 ``tests/capture/test_hot_path.py`` checks its structure). Nothing is done at start-up beyond one
 scan of the weights: the program is exported when a step fails (``export_early``).
 """
