@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..core.callables import callable_path
+from .forward import is_tap_call
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def compile_state(wrapper: torch.nn.Module, model: torch.nn.Module, extra: Optio
                 found.append(("", extra))
         for name, mod in model.named_modules():
             impl = mod.__dict__.get("_compiled_call_impl")
-            if impl is not None:
+            if impl is not None and not is_tap_call(impl):  # the Recorder's own fast call runs the model eagerly
                 found.append((name, impl))
             elif opt is not None and name and isinstance(mod, opt):
                 found.append((name, mod))

@@ -38,7 +38,7 @@ from ..format.records import ForwardRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["unwrap_model", "unwrap_optimizer", "ForwardTap", "keep_cotangent", "autocast_state"]
+__all__ = ["unwrap_model", "unwrap_optimizer", "ForwardTap", "is_tap_call", "keep_cotangent", "autocast_state"]
 
 
 #: torch's package directory: the frames :meth:`ForwardTap._maybe_move_to_caller` searches are in it
@@ -115,6 +115,33 @@ def _dynamo_skip_tools() -> tuple[Optional[Callable], Optional[Callable]]:
     return get_eval_frame_callback, skip
 
 
+def _data_parallel(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s wrapper chain holds a ``DataParallel``: its replicas are shallow copies of
+    the module's ``__dict__``, so a fast call (:meth:`ForwardTap._install_fast_call`), made for
+    the module itself, would run the replicas' forwards on the module's own weights."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, torch.nn.DataParallel):
+            return True
+        inner = getattr(m, "_orig_mod", None) or getattr(m, "module", None)
+        if not isinstance(inner, torch.nn.Module) or inner is m:
+            return False
+        m = inner
+    return False
+
+
+def _global_hook_dicts() -> Optional[tuple]:
+    """torch's module-wide hook registries (``register_module_forward_pre_hook`` and its kin: forward
+    pre, forward, backward pre, backward), which every module call runs; ``None`` on a torch that
+    keeps them elsewhere (then :meth:`ForwardTap._install_fast_call` installs nothing)."""
+    try:
+        from torch.nn.modules import module as m
+
+        return m._global_forward_pre_hooks, m._global_forward_hooks, m._global_backward_pre_hooks, m._global_backward_hooks
+    except AttributeError:
+        return None
+
+
 def _eager(fn: Callable, plain: Optional[Callable] = None) -> Callable:
     """``fn`` run eagerly even when Dynamo traces its caller, at no cost to an eager call.
 
@@ -144,10 +171,16 @@ def _eager(fn: Callable, plain: Optional[Callable] = None) -> Callable:
     return skip(hook)
 
 
+def is_tap_call(impl: Any) -> bool:
+    """Whether a module's ``_compiled_call_impl`` is a :class:`ForwardTap`'s fast call (the model runs
+    eagerly), not a compiled call of ``module.compile()``."""
+    return getattr(impl, "nanreplay_tap", False) is True
+
+
 def _is_eager_hook(code: Any) -> bool:
-    """Whether ``code`` is the code of :func:`_eager`'s hooks (a frame of nanreplay's that sits
-    between a module call and the hook's callbacks)."""
-    return code is _EAGER_HOOK_CODE
+    """Whether ``code`` is the code of :func:`_eager`'s hooks or of the tap's fast call (frames of
+    nanreplay's that sit between a module call and the hook's callbacks)."""
+    return code is _EAGER_HOOK_CODE or code is _FAST_CALL_CODE
 
 
 #: the code of the hook :func:`_eager` makes (a constant of its own code: taken without calling it,
@@ -178,12 +211,15 @@ class ForwardTap:
         self._inner_post: Any = None
         #: the ``OptimizedModule`` found calling the model when it was compiled after the Recorder attached
         self.compiled_wrapper: Optional[torch.nn.Module] = None
+        self._fast_call: Optional[Callable] = None  # the model's _compiled_call_impl while the tap's fast call is on it
         target = _eager_target(model)
         if target is self.inner and getattr(self.inner, "_compiled_call_impl", None) is not None:
             self._wrap_compiled_call(self.inner)
         else:
             self._on_wrapper = self._on_wrapper_only = target is not self.inner
             self._hook(target)
+            if not self._on_wrapper and not _data_parallel(model):
+                self._install_fast_call(target)
 
     # -- the three ways to attach ----------------------------------------------------------
     def _hook(self, module: torch.nn.Module) -> None:
@@ -218,6 +254,46 @@ class ForwardTap:
         self._wrapped, self._orig_impl = module, impl
         module._compiled_call_impl = eager_call
 
+    def _install_fast_call(self, module: torch.nn.Module) -> None:
+        """On an eager model with the tap's hooks: its call (``_compiled_call_impl``, which
+        ``Module.__call__`` calls when set, and which ``copy.deepcopy`` and ``torch.save`` leave
+        out, so a copy of the model, e.g. an EMA, calls plainly) runs the callbacks and
+        ``forward`` directly when the tap's two hooks are the only ones that module call would run
+        (no other hook on the module, no module-wide hook, no JIT trace, no Dynamo frame callback):
+        what ``_call_impl`` does with them, without its hook machinery (about 6 µs a step on a
+        small CPU model: ``bench/README.md``). Anything else goes to ``_call_impl``, where the hooks
+        run as before: a hook added later, ``torch.compile`` after the Recorder (the hooks then
+        find the compiled wrapper and move there, and this goes), ``model.compile()`` after it
+        (which replaces it; :meth:`check` then wraps the compiled call). Needs Dynamo's skip marker
+        and torch's hook registries; without them nothing is installed, nor under ``DataParallel``
+        (:func:`_data_parallel`; wrap the model in it before building the Recorder: its replicas,
+        made after, would carry the fast call of the module they were copied from)."""
+        callback, skip = _dynamo_skip_tools()
+        registries = _global_hook_dicts()
+        if callback is None or skip is None or registries is None:
+            return
+        fpre, fwd, bpre, bwd = registries
+        impl, pre, post, tracing = module._call_impl, self._pre_cb, self._post_cb, torch._C._get_tracing_state
+
+        def fast_call(*args: Any, **kwargs: Any) -> Any:
+            if (callback() is not None or len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1 or module._backward_hooks
+                    or module._backward_pre_hooks or fpre or fwd or bpre or bwd or tracing()):
+                return impl(*args, **kwargs)
+            pre(module, args, kwargs)
+            out = module.forward(*args, **kwargs)
+            post(module, args, kwargs, out)
+            return out
+
+        fast_call.nanreplay_tap = True  # not a compiled call: is_tap_call (the bundle's compile state looks past it)
+        self._fast_call = skip(fast_call)
+        module._compiled_call_impl = self._fast_call
+
+    def _remove_fast_call(self) -> None:
+        """Take the fast call off the model, if it is still there."""
+        if self._fast_call is not None and self.inner.__dict__.get("_compiled_call_impl") is self._fast_call:
+            self.inner._compiled_call_impl = None
+        self._fast_call = None
+
     def _unhook(self) -> None:
         for h in self._handles:
             h.remove()
@@ -234,7 +310,8 @@ class ForwardTap:
             # __call__ / _wrapped_call_impl above its _call_impl, Dynamo's frame and the model's
             # module call below it): code of another kind there (the training loop calling the
             # model), or no frame at all, rules it out without making a frame object per level
-            if not sys._getframe(_WRAPPER_DEPTH).f_code.co_filename.startswith(_TORCH_DIR):
+            code = sys._getframe(_WRAPPER_DEPTH).f_code
+            if not (code.co_filename.startswith(_TORCH_DIR) or _is_eager_hook(code)):
                 return
         except ValueError:  # the stack is not that deep
             return
@@ -250,6 +327,7 @@ class ForwardTap:
                 # (the wrapper's post hooks may already have been passed over for it) and goes
                 # when that call ends (or at the wrapper's next call, if it raised)
                 self._inner_pre.remove()
+                self._remove_fast_call()
                 self._on_wrapper = True
                 self.compiled_wrapper = owner
                 self._hook_wrapper(owner)
@@ -287,7 +365,9 @@ class ForwardTap:
     def check(self) -> None:
         """Called once per step from eager code: a ``model.compile()`` done after the Recorder
         attached moves the tap to the compiled call."""
-        if self._wrapped is None and not self._on_wrapper and getattr(self.inner, "_compiled_call_impl", None) is not None:
+        impl = getattr(self.inner, "_compiled_call_impl", None)
+        if self._wrapped is None and not self._on_wrapper and impl is not None and impl is not self._fast_call:
+            self._fast_call = None  # model.compile() replaced it
             self._unhook()
             self._wrap_compiled_call(self.inner)
             logger.info("nanreplay: model.compile() was called after the Recorder attached; its forward capture now wraps the compiled call")
@@ -295,10 +375,17 @@ class ForwardTap:
     def remove(self) -> None:
         """Take every hook and wrapper off. Idempotent."""
         self._unhook()
+        self._remove_fast_call()
         if self._wrapped is not None:
             if self._wrapped.__dict__.get("_compiled_call_impl") is not None:
                 self._wrapped._compiled_call_impl = self._orig_impl
             self._wrapped = None
+
+
+#: the code of the fast call :meth:`ForwardTap._install_fast_call` makes (a frame of nanreplay's between
+#: the model's ``_wrapped_call_impl`` and its ``_call_impl``, when a compiled wrapper calls the model)
+_FAST_CALL_CODE = next(c for c in ForwardTap._install_fast_call.__code__.co_consts
+                       if isinstance(c, types.CodeType) and c.co_name == "fast_call")
 
 
 #: the largest single output, in bytes, whose cotangent :func:`keep_cotangent` keeps through

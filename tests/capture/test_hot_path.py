@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from nanreplay import Recorder
 from nanreplay.capture import recorder as recorder_module
+from nanreplay.capture.forward import _FAST_CALL_CODE as FAST_CALL_CODE
 
 PACKAGE = os.path.dirname(os.path.abspath(sys.modules["nanreplay"].__file__)) + os.sep
 
@@ -84,7 +85,8 @@ def _nanreplay_calls(depth: int, out_dir) -> list[int]:
                 if event == "call":
                     if inside:
                         n[0] += 1
-                    if frame.f_code.co_filename.startswith(PACKAGE):
+                    # the tap's fast call is nanreplay's frame around the model's own forward: the forward's calls are the model's
+                    if frame.f_code.co_filename.startswith(PACKAGE) and frame.f_code is not FAST_CALL_CODE:
                         inside.add(id(frame))
                 elif event == "return":
                     inside.discard(id(frame))
@@ -355,3 +357,44 @@ def test_the_usual_step_is_taken_in_by_the_pre_hook_as_the_general_check_would(o
     assert usual[0] == general[0] == [True] * 4 + [False, False]
     assert repr(usual[1:]) == repr(general[1:])  # NaN rows alike too
     assert usual[3] == [4, 5] and usual[4] >= 1
+
+
+def test_an_eager_model_is_called_through_the_taps_fast_call_which_copies_and_other_hooks_go_around(out_dir):
+    """On an eager model the tap's fast call (the model's _compiled_call_impl) runs the capture and
+    the forward without the hook machinery; a deep copy (an EMA model) leaves it behind and computes
+    with its own weights; a hook the loop adds later runs (the fast call steps aside for
+    _call_impl, where the tap's hooks still capture); close() takes it off; under DataParallel
+    (replicas share the module's __dict__) none is installed."""
+    import copy
+
+    from nanreplay.capture.forward import is_tap_call
+
+    torch.manual_seed(0)
+    model = mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(4)
+    with Recorder(model, opt, out_dir=out_dir) as rec:
+        assert is_tap_call(model.__dict__.get("_compiled_call_impl"))
+        step(rec, model, opt, data[0])
+        assert len(rec.ring[-1].forwards) == 1 and rec.ring[-1].forwards[0].cotangent is not None
+        ema = copy.deepcopy(model)
+        assert ema.__dict__.get("_compiled_call_impl") is None
+        with torch.no_grad():
+            for p in ema.parameters():
+                p.mul_(0.5)
+            ref = mlp(2)
+            ref.load_state_dict(ema.state_dict())
+            x = data[1][0]
+            assert torch.equal(ema(x), ref(x)) and not torch.equal(ema(x), model(x))
+        seen = []
+        handle = model.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        step(rec, model, opt, data[1])
+        assert seen == [(6, 3)] and len(rec.ring[-1].forwards) == 1 and rec.ring[-1].forwards[0].cotangent is not None
+        handle.remove()
+        step(rec, model, opt, data[2])
+        assert len(rec.ring[-1].forwards) == 1 and rec.nonfinite_steps == []
+    assert model.__dict__.get("_compiled_call_impl") is None
+    with Recorder(torch.nn.DataParallel(model), opt, out_dir=out_dir) as rec:
+        assert model.__dict__.get("_compiled_call_impl") is None
+        step(rec, model, opt, data[3])
+        assert len(rec.ring[-1].forwards) == 1
