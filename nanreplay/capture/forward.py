@@ -16,6 +16,11 @@ so the tap attaches where the call is still eager:
   there and takes its own off the model (the post hook after the call in progress returns, so
   that call keeps its cotangent), so Dynamo recompiles once without them.
 
+On an eager model the hooks stay registered, and the model's call goes through the tap's fast
+call (``_compiled_call_impl``, the attribute ``model.compile()`` uses): while the tap's hooks are
+the only ones the call would run, it calls the callbacks and ``forward`` directly, without
+``_call_impl``'s hook machinery (:meth:`ForwardTap._install_fast_call`); otherwise the hooks run.
+
 Names always come from the unwrapped module (:func:`unwrap_model`): no ``_orig_mod.`` or
 ``module.`` prefix, so a bundle replays on a plain model.
 """
