@@ -22,7 +22,7 @@ It coordinates rooms with one job each. The walk of a step, default options:
 
 Nothing is copied on the device per step unless ``snapshot_every`` asks for weight snapshots:
 the failing step's pre-step state is still in place when the pre-hook fires. On the host a step
-costs about 80-95 microseconds on a small CPU model at that machine's usual speed, 100-125 in its
+costs about 85-100 microseconds on a small CPU model at that machine's usual speed, 105-125 in its
 slow phases (``bench/README.md``; ``bench/hostcost.py`` compares revisions side by side; half a
 microsecond to a microsecond per Python call nanreplay makes in a training step, so the hot path
 makes few), whatever the number of modules and parameters (beyond the fused norm's gradient
