@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import types
 from typing import Any, Callable, Optional
 
@@ -271,16 +272,26 @@ class ForwardTap:
         find the compiled wrapper and move there, and this goes), ``model.compile()`` after it
         (which replaces it; :meth:`check` then wraps the compiled call). Needs Dynamo's skip marker
         and torch's hook registries; without them nothing is installed, nor under ``DataParallel``
-        (:func:`_data_parallel`; wrap the model in it before building the Recorder: its replicas,
-        made after, would carry the fast call of the module they were copied from)."""
+        (:func:`_data_parallel`). A ``DataParallel`` wrapped around the model after the Recorder
+        was built gives its replicas (shallow copies of the module's ``__dict__``) this fast call
+        too; they call it from worker threads, where it sends a call made for another module to
+        that module's own ``_call_impl`` (found in the calling frame: only off the thread that
+        built the Recorder)."""
         callback, skip = _dynamo_skip_tools()
         registries = _global_hook_dicts()
         if callback is None or skip is None or registries is None:
             return
         fpre, fwd, bpre, bwd = registries
         impl, pre, post, tracing = module._call_impl, self._pre_cb, self._post_cb, torch._C._get_tracing_state
+        owner, get_ident = threading.get_ident(), threading.get_ident
 
         def fast_call(*args: Any, **kwargs: Any) -> Any:
+            if get_ident() != owner:
+                # another thread, where DataParallel calls its replicas (shallow copies of this module's __dict__, this
+                # fast call included): a call of another module goes to that module's own _call_impl (its hooks capture)
+                caller = sys._getframe(1).f_locals.get("self")  # Module._wrapped_call_impl's
+                if caller is not module and isinstance(caller, torch.nn.Module):
+                    return type(caller)._call_impl(caller, *args, **kwargs)
             if (callback() is not None or len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1 or module._backward_hooks
                     or module._backward_pre_hooks or fpre or fwd or bpre or bwd or tracing()):
                 return impl(*args, **kwargs)

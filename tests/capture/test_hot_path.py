@@ -398,3 +398,31 @@ def test_an_eager_model_is_called_through_the_taps_fast_call_which_copies_and_ot
         assert model.__dict__.get("_compiled_call_impl") is None
         step(rec, model, opt, data[3])
         assert len(rec.ring[-1].forwards) == 1
+
+
+def test_a_replica_made_after_attach_and_called_from_another_thread_computes_with_its_own_modules(out_dir):
+    """DataParallel wrapped around the model after the Recorder was built replicates the module as
+    a shallow copy of its __dict__ (the fast call included) and calls each replica from a worker
+    thread: there the fast call sends a call made for the replica to the replica's own _call_impl,
+    so it computes with the replica's modules, not the original's."""
+    import copy
+    import threading
+
+    torch.manual_seed(0)
+    model = mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = batches(1)[0][0]
+    with Recorder(model, opt, out_dir=out_dir):
+        replica = model._replicate_for_data_parallel()  # what torch.nn.parallel.replicate starts from
+        replica._modules = {k: copy.deepcopy(m) for k, m in model._modules.items()}
+        with torch.no_grad():
+            for p in replica.parameters():
+                p.mul_(0.5)
+        ref = mlp(2)
+        ref.load_state_dict(replica.state_dict())
+        out = {}
+        with torch.no_grad():
+            worker = threading.Thread(target=lambda: out.setdefault("y", replica(x)))
+            worker.start()
+            worker.join()
+            assert torch.equal(out["y"], ref(x)) and not torch.equal(out["y"], model(x))
