@@ -205,8 +205,6 @@ class Actions:
 
     Attributes:
         skipped: consecutive skipped steps.
-        dropped: the parameters whose gradients a skip dropped in the step in progress, with
-            their version counters then (empty otherwise: :meth:`verify_skip` has nothing to do).
         final_plan: ``final_plan()`` returns the rollback plan of the episode (bringing the
             bundle's up to date) when ``skip`` gives up; set by the Recorder
             (:meth:`nanreplay.capture.early.SpikeWatch.final_plan`), else ``None``.
@@ -218,7 +216,7 @@ class Actions:
         self.optimizer, self.dump, self.max_consecutive, self._param_fqn = optimizer, dump, max_consecutive, param_fqn
         self.skipped = 0
         self.final_plan: Optional[Callable[[], Optional[dict]]] = None
-        self.dropped: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
+        self._versions: list[tuple[torch.Tensor, int]] = []  # a skipped step's params and their versions
 
     @property
     def restores(self) -> bool:
@@ -248,7 +246,7 @@ class Actions:
     def drop_gradients(self) -> None:
         """Set every ``.grad`` to ``None`` so the optimizer leaves weights and state untouched,
         noting the parameters' versions for :meth:`verify_skip`."""
-        self.dropped = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
+        self._versions = [(p, p._version) for g in self.optimizer.param_groups for p in g["params"]]
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -257,10 +255,10 @@ class Actions:
         """After a skipped step: the version counters prove the optimizer left every parameter
         alone. Torch's optimizers skip parameters whose ``.grad`` is ``None``; one that updates
         parameters regardless (weight decay on every parameter, a custom rule) is named."""
-        if not self.dropped:
+        if not self._versions:
             return
-        changed = [self._param_fqn.get(id(p), "?") for p, v in self.dropped if p._version != v]
-        self.dropped = []
+        changed = [self._param_fqn.get(id(p), "?") for p, v in self._versions if p._version != v]
+        self._versions = []
         if changed:
             logger.warning(
                 "nanreplay: action='skip' dropped the gradients of step %d, but %s changed %d parameter(s) anyway "

@@ -51,7 +51,6 @@ class InputCapture:
         self._refs: dict[int, list[tuple]] = {}    # step -> every tensor captured in it, as (tensor, version, address)
         self._same_step: Optional[int] = None
         self._same: dict[int, tuple] = {}          # id(tensor given) -> (it, its capture), within the step in progress
-        self._step_refs: list[tuple] = []          # _refs[step] of the capture in progress, for _cap
         #: ``spare(like)``: a recycled tensor of ``like``'s shape to copy a batch tensor into, or ``None``
         #: (a long ring's :class:`~nanreplay.capture.ring.Spares`; ``None`` here: references only)
         self.spare: Optional[Any] = None
@@ -60,7 +59,7 @@ class InputCapture:
         """``tree`` with every tensor referenced (detached first when it requires grad) or cloned, for step ``step``; the
         tensors kept are listed in :meth:`tensors` (one walk of ``tree``). A tensor already
         captured in the step (the batch given to ``record`` and then to the model) is kept once."""
-        self._step_refs = self._refs.setdefault(step, [])  # what _cap appends to (a method: no closure made per call)
+        self._refs.setdefault(step, [])  # what _cap appends to (a method: no closure made per call)
         if self._same_step != step:
             self._same_step, self._same = step, {}
         kind = type(tree)
@@ -73,7 +72,8 @@ class InputCapture:
         known = self._same.get(id(x))
         if known is not None and known[0] is x:
             return known[1]
-        orig, step, refs = x, self._same_step, self._step_refs
+        orig, step = x, self._same_step
+        refs = self._refs[step]
         if x.requires_grad:  # a batch tensor is usually a leaf without grad: kept as is, no new tensor object
             x = x.detach()
         spare = self.spare(x) if self.spare is not None and self.policy is not False and x.is_contiguous() else None
@@ -125,12 +125,8 @@ class InputCapture:
     def seal(self, step: int) -> None:
         """End of step ``step``: switch to copies (auto policy) when one of its references was
         modified in place during the step."""
-        if self.policy is not None or self.copying:
-            return
-        for t, v, _ in self._refs.get(step, ()):  # stale(step), inline: it runs every step
-            if v is not None and t._version != v:
-                self._copy_from_now("a batch tensor was modified in place during the step")
-                return
+        if self.policy is None and not self.copying and self.stale(step):
+            self._copy_from_now("a batch tensor was modified in place during the step")
 
     def stale(self, step: int) -> bool:
         """Whether a reference kept for step ``step`` was modified in place since capture."""

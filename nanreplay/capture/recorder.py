@@ -47,7 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.callables import callable_path, callable_record, import_callable
-from ..core.numerics import FLOAT32_MAX, combined_norm, fused_norm, tensor_norms
+from ..core.numerics import combined_norm, fused_norm, tensor_norms
 from ..core.state import load_buffers
 from ..format.records import BundleContent, Snapshot, StepRecord
 from .actions import ACTIONS, Actions, Incident
@@ -474,23 +474,18 @@ class Recorder:
         rec.lrs = list(map(lr_value, map(_LR, self.optimizer.param_groups)))
         norms = tensor_norms(self._grad_tensors())  # the (FQN, gradient) pairs only where a path needs them
         # the step's loss (None without one or with check_loss=False) and its micro-batches' losses, taken
-        loss = (self._pending_loss if self._amp is None else self._step_loss()) if self.config.check_loss else None
+        loss = self._step_loss() if self.config.check_loss else None
         micro, pre = self._micro_losses, self._pending_grad_norm
         self._pending_loss, self._micro_losses, self._pending_grad_norm = None, [], None
-        waiting = self._waiting
         # the usual step: its per-tensor norms and its loss (0-dim float32 from log_loss) on one device, one host read
         read = read_norms(norms, loss) if self._usual and norms and len(norms) <= HOST_NORMS and not isinstance(pre, torch.Tensor) else None
         if read is not None:
             rec.grad_norm, rec.loss = g, lo = read
-            if g <= FLOAT32_MAX and (lo is None or math.isfinite(lo)):  # both finite (a NaN compares False)
+            if math.isfinite(g) and (lo is None or math.isfinite(lo)):
                 rec.grad_norm_pre_clip, rec.finite = pre, True
                 steps.seal(rec)
-                if not waiting:
-                    self._waiting_since = time.monotonic()
-                waiting.append((rec.step, lo, g, rec.lrs, pre, None))  # taken in with the next ones (_digest)
-                if len(waiting) >= WAIT_STEPS or time.monotonic() - self._waiting_since > WAIT_SECONDS:
-                    self._digest()
-                self._actions.skipped = 0  # Actions.finite(): a run of skipped steps is over
+                self._take_in(rec, None)  # waits for the next ones (_digest)
+                self._actions.finite()
                 if not self._dump.programs.tried:
                     self._dump.programs.early(rec, self._grads(), self._live, verify=True)
                 self._verdict = True
@@ -584,8 +579,7 @@ class Recorder:
         if self._cotangent_unneeded and rec is not None and rec.finite and rec.batches:
             for fw in rec.forwards:  # a replay runs the loss function: a finite step's cotangent is not needed
                 fw.cotangent = None
-        if self._actions.dropped:
-            self._actions.verify_skip(self.step)
+        self._actions.verify_skip(self.step)
         if self._amp is not None:
             self._amp.end_step()
         if self._lagged is not None:

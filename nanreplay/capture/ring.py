@@ -104,12 +104,9 @@ class RingBuffer:
 
     # -- the step lifecycle ------------------------------------------------------------------
     def begin(self, rec: StepRecord) -> None:
-        """``rec`` is the step in progress: append it (after making room for one more step, as
-        :meth:`make_room`)."""
-        steps = self._steps
-        while len(steps) >= self.capacity and id(steps[0]) not in self._pinned:
-            self._drop_oldest()
-        steps.append(rec)
+        """``rec`` is the step in progress: append it (after making room for one more step)."""
+        self.make_room()
+        self._steps.append(rec)
         self.current = rec
 
     def end(self) -> None:
@@ -208,7 +205,7 @@ class RingBuffer:
 
     def kept_bytes(self) -> int:
         """Bytes held outside the steps: the spare snapshot slot, the free spares and the kept copies."""
-        return self.pool.nbytes() + self.spares.bytes + (sum(c.nbytes() for c in self._kept.values()) if self._kept else 0)
+        return self.pool.nbytes() + self.spares.nbytes() + (sum(c.nbytes() for c in self._kept.values()) if self._kept else 0)
 
     def held_bytes(self) -> int:
         """Every byte counted against the budget now: a running total of the steps that are
@@ -324,16 +321,16 @@ class Spares:
         self._room = room
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._made: set[tuple] = set()   # kinds made in a burst already (once each)
-        self.bytes = 0  # bytes of the free spares (nbytes(); read as an attribute on the hot path)
+        self._bytes = 0
 
     def nbytes(self) -> int:
-        """Bytes of the free spares (counted against the budget; also :attr:`bytes`)."""
-        return self.bytes
+        """Bytes of the free spares (counted against the budget)."""
+        return self._bytes
 
     def clear(self) -> None:
         """Drop the free spares (the ring is over its budget)."""
         self._free.clear()
-        self.bytes = 0
+        self._bytes = 0
 
     def take(self, like: torch.Tensor) -> Optional[torch.Tensor]:
         """A spare (contiguous) of ``like``'s shape, dtype and device, removed from the spares, else
@@ -344,7 +341,7 @@ class Spares:
         free = self._free.get(key)
         if free:
             t = free.pop()
-            self.bytes -= _bytes_of(t)
+            self._bytes -= _bytes_of(t)
             return t
         size = _bytes_of(like)
         if self.burst > 1 and key not in self._made and size <= BURST_MAX_BYTES and (self._room is None or self._room(size * self.burst)):
@@ -352,7 +349,7 @@ class Spares:
             made = [torch.zeros(like.shape, dtype=like.dtype, device=like.device) for _ in range(self.burst)]  # touched now
             t = made.pop()
             self._free[key] = made
-            self.bytes += size * len(made)
+            self._bytes += size * len(made)
             return t
         return None
 
@@ -393,7 +390,7 @@ class Spares:
         free = self._free.setdefault((t.shape, t.dtype, t.device), [])
         if len(free) < max(self.limit, self.burst):
             free.append(t)
-            self.bytes += _bytes_of(t)
+            self._bytes += _bytes_of(t)
 
 
 def _bytes_of(t: torch.Tensor) -> int:
