@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -62,18 +62,27 @@ def _optimized_module_type() -> Optional[type]:
     return getattr(mod, "OptimizedModule", None) if mod is not None else None
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module that holds the parameters under any wrappers: ``DistributedDataParallel.module``,
-    ``DataParallel.module``, ``torch.compile``'s ``OptimizedModule._orig_mod``."""
+def _wrapper_chain(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model``, then each module it wraps, outermost first: through ``DistributedDataParallel.module``,
+    ``DataParallel.module`` and ``torch.compile``'s ``OptimizedModule._orig_mod``, down to the
+    module that holds the parameters (the last one)."""
     wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     opt = _optimized_module_type()
     while True:
+        yield model
         if isinstance(model, wrappers):
             model = model.module
         elif opt is not None and isinstance(model, opt):
             model = model._orig_mod
         else:
-            return model
+            return
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that holds the parameters under any wrappers: ``DistributedDataParallel.module``,
+    ``DataParallel.module``, ``torch.compile``'s ``OptimizedModule._orig_mod``."""
+    *_, inner = _wrapper_chain(model)
+    return inner
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -100,14 +109,10 @@ def _eager_target(model: torch.nn.Module) -> torch.nn.Module:
     outermost ``OptimizedModule`` when there is one (its ``_orig_mod`` runs compiled), else the
     unwrapped module."""
     opt = _optimized_module_type()
-    m = model
-    while True:
+    for m in _wrapper_chain(model):
         if opt is not None and isinstance(m, opt):
             return m
-        if isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            m = m.module
-        else:
-            return m
+    return m
 
 
 def _dynamo_skip_tools() -> tuple[Optional[Callable], Optional[Callable]]:
@@ -119,21 +124,6 @@ def _dynamo_skip_tools() -> tuple[Optional[Callable], Optional[Callable]]:
     except Exception:  # noqa: BLE001 - another torch's layout, or no working Dynamo
         return None, None
     return get_eval_frame_callback, skip
-
-
-def _data_parallel(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s wrapper chain holds a ``DataParallel``: its replicas are shallow copies of
-    the module's ``__dict__``, so a fast call (:meth:`ForwardTap._install_fast_call`), made for
-    the module itself, would run the replicas' forwards on the module's own weights."""
-    m = model
-    for _ in range(8):
-        if isinstance(m, torch.nn.DataParallel):
-            return True
-        inner = getattr(m, "_orig_mod", None) or getattr(m, "module", None)
-        if not isinstance(inner, torch.nn.Module) or inner is m:
-            return False
-        m = inner
-    return False
 
 
 def _global_hook_dicts() -> Optional[tuple]:
@@ -224,7 +214,8 @@ class ForwardTap:
         else:
             self._on_wrapper = self._on_wrapper_only = target is not self.inner
             self._hook(target)
-            if not self._on_wrapper and not _data_parallel(model):
+            # none under DataParallel: its replicas are shallow copies of the module's __dict__, this fast call included
+            if not self._on_wrapper and not any(isinstance(m, torch.nn.DataParallel) for m in _wrapper_chain(model)):
                 self._install_fast_call(target)
 
     # -- the three ways to attach ----------------------------------------------------------
@@ -271,8 +262,8 @@ class ForwardTap:
         run as before: a hook added later, ``torch.compile`` after the Recorder (the hooks then
         find the compiled wrapper and move there, and this goes), ``model.compile()`` after it
         (which replaces it; :meth:`check` then wraps the compiled call). Needs Dynamo's skip marker
-        and torch's hook registries; without them nothing is installed, nor under ``DataParallel``
-        (:func:`_data_parallel`). A ``DataParallel`` wrapped around the model after the Recorder
+        and torch's hook registries; without them nothing is installed, nor under a ``DataParallel``
+        given to the Recorder. A ``DataParallel`` wrapped around the model after the Recorder
         was built gives its replicas (shallow copies of the module's ``__dict__``) this fast call
         too; they call it from worker threads, where it sends a call made for another module to
         that module's own ``_call_impl`` (found in the calling frame: only off the thread that
