@@ -459,9 +459,10 @@ class Recorder:
         """:meth:`check_step`, registered as the optimizer's step pre-hook itself (``hook_args``:
         the optimizer, args and kwargs, unused; a pre-hook returns ``None``), its verdict left in
         ``_verdict``. The usual finite step (one process, no GradScaler, no ``check_update``, the
-        early warning batched: ``_waiting``) is read and taken in here, without the general path's
-        helpers (with the changes to the capture that went with it, 4-7 µs less a step on a small
-        CPU model: ``bench/README.md``); every other step, and a non-finite one, goes on in
+        early warning batched: ``_waiting``) is read here by :func:`~nanreplay.capture.check.read_norms`,
+        without :func:`~nanreplay.capture.check.read_check`'s cases and the extra frame of a hook
+        that calls :meth:`check_step` (with the changes to the capture that went with it, a few µs
+        less a step on a small CPU model: ``bench/README.md``); every other step, and a non-finite one, goes on in
         :meth:`_check_rest` (a non-finite step is read there again: one more host read, on that step only)."""
         if self._closed:
             self._verdict = True
