@@ -395,36 +395,29 @@ _FAST_CALL_CODE = next(c for c in ForwardTap._install_fast_call.__code__.co_cons
                        if isinstance(c, types.CodeType) and c.co_name == "fast_call")
 
 
-#: the largest single output, in bytes, whose cotangent :func:`keep_cotangent` keeps through
-#: ``Tensor.retain_grad()``: autograd's own C++ hook, which copies the gradient, and no Python runs in
-#: the backward pass. A Python pre-hook copies nothing but is a call into Python in the middle of the
-#: backward pass (on a small CPU model about 5 µs a step more in all, ``bench/hostcost.py``); below
-#: this size the copy costs less than that call.
+#: the largest single output, in bytes, whose cotangent the capture keeps through
+#: ``Tensor.retain_grad()`` (:meth:`~nanreplay.capture.steps.StepStart.forward_post`): autograd's own
+#: C++ hook, which copies the gradient, and no Python runs in the backward pass. A Python pre-hook
+#: (:func:`keep_cotangent`) copies nothing but is a call into Python in the middle of the backward
+#: pass (on a small CPU model about 5 µs a step more in all, ``bench/hostcost.py``); below this size
+#: the copy costs less than that call.
 RETAIN_MAX_BYTES = 64 << 10
 
 
-def keep_cotangent(fw: ForwardRecord, output: Any, retained: Optional[list] = None) -> None:
+def keep_cotangent(fw: ForwardRecord, output: Any) -> None:
     """Keep the gradient w.r.t. each floating output of a forward in ``fw.cotangent`` (same tree
     as ``output``), through a hook that fires in the backward pass: for a single tensor output, a
     pre-hook of the node that made it (``grad_fn.register_prehook``: it sees the gradient that
     flows into the model, after any tensor hook the loop put on the output); else a tensor hook
-    on each floating leaf.
-
-    ``retained``: given a list, a single tensor output of at most :data:`RETAIN_MAX_BYTES` made by
-    a node is kept by ``output.retain_grad()`` instead (which also runs after the loop's tensor hooks)
-    and appended as ``(fw, output, output._version)``: its cotangent is ``output.grad`` once the
-    backward pass has run, which the caller moves into ``fw`` (:meth:`~nanreplay.capture.steps.StepStart.cotangents_in`)."""
+    on each floating leaf. (The usual small output keeps it by ``retain_grad()`` instead:
+    :meth:`~nanreplay.capture.steps.StepStart.forward_post`.)"""
     if isinstance(output, torch.Tensor):  # the common case, without a tree
         fw.cotangent = None
         if output.requires_grad:  # only floating and complex tensors can require grad
-            node = output.grad_fn
-            if node is None:
+            if output.is_leaf:
                 output.register_hook(functools.partial(_keep_leaf_cotangent, fw))
-            elif retained is not None and output.numel() * output.element_size() <= RETAIN_MAX_BYTES:
-                output.retain_grad()
-                retained.append((fw, output, output._version))
             else:  # a pre-hook of the node that made it: torch's C++ registration, no handle dict
-                node.register_prehook(functools.partial(_keep_node_cotangent, fw, output.output_nr))
+                output.grad_fn.register_prehook(functools.partial(_keep_node_cotangent, fw, output.output_nr))
         return
     leaves, spec = flatten_typed(output)  # dataclass outputs (ModelOutput) included
     # a non-tensor output (a transformers DynamicCache, a flag) has no gradient: None, not the object

@@ -7,8 +7,7 @@ generator advanced), its modules' training modes, its step-start buffers
 weight snapshot copied into the ring's recycled slot; the record is then opened in the ring
 buffer, which evicts to stay within ``memory_budget``. Each grad-enabled forward adds its inputs
 (:class:`~nanreplay.capture.inputs.InputCapture`: by reference while safe), its autocast state
-and, through :func:`~nanreplay.capture.forward.keep_cotangent`, a hook on its output for the
-cotangent; each ``record(batch)`` adds the batch.
+and a hook on its output for the cotangent (:meth:`StepStart.forward_post`); each ``record(batch)`` adds the batch.
 
 A step begun in eval mode is provisional: a grad-enabled validation forward (one that forgot
 ``torch.no_grad``) between two steps looks like the start of the next step until the model is put
@@ -27,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.rng import RNGReader
 from ..format.records import ForwardRecord, Snapshot, StepRecord
-from .forward import autocast_state, keep_cotangent
+from .forward import RETAIN_MAX_BYTES, autocast_state, keep_cotangent
 from .inputs import InputCapture
 from .ring import RingBuffer
 from .snapshots import StepStartBuffers
@@ -63,6 +62,7 @@ class StepStart:
         self.closed = False
         self._snapshot_every, self._snapshot_state = snapshot_every, snapshot_state
         self._capture_cotangent = capture_cotangent
+        self._keep_cotangents = capture_cotangent is not False
         self.buffers = StepStartBuffers(model)
         self.rng = RNGReader(spare=ring.spares.take)  # copies a generator's state only when it moved since the last step
         self._modes = ModuleModes(model)
@@ -72,7 +72,7 @@ class StepStart:
         #: to be kept, else ``None`` (cleared when a step begins: a forward that raised never ends)
         self._open: list[Optional[ForwardRecord]] = []
         #: forwards whose small output retains its gradient, as ``(record, output, output._version)``
-        #: (:func:`~nanreplay.capture.forward.keep_cotangent`), until :meth:`cotangents_in`
+        #: (:meth:`forward_post`), until :meth:`cotangents_in`
         self.retained: list[tuple] = []
         self._retain = True  # off once the loop was seen modifying an output in place: a pre-hook keeps every cotangent
 
@@ -135,19 +135,29 @@ class StepStart:
         inputs = (self.inputs.capture(args, rec.step), self.inputs.capture(kwargs, rec.step) if kwargs else {})  # the args: a flat tuple, as a rule
         fw = ForwardRecord(inputs=inputs, rng=rng)
         rec.forwards.append(fw)
-        self._open.append(fw if self._capture_cotangent is not False else None)
-        if rec.autocast is None and self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
+        self._open.append(fw if self._keep_cotangents else None)
+        if self._autocast_read != rec.step:  # once a step (a later micro-batch runs in the same region)
             self._autocast_read = rec.step
             if _any_autocast():  # else no region is on: nothing to look up
                 rec.autocast = autocast_state(self.inputs.device_type(rec.step))  # from the tensors just kept: no second walk
 
     def forward_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        """After a forward: a hook on its output for the cotangent, when its :meth:`forward_pre`
-        recorded it (the forwards still open are a stack: a forward inside another pairs with its
-        own)."""
+        """After a forward: keep its output's cotangent, when its :meth:`forward_pre` recorded it
+        (the forwards still open are a stack: a forward inside another pairs with its own). The
+        usual output, one tensor of at most :data:`RETAIN_MAX_BYTES` made by a node, keeps it by
+        ``output.retain_grad()``, appended to :attr:`retained` as ``(record, output,
+        output._version)`` (:meth:`cotangents_in` moves ``output.grad`` into the record after the
+        backward pass); any other output, or every output once the loop was seen modifying one in
+        place, through a hook (:func:`~nanreplay.capture.forward.keep_cotangent`)."""
         fw = self._open.pop() if self._open else None
-        if fw is not None:
-            keep_cotangent(fw, output, self.retained if self._retain else None)  # auto: kept until the step is known finite (Recorder.end_step)
+        if fw is None:
+            return
+        if (self._retain and isinstance(output, torch.Tensor) and output.requires_grad and not output.is_leaf
+                and output.nbytes <= RETAIN_MAX_BYTES):
+            output.retain_grad()  # autograd's own C++ hook, which copies the gradient: no Python runs in the backward pass
+            self.retained.append((fw, output, output._version))
+        else:
+            keep_cotangent(fw, output)  # auto: kept until the step is known finite (Recorder.end_step)
 
     def cotangents_in(self, *, final: bool = False) -> None:
         """After the backward pass, before anything reads a cotangent: each retained output's
