@@ -211,6 +211,41 @@ def test_the_cotangent_is_the_gradient_wrt_the_output_small_or_large(out_dir, wi
                 assert torch.equal(out.grad, got) and got is not out.grad
 
 
+class _PassThrough(nn.Module):
+    """A model whose output is its input scaled by a weight, or, with ``leaf``, a leaf tensor itself."""
+
+    def __init__(self, leaf: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.leaf = leaf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w if self.leaf else x * self.w
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_a_leaf_output_keeps_its_cotangent_by_a_tensor_hook_and_an_output_without_grad_keeps_none(out_dir, leaf):
+    """An output that is a leaf tensor (no node made it) keeps its cotangent through a tensor hook,
+    the same gradient retain_grad would keep; an output that needs no gradient keeps none."""
+    model = _PassThrough(leaf)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
+        out = model(torch.randn(3, 4))
+        want = 3 * out.detach().cos()  # d/d out of sum(3 sin(out)), before the step moves the weight
+        (out.sin() * 3).sum().backward()
+        assert out.is_leaf is leaf and out.retains_grad is not leaf  # a leaf's .grad is its own: a tensor hook keeps it
+        opt.step()
+        assert torch.allclose(rec.ring[0].forwards[0].cotangent, want)
+        opt.zero_grad()
+        with torch.no_grad():
+            model.w.requires_grad_(False)
+        out = model(torch.randn(3, 4))  # a step whose output needs no gradient (a frozen model): no cotangent
+        assert not out.requires_grad
+        rec.check_step()
+        rec.end_step()
+        assert rec.ring[-1].forwards[0].cotangent is None
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_two_backward_passes_through_one_output_keep_the_sum_of_their_cotangents(out_dir, wide):
     """Two losses backpropagated through one output in a step (retain_graph=True) both add to the
