@@ -22,8 +22,9 @@ and :class:`~nanreplay.format.records.ForwardRecord`), the module modes, the lea
 ring's byte count and eviction, and the finite steps' scalar history and early warning taken in
 64 at a time (nanreplay's :class:`~nanreplay.capture.early.EarlyWarning` and
 :class:`~nanreplay.capture.early.ScalarHistory`). Against the Recorder it shows what the Recorder's
-layering costs (its per-step work spread over some forty Python calls into eight objects, with the
-tests its rarer cases need), apart from the features themselves.
+generality costs apart from the features themselves: the tests and torch calls its rarer cases
+need (a compiled model, autocast, a long ring, copies, a scaler, a step begun in eval mode), its
+work spread over some forty Python calls into eight objects.
 
 The loop is ``bench/hostcost.py``'s (:func:`hostcost.interleave`): every round runs one step of each
 copy, plain ones included, in a shuffled order, with ``record(batch)`` and ``log_loss(loss)``
