@@ -61,8 +61,7 @@ class StepStart:
         self._step, self._replay_state = step, replay_state
         self.closed = False
         self._snapshot_every, self._snapshot_state = snapshot_every, snapshot_state
-        self._capture_cotangent = capture_cotangent
-        self._keep_cotangents = capture_cotangent is not False
+        self._keep_cotangents = capture_cotangent is not False  # False: no cotangent is kept
         self.buffers = StepStartBuffers(model)
         self.rng = RNGReader(spare=ring.spares.take)  # copies a generator's state only when it moved since the last step
         self._modes = ModuleModes(model)
