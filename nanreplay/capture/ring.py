@@ -120,7 +120,7 @@ class RingBuffer:
                 self.spares.settle(rec)
             n = self._tensor_bytes(rec)
             self._cache[rec.step] = n
-            self._done += n if rec.snapshot is None else n + rec.snapshot.nbytes()
+            self._done += n + _snapshot_bytes(rec)
         self.current = None
 
     def make_room(self) -> None:
