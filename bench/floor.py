@@ -55,6 +55,16 @@ from nanreplay.core.rng import RNGReader  # noqa: E402
 from nanreplay.format.records import ForwardRecord, StepRecord  # noqa: E402
 
 
+def read_step(grads: list[torch.Tensor], loss: torch.Tensor, step: int) -> tuple[float, float]:
+    """The check both loops make: one fused ``_foreach_norm`` over ``grads`` and a host read of each
+    norm and of ``loss``; (grad norm, loss), or ``FloatingPointError`` when either is not finite."""
+    norm = math.sqrt(math.fsum(float(n) ** 2 for n in torch._foreach_norm(grads, 2.0, torch.float32)))
+    value = float(loss)
+    if not (math.isfinite(norm) and math.isfinite(value)):
+        raise FloatingPointError(f"step {step}: grad norm {norm}, loss {value}")
+    return norm, value
+
+
 class Floor:
     """The minimal recorder (see the module docstring), hooked into ``model`` and ``optimizer``."""
 
@@ -91,11 +101,7 @@ class Floor:
         self.out = out
 
     def _check(self, *hook_args: object) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = math.sqrt(math.fsum(float(n) ** 2 for n in torch._foreach_norm(grads, 2.0, torch.float32)))
-        loss = float(self.loss)
-        if not (math.isfinite(norm) and math.isfinite(loss)):
-            raise FloatingPointError(f"step {self.step}: grad norm {norm}, loss {loss}")
+        norm, loss = read_step([p.grad for p in self.params if p.grad is not None], self.loss, self.step)
         self.current[4] = (norm, loss, self.out.grad)
 
     def _end(self, *hook_args: object) -> None:
@@ -186,11 +192,7 @@ class Compact:
             fw, out = self.out
             fw.cotangent, self.out = out.grad.detach(), None
         rec.lrs = [float(g["lr"]) for g in self.groups]
-        grads = [p.grad for g in self.groups for p in g["params"] if p.grad is not None]
-        norm = math.sqrt(math.fsum(float(n) ** 2 for n in torch._foreach_norm(grads, 2.0, torch.float32)))
-        loss = float(self.loss)
-        if not (math.isfinite(norm) and math.isfinite(loss)):
-            raise FloatingPointError(f"step {self.step}: grad norm {norm}, loss {loss}")
+        norm, loss = read_step([p.grad for g in self.groups for p in g["params"] if p.grad is not None], self.loss, self.step)
         rec.grad_norm, rec.loss, rec.finite = norm, loss, True
         for t, v, _, _ in self.refs[rec.step]:
             if t._version != v:
