@@ -228,15 +228,17 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=2, help="model copies per loop, all interleaved")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compact", action="store_true", help="add the compact loop (the floor plus most default work, one flat object)")
+    p.add_argument("--block", type=int, default=1, help="consecutive steps of each loop per round (1: step by step; 200: as a training loop runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     makers = {"floor": lambda m, o, out_dir: Floor(m, o), "recorder": lambda m, o, out_dir: Recorder(m, o, out_dir=out_dir)}
     if args.compact:
         makers["compact"] = lambda m, o, out_dir: Compact(m, o)
     print(f"torch {torch.__version__}, {args.threads} threads, python {sys.version.split()[0]}; command: "
-          f"`python bench/floor.py --steps {args.steps} --runs {args.runs} --copies {args.copies}{' --compact' if args.compact else ''}`")
+          f"`python bench/floor.py --steps {args.steps} --runs {args.runs} --copies {args.copies}{' --compact' if args.compact else ''}"
+          f"{f' --warmup {args.warmup} --block {args.block}' if args.block > 1 else ''}`")
     for r in range(args.runs):
-        extra, plain = hostcost.interleave(makers, args.steps, args.warmup, args.copies)
+        extra, plain = hostcost.interleave(makers, args.steps, args.warmup, args.copies, args.block)
         floor, rec = statistics.fmean(extra["floor"]), statistics.fmean(extra["recorder"])
         compact = f"; compact +{statistics.fmean(extra['compact']):.1f} µs" if args.compact else ""
         print(f"run {r + 1}: plain step {plain / 1e3:.2f} ms; floor +{floor:.1f} µs, Recorder +{rec:.1f} µs "

@@ -60,13 +60,17 @@ def load_other(rev: str, into: Path) -> type:
     return mod.Recorder
 
 
-def interleave(makers: dict[str, Callable], steps: int, warmup: int, copies: int = 1) -> tuple[dict[str, list[float]], float]:
+def interleave(makers: dict[str, Callable], steps: int, warmup: int, copies: int = 1, block: int = 1) -> tuple[dict[str, list[float]], float]:
     """One interleaved run of the ``small`` model's step: a plain loop and one loop per entry of
     ``makers`` (``name -> make(model, optimizer, out_dir)``, returning what the step is given: an
     object with ``record`` and ``log_loss``, closed at the end if it has ``close``), each on
-    ``copies`` copies of the model. Returns, per name, each copy's median over rounds of its step
-    time minus the plain step time of the same round and copy index (microseconds), and the plain
-    step's median (microseconds)."""
+    ``copies`` copies of the model. ``block``: consecutive steps each loop runs in a round (1: one
+    step, the loops alternating step by step; more: each loop runs on for that many steps, as a
+    training loop does, its code and data staying in the caches between its own steps, and a
+    round's time is the mean over its block, the early warning's batched digest included once in
+    64 steps); ``steps`` and ``warmup`` count rounds. Returns, per name, each copy's median over
+    rounds of its step time minus the plain step time of the same round and copy index
+    (microseconds), and the plain step's median (microseconds)."""
     factory, make_batch, loss_fn = models.spec("small")
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +95,8 @@ def interleave(makers: dict[str, Callable], steps: int, warmup: int, copies: int
                 order = orders[i % len(orders)]
             for name in order:
                 model, opt, rec = loops[name]
-                dt = overhead._timed_step(model, opt, loss_fn, batches[i % len(batches)], cpu, rec)  # bench/overhead.py's step
+                dt = sum(overhead._timed_step(model, opt, loss_fn, batches[j % len(batches)], cpu, rec)  # bench/overhead.py's step
+                         for j in range(i * block, (i + 1) * block)) / block
                 if i >= warmup:
                     times[name].append(dt)
         for _, _, rec in loops.values():
@@ -102,11 +107,11 @@ def interleave(makers: dict[str, Callable], steps: int, warmup: int, copies: int
     return extra, statistics.median(t for c in range(copies) for t in times[("plain", c)]) * 1e6
 
 
-def run(recorders: dict, steps: int, warmup: int, copies: int = 1) -> dict[str, float]:
+def run(recorders: dict, steps: int, warmup: int, copies: int = 1, block: int = 1) -> dict[str, float]:
     """One interleaved run (:func:`interleave`) of Recorder classes, default options; returns each
     one's extra microseconds per step (the mean over its copies) and the plain step's median
     (``"plain_us"``)."""
-    extra, plain = interleave({name: partial(_recorder, cls) for name, cls in recorders.items()}, steps, warmup, copies)
+    extra, plain = interleave({name: partial(_recorder, cls) for name, cls in recorders.items()}, steps, warmup, copies, block)
     return {**{name: statistics.fmean(per) for name, per in extra.items()}, "plain_us": plain}
 
 
@@ -122,6 +127,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs, each in this process")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--copies", type=int, default=1, help="model copies per loop, all interleaved (averages out where each landed in memory)")
+    p.add_argument("--block", type=int, default=1, help="consecutive steps of each loop per round (1: step by step; 200: as a training loop runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from nanreplay import Recorder
@@ -130,7 +136,7 @@ def main() -> None:
         other = load_other(args.against, Path(tmp))
         rows = []
         for r in range(args.runs):
-            res = run({"other": other, "this": Recorder}, args.steps, args.warmup, args.copies)
+            res = run({"other": other, "this": Recorder}, args.steps, args.warmup, args.copies, args.block)
             rows.append(res)
             print(f"run {r + 1}: plain step {res['plain_us']:.0f} µs; {args.against} +{res['other']:.0f} µs/step; "
                   f"this checkout +{res['this']:.0f} µs/step; ratio {res['this'] / res['other']:.2f}", flush=True)
@@ -138,7 +144,7 @@ def main() -> None:
     ratio = statistics.median(r["this"] / r["other"] for r in rows)
     print(f"median of {args.runs} runs: this checkout +{this:.0f} µs/step, {ratio:.2f}x the host cost of {args.against} "
           f"(command: python bench/hostcost.py --against {args.against} --steps {args.steps} --runs {args.runs}"
-          + (f" --copies {args.copies})" if args.copies > 1 else ")"))
+          + (f" --copies {args.copies}" if args.copies > 1 else "") + (f" --block {args.block}" if args.block > 1 else "") + ")")
 
 
 if __name__ == "__main__":
