@@ -54,7 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=16, help="timed rounds per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--block", type=int, default=200, help="consecutive steps of each loop per round")
+    p.add_argument("--block", type=hostcost.at_least_one, default=200, help="consecutive steps of each loop per round")
     p.add_argument("--runs", type=int, default=2, help="runs, each in this process")
     p.add_argument("--copies", type=int, default=2, help="model copies per loop, all interleaved (averages out where each landed in memory)")
     p.add_argument("--threads", type=int, default=2)

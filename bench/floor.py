@@ -228,7 +228,7 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=2, help="model copies per loop, all interleaved")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compact", action="store_true", help="add the compact loop (the floor plus most default work, one flat object)")
-    p.add_argument("--block", type=int, default=1, help="consecutive steps of each loop per round (1: step by step; 200: as a training loop runs)")
+    p.add_argument("--block", type=hostcost.at_least_one, default=1, help="consecutive steps of each loop per round (1: step by step; 200: as a training loop runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     makers = {"floor": lambda m, o, out_dir: Floor(m, o), "recorder": lambda m, o, out_dir: Recorder(m, o, out_dir=out_dir)}

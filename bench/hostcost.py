@@ -60,6 +60,17 @@ def load_other(rev: str, into: Path) -> type:
     return mod.Recorder
 
 
+def at_least_one(text: str) -> int:
+    """``argparse`` type of ``--block``: a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps of at least 1, got {text!r}")
+    return n
+
+
 def interleave(makers: dict[str, Callable], steps: int, warmup: int, copies: int = 1, block: int = 1) -> tuple[dict[str, list[float]], float]:
     """One interleaved run of the ``small`` model's step: a plain loop and one loop per entry of
     ``makers`` (``name -> make(model, optimizer, out_dir)``, returning what the step is given: an
@@ -127,7 +138,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs, each in this process")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--copies", type=int, default=1, help="model copies per loop, all interleaved (averages out where each landed in memory)")
-    p.add_argument("--block", type=int, default=1, help="consecutive steps of each loop per round (1: step by step; 200: as a training loop runs)")
+    p.add_argument("--block", type=at_least_one, default=1, help="consecutive steps of each loop per round (1: step by step; 200: as a training loop runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from nanreplay import Recorder
