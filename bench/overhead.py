@@ -25,7 +25,12 @@ figure is per step, net of the plain loop's own count, over the last warm-up rou
 
 Per-step host cost: the median over rounds of ``step time(variant) - step time(plain)`` in the
 same round, in microseconds; on the ``small`` model (a step of about 1 ms) it is the Recorder's
-fixed cost per step, which a large model's step hides. The Recorder variants call
+fixed cost per step, which a large model's step hides. ``--block N`` runs N consecutive steps of
+each variant per round (on N batches shared by the variants) and times their mean: a loop that
+runs on, as a user's does, keeps its own code and data in the caches between its steps, while
+step-by-step interleaving makes the plain step pay for what the variant before it evicted. On the
+small model the Recorder reads 10-25 µs more a step in blocks of 200 than step by step
+(``bench/README.md``). The Recorder variants call
 ``Recorder.record(batch)`` before the forward and ``Recorder.log_loss(loss)`` after it, as a loop
 that wants its batch and loss checked does.
 
@@ -293,7 +298,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
         counted = range(max(args.warmup - COUNTED_ROUNDS, 0), args.warmup)  # the last warm-up rounds: host reads counted, not timed
         counter = SyncCounter()
         for r in range(rounds):
-            x, y = make_batch(gen, device)
+            batches = [make_batch(gen, device) for _ in range(args.block)]  # each variant's block of steps, on the same batches
             k = r % len(variants)
             order = variants[k:] + variants[:k]
             counting = r in counted
@@ -306,12 +311,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
                 counter.count = 0
                 counter.active = counting
                 t0 = time.perf_counter()
-                v.step(x, y)
+                for x, y in batches:
+                    v.step(x, y)
                 counter.active = False
                 _sync(device)
-                dt = time.perf_counter() - t0
+                dt = (time.perf_counter() - t0) / args.block
                 if counting:
-                    v.syncs.append(counter.count)
+                    v.syncs.append(counter.count / args.block)
                 if r >= args.warmup:
                     v.times.append(dt)
         if counter.installed:
@@ -614,8 +620,10 @@ def table(result: dict) -> str:
             lines.append(f"| {first[v]['label']} | " + " | ".join(cells) + " |")
         lines.append("")
     if names:
+        block = result["settings"].get("block", 1)
         lines.append("Ratios: median over interleaved rounds of step time / plain step time in the same round, "
-                     "[interquartile range]; then the median of the per-round difference, in microseconds per step (the "
+                     + (f"a round's step time the mean over {block} consecutive steps of the variant, " if block > 1 else "")
+                     + "[interquartile range]; then the median of the per-round difference, in microseconds per step (the "
                      "variant's host cost). Syncs: host reads of device values per step beyond the plain loop's.")
     st = result.get("startup")
     if st:
@@ -692,7 +700,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="all", choices=[*models.MODELS, "all", "none"],
                    help="all: small, mlp, cnn, gpt (gpt42m only when named); none: only --startup and the bundle / replay parts")
-    p.add_argument("--steps", type=int, default=40, help="timed rounds per model (each round: one step of every variant)")
+    p.add_argument("--steps", type=int, default=40, help="timed rounds per model (each round: --block steps of every variant)")
+    p.add_argument("--block", type=int, default=1, help="consecutive steps of each variant per round (1: step by step; 200: as a training loop runs)")
     p.add_argument("--warmup", type=int, default=4, help="untimed rounds first")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", type=float, default=1.0, help="width multiplier of the models")
@@ -716,6 +725,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.rss_child:
         print(json.dumps(rss_child(args.rss_child, args)))
         return {}
+    if args.block < 1:
+        p.error(f"--block must be at least 1 (consecutive steps per round); got {args.block}")
     args.variants = [v for v in args.variants.split(",") if v]
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
