@@ -351,6 +351,15 @@ def propose_fix(f: Features, cause: str, model: torch.nn.Module, inp: StepInputs
     return _verify(fix, row, cause, b, model, inp, eps, device=device, restore=restore)
 
 
+def _stale_cotangent(res: Any) -> bool:
+    """Whether the replay ``res`` drove the backward pass with a recorded output gradient (a
+    cotangent: no loss function) that holds non-finite values. Such a gradient was made by the
+    failing step's loss from the outputs a fix of the forward pass changes: non-finite gradients
+    downstream of it do not refute the fix (a fix whose own backward pass stops the non-finite
+    entries still shows finite gradients, and is verified), and only the forward pass judges it."""
+    return res.mode == "cotangent" and any(h is not None and not h.finite for h in res.cotangents)
+
+
 def _verify(fix: Fix, row: Any, cause: str, b: dict, model: torch.nn.Module, inp: StepInputs, eps: float, *,
             device: Optional[torch.device], restore: Optional[Callable[[], None]]) -> Fix:
     """``fix`` with its verdict: the step replayed with the birth's call (and its twins from the
@@ -386,11 +395,19 @@ def _verify(fix: Fix, row: Any, cause: str, b: dict, model: torch.nn.Module, inp
         fix["detail"] = f"not verified: {how['error'] or 'the replay did not make the call'}"
         return fix
     bad = res.products_nonfinite()
-    fix["verified"] = not bad
-    losses = [v for v in res.loss_values if math.isfinite(v)]
-    fix["loss"] = (losses[0] if len(losses) == 1 else sum(losses) / len(losses)) if losses and not bad else None
-    fix["detail"] = ("the step replayed with it produces finite losses, outputs and gradients" if not bad else
-                     "the step replayed with it is still non-finite: the non-finite value does not come from this op alone")
+    if bad and _stale_cotangent(res) and not any(h is not None and not h.finite for h in res.outputs):
+        # non-finite gradients from a backward pass run on the recorded output gradient, non-finite because the step's
+        # loss was: the fix changes the outputs that gradient came from, so they do not refute it; its forward pass is finite
+        fix["detail"] = ("the forward pass replays finite with it (every model output finite); its backward pass cannot "
+                         "judge it: the replay drives it with the recorded gradient of the model's output, which holds non-finite "
+                         "values made by the failing step's loss from the outputs the fix changes; give the loss function "
+                         "(Recorder(loss_fn=...), or `nanreplay replay --loss-fn`) to verify the whole step")
+    else:
+        fix["verified"] = not bad
+        losses = [v for v in res.loss_values if math.isfinite(v)]
+        fix["loss"] = (losses[0] if len(losses) == 1 else sum(losses) / len(losses)) if losses and not bad else None
+        fix["detail"] = ("the step replayed with it produces finite losses, outputs and gradients" if not bad else
+                         "the step replayed with it is still non-finite: the non-finite value does not come from this op alone")
     if how["others"]:
         fix["detail"] += f" (the op rewritten at {how['others'] + 1} calls from that source line)"
     fix["detail"] += "".join(f"; {n}" for n in how["notes"])

@@ -257,13 +257,14 @@ def summary_sentence(diag: DiagnosisDict) -> str:
 FIX_PHRASES: dict[Optional[bool], str] = {
     True: "fix verified: with {description}, step {step} replays finite{loss}",
     False: "fix not verified: with {description}, step {step} still replays non-finite",
-    None: "fix (not verified): {description}",
+    None: "fix (not verified): {description}{why}",
 }
 
 
 def fix_sentence(diag: DiagnosisDict) -> Optional[str]:
     """``classification.fix`` in words, e.g. ``fix verified: with sqrt(max(x, 1e-12)) at
-    model.py:25, step 3 replays finite (loss 0.713)``; ``None`` without a fix.
+    model.py:25, step 3 replays finite (loss 0.713)``; ``None`` without a fix. An unverified fix
+    (``verified`` null) says why after its description (``fix["detail"]``).
 
     >>> fix_sentence({"step": 3, "classification": {"fix": {"description": "sqrt(max(x, 1e-12)) at model.py:25",
     ...               "verified": True, "loss": 0.7131, "op": "sqrt.default", "detail": None}}})
@@ -273,5 +274,7 @@ def fix_sentence(diag: DiagnosisDict) -> Optional[str]:
     if not fix:
         return None
     loss = fix.get("loss")
+    why = (fix.get("detail") or "").removeprefix("not verified: ")  # an unverified fix says why (the field's own words)
     return FIX_PHRASES[fix.get("verified")].format(description=fix.get("description"), step=diag.get("step"),
-                                                    loss=f" (loss {loss:.4g})" if isinstance(loss, (int, float)) else "")
+                                                    loss=f" (loss {loss:.4g})" if isinstance(loss, (int, float)) else "",
+                                                    why=f"; {why}" if why else "")

@@ -188,6 +188,58 @@ def test_replay_rewritten_needs_a_call_or_a_forward_op(norm_bundle):
             replay_rewritten(subject.model, inp, None, lambda f, a, k: f(*a, **k), find=OpTarget("div", backward=True))
 
 
+class MaskedSoftmax(nn.Module):
+    """softmax over scores whose row is fully masked (-Inf): NaN born in the forward pass, which
+    makes the loss and so the recorded output gradient (the cotangent) NaN at that row; with
+    ``head``, a Linear after the softmax, whose backward pass spreads that NaN row into its weight's
+    gradient whatever the softmax computes."""
+
+    def __init__(self, head: bool = True):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4) if head else nn.Identity()
+
+    def forward(self, x, pad):
+        return self.head(self.fc(x).masked_fill(pad, float("-inf")).softmax(-1))
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["layer-after-the-op", "op-last"])
+def test_a_forward_fix_replayed_on_a_nan_cotangent_is_judged_by_its_forward_pass(tmp_path, head):
+    def factory():
+        torch.manual_seed(0)
+        return MaskedSoftmax(head)
+
+    model, x = factory(), torch.randn(4, 4)
+    pad = torch.zeros(4, 4, dtype=torch.bool)
+    pad[1] = True  # every position of row 1 masked
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, model_factory=factory, out_dir=tmp_path, diagnose=False) as rec:
+            rec.record((x, pad))
+            loss = model(x, pad).pow(2).mean()  # no loss function given: the replay runs on the recorded cotangent
+            rec.log_loss(loss)
+            loss.backward()
+            opt.step()
+    bundle = str(ei.value.bundle_path)
+    diag = replay(bundle)
+    fix = diag["classification"]["fix"]
+    assert diag["mode"] == "cotangent" and diag["origin"]["op"] == "_softmax"
+    assert fix["description"].startswith("a guard for rows with every position masked")
+    if head:
+        # the guard makes the forward pass finite; the NaN row of the recorded cotangent (made by the failing loss)
+        # reaches the head's weight gradient whatever the softmax gives: that neither verifies nor refutes the fix
+        assert fix["verified"] is None and fix["loss"] is None
+        assert fix["detail"].startswith("the forward pass replays finite with it") and "--loss-fn" in fix["detail"]
+        assert "fix (not verified): a guard for rows with every position masked" in render_report(diag)
+        assert "its backward pass cannot judge it" in render_report(diag)
+    else:
+        # the guard's own backward pass stops the NaN row before any weight: every gradient finite, verified
+        assert fix["verified"] is True
+    # with the loss function the whole step is replayed, the fix included, and verified either way
+    whole = replay(bundle, loss_fn=lambda m, batch: m(*batch).pow(2).mean())
+    assert whole["mode"] == "loss_fn" and whole["classification"]["fix"]["verified"] is True
+
+
 def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
     x = torch.rand(4, 4) + 0.5
     x[1, 2] = 0.0  # log(0) = -Inf (the first birth), and sqrt(x - 1) is NaN wherever x < 1
