@@ -185,10 +185,18 @@ def _g(x: float) -> str:
     return f"{x:.6g}" if math.isfinite(x) else repr(x)
 
 
+#: relative tolerance of a common factor on whole gradients (float32 rounding of ``c * g``)
+FACTOR_RTOL = 4e-6
+#: the same on digests (finite 2-norms and sums, accumulated in float64 from float32 values)
+FACTOR_RTOL_DIGEST = 1e-5
+
+
 def common_factor(recorded: Mapping[str, RecordedGrad], replayed: dict[str, torch.Tensor], *,
                   replayed_digests: Optional[Mapping[str, GradDigest]] = None) -> Optional[float]:
     """The one scalar ``c`` (not 1) with ``recorded == c * replayed`` for every gradient, within
-    float32 rounding and with the same NaN/Inf pattern, or ``None``. ``c`` is NaN when every
+    float32 rounding and with the same NaN/Inf pattern, or ``None``. A ``c`` within that tolerance
+    of 1 is ``None`` too: gradients that differ by rounding (a compiled recording replayed eagerly,
+    another summation order) are no evidence of a rescale. ``c`` is NaN when every
     recorded value is NaN and the replay holds a non-finite value (``clip_grad_norm_`` with a
     NaN total norm), 0 for an Inf total norm. Needs two finite non-zero values to infer a finite
     ``c``; one tensor at a time, no copy of all gradients. Recorded digests are matched on their
@@ -217,14 +225,14 @@ def _tensor_factor(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional[f
         all_nan = all(bool(torch.isnan(r).all()) for r, _ in pairs)
         some_bad = any_nonfinite([g for _, g in pairs])
         return math.nan if all_nan and some_bad else None
-    if usable < 2 or c == 1.0:
+    if usable < 2 or abs(c - 1.0) <= FACTOR_RTOL:
         return None
     for r, g in pairs:
         e = g * c
         if not (torch.equal(torch.isnan(r), torch.isnan(e)) and torch.equal(torch.isposinf(r), torch.isposinf(e)) and torch.equal(torch.isneginf(r), torch.isneginf(e))):
             return None
         fin = torch.isfinite(r)
-        if fin.any() and float((r[fin] - e[fin]).abs().max()) > 4e-6 * float(r[fin].abs().max()) + 1e-30:
+        if fin.any() and float((r[fin] - e[fin]).abs().max()) > FACTOR_RTOL * float(r[fin].abs().max()) + 1e-30:
             return None
     return c
 
@@ -247,13 +255,14 @@ def _digest_factor(recorded: dict[str, GradDigest], replayed: dict[str, torch.Te
     if c is None:
         every_nan = all(r.nan == r.numel for r in recorded.values())
         return math.nan if every_nan and any_nonfinite(list(replayed.values())) else None
-    if c == 1.0 or sum(r.nonzero for r in recorded.values()) < 2:
+    if abs(c - 1.0) <= FACTOR_RTOL_DIGEST or sum(r.nonzero for r in recorded.values()) < 2:
         return None
     for n, r in recorded.items():
         e = digest_of(replayed[n].double() * c)
         if not r.same_pattern(e):
             return None
-        if not (math.isclose(r.norm, e.norm, rel_tol=1e-5, abs_tol=1e-30) and math.isclose(r.sum, e.sum, rel_tol=1e-5, abs_tol=1e-7 * math.sqrt(r.numel) * r.norm + 1e-30)):
+        if not (math.isclose(r.norm, e.norm, rel_tol=FACTOR_RTOL_DIGEST, abs_tol=1e-30)
+                and math.isclose(r.sum, e.sum, rel_tol=FACTOR_RTOL_DIGEST, abs_tol=1e-7 * math.sqrt(r.numel) * r.norm + 1e-30)):
             return None
     return c
 

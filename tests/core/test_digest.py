@@ -162,3 +162,18 @@ def test_common_factor_on_digests():
     # two different factors: none
     mixed = {"w": replayed["w"] * 0.5, "b": replayed["b"] * 0.25}
     assert common_factor(maybe_digest(mixed, "digest"), replayed) is None
+
+
+@pytest.mark.parametrize("kind", ["digest", "full"])
+def test_gradients_that_differ_by_rounding_show_no_common_factor(kind):
+    """A compiled recording replayed eagerly: every gradient within float32 rounding of the
+    replay's (here each value moved by a few units in the last place, as another summation order
+    moves it), which is no rescale by the loop; a real rescale close to 1 still is one."""
+    replayed = {"w": _grad(5), "b": _grad(6, (5,))}
+    noise = torch.Generator().manual_seed(7)
+    rounded = {k: v * (1 + 3e-7 * torch.randn(v.shape, generator=noise)) for k, v in replayed.items()}
+    assert common_factor(maybe_digest(rounded, kind), replayed) is None
+    r = compare_grads(maybe_digest(rounded, kind), replayed)
+    assert r["verdict"] == "reproduced" and "grad_factor" not in r and "rescaled" not in r["detail"]
+    clipped = {k: v * 0.999 for k, v in replayed.items()}  # clip_grad_norm_ just below the norm
+    assert common_factor(maybe_digest(clipped, kind), replayed) == pytest.approx(0.999, rel=1e-6)
