@@ -121,14 +121,20 @@ def _verdict(repro: Reproduction) -> str:
     if v == "reproduced" and repro.get("grad_factor") == "nan":
         return "reproduced (the loop then made every gradient NaN, as clip_grad_norm_ does with a non-finite total norm)"
     if v == "reproduced" and repro.get("grad_factor") is not None:
-        return f"reproduced up to one gradient factor {repro['grad_factor']} that the loop applied after backward"
+        return f"reproduced up to one gradient factor {_short(repro['grad_factor'])} that the loop applied after backward"
     if v == "reproduced" and repro.get("max_abs_diff") is not None:
-        return f"reproduced (max abs difference {repro['max_abs_diff']})"
+        return f"reproduced (max abs difference {_short(repro['max_abs_diff'])})"
     if v == "reproduced" and repro.get("norm_diff") is not None:
-        return f"reproduced (same non-finite positions; finite gradient 2-norms differ by up to {repro['norm_diff']})"
+        return f"reproduced (same non-finite positions; finite gradient 2-norms differ by up to {_short(repro['norm_diff'])})"
     if v == "not replayed":
         return "not replayed (the recorded data shows the cause; nanreplay replay verifies it)"
     return v
+
+
+def _short(x: Any) -> str:
+    """A number of the verdict as the sentence says it: four significant digits (``1.147e-08``,
+    ``0.5``); a string (``"nan"``) as it is."""
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
 
 def _fields(diag: DiagnosisDict) -> dict:

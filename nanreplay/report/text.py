@@ -221,9 +221,9 @@ def _origin_lines(diag: dict, st: Callable[..., str]) -> list[str]:
     lines = ["  origin:        " + st(((where or "(root module)") if where is not None else o.get("leaf") or o.get("tensor")
                                     or ("outside the model" if diag.get("phase") in ("forward", "loss", "backward") else "-"))
                                    + (f" ({o['class']})" if o.get("class") else "") + (f", op {o['op']}" if o.get("op") else ""), bold=True)]
-    for k in ("first_nonfinite_gradient", "tensor", "samples"):
+    for k, label in (("first_nonfinite_gradient", "first non-finite gradient:"), ("tensor", "tensor:"), ("samples", "samples:")):
         if o.get(k) not in (None, []):
-            lines.append(f"  {k.replace('_', ' ')+':':<15}{o[k]}")
+            lines.append(f"  {label:<14} {o[k]}")  # a label longer than the column still gets its space
     smp = diag.get("samples") or {}
     if smp.get("batch_level"):
         lines.append(f"  samples:       the whole batch of {smp.get('batch_size')}" + (f" ({smp['reason']})" if smp.get("reason") else ""))
