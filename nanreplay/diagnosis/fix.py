@@ -281,16 +281,27 @@ def _where(birth: dict) -> str:
     return f" at {os.path.basename(src['file'])}:{src['line']}" if src and src.get("file") else ""
 
 
+def _real_dtype(name: Any) -> Optional[torch.dtype]:
+    """The floating dtype named ``name`` (``"float16"``; a complex one's real part), else ``None``."""
+    dt = getattr(torch, str(name), None)
+    if isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex):
+        return dt.to_real() if dt.is_complex else dt
+    return None
+
+
+def _output_dtype(birth: dict) -> Optional[torch.dtype]:
+    """The floating dtype of the birth op's output, else ``None``."""
+    out = birth.get("output")
+    return _real_dtype(out.get("dtype") if isinstance(out, dict) else getattr(out, "dtype", None))
+
+
 def _known_dtype(birth: dict) -> Optional[torch.dtype]:
     """The dtype of the birth op's first floating operand, else of its output, else ``None``."""
-    out = birth.get("output")
-    names = [o.get("dtype") for o in (birth.get("operands") or {}).get("tensors") or []]
-    names.append(out.get("dtype") if isinstance(out, dict) else getattr(out, "dtype", None))
-    for name in names:
-        dt = getattr(torch, str(name), None)
-        if isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex):
-            return dt.to_real() if dt.is_complex else dt
-    return None
+    for o in (birth.get("operands") or {}).get("tensors") or []:
+        dt = _real_dtype(o.get("dtype"))
+        if dt is not None:
+            return dt
+    return _output_dtype(birth)
 
 
 def _dtype(birth: dict) -> torch.dtype:
@@ -300,9 +311,10 @@ def _dtype(birth: dict) -> torch.dtype:
 
 
 def _range_phrase(birth: dict) -> str:
-    """``float16's largest is 6.55e+04`` for the birth op's dtype (:func:`_known_dtype`), never
-    another dtype's; ``its largest finite value`` when none is recorded."""
-    dt = _known_dtype(birth)
+    """``float16's largest is 6.55e+04`` for the dtype the birth op overflowed: its output's (a cast
+    to float16 of float32 values overflows float16), else its operands' (:func:`_known_dtype`);
+    ``its largest finite value`` when none is recorded."""
+    dt = _output_dtype(birth) or _known_dtype(birth)
     return f"{str(dt).replace('torch.', '')}'s largest is {torch.finfo(dt).max:.3g}" if dt is not None else "its largest finite value"
 
 

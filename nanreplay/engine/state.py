@@ -258,11 +258,15 @@ def deterministic_cublas(device: torch.device) -> Optional[str]:
 
 def replay_scaler(state: Optional[dict], device: torch.device) -> Any:
     """A ``torch.amp.GradScaler`` on ``device``'s type restored from a bundle's scaler state,
-    or ``None`` when the bundle holds none."""
+    or ``None`` when the bundle holds none. Its scale tensor is made now (``scale()`` of a 0-dim
+    zero; a restored scaler makes it only in its first ``scale()``): a replay driven by the
+    recorded cotangent, already scaled, never calls ``scale()`` and still unscales the gradients."""
     if not state:
         return None
     scaler = torch.amp.GradScaler(device.type)
     scaler.load_state_dict(dict(state))
+    if scaler.is_enabled():
+        scaler.scale(torch.zeros((), device=device))
     return scaler
 
 

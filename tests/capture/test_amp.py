@@ -90,6 +90,37 @@ def test_a_forward_overflow_is_a_failure_at_once_and_replays_with_the_scaler(out
     assert "float32's largest" not in (diag["classification"].get("fix") or {}).get("description", "")
 
 
+def test_a_forward_overflow_under_the_scaler_without_a_loss_function_embeds_its_program_and_diagnoses_in_process(out_dir, caplog):
+    """The same overflow with no loss function: the replay runs on the recorded (scaled) cotangent
+    and unscales the replayed gradients with the restored scaler, which never saw ``scale()``
+    there. The program's verifying replay and the in-process diagnosis stopped on GradScaler's
+    'Attempted unscale_ but _scale is None' before, so the bundle had no program. The inputs
+    themselves pass float16's range here: autocast's cast of them is the birth, and its advice
+    names float16's range, not the float32 of the values cast."""
+    model = _overflowing_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x, y = torch.full((16, 8), 1e5), torch.randn(16, 4)
+    with Recorder(model, opt, scaler=scaler, out_dir=out_dir) as rec:
+        with pytest.raises(NonFiniteGradientError) as info:
+            rec.record((x, y))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    err = info.value
+    assert "could not embed" not in caplog.text and "stopped" not in caplog.text
+    with open_bundle(err.bundle_path) as b:
+        assert b.meta.get("program") and b.meta["reason"]["scaler"]["grads_unscaled"] is True
+    assert err.diagnosis is not None and err.diagnosis["origin"]["module"] == "fc1"
+    diag = replay(err.bundle_path)
+    assert diag["mode"] == "cotangent" and diag["reproduction"]["verdict"] == "reproduced exactly"
+    assert diag["phase"] == "forward" and diag["origin"]["module"] == "fc1" and diag["origin"]["op"] == "_to_copy"
+    fix = diag["classification"]["fix"]["description"]
+    assert "float16's largest is 6.55e+04" in fix and "float32's largest" not in fix  # the dtype that overflowed
+
+
 class _SqrtAbs(torch.nn.Module):
     """A bias-free linear layer under sqrt(|.|): a zero input row gives an exact 0, whose
     gradient is inf * 0 = NaN, while the loss stays finite."""
