@@ -282,35 +282,42 @@ class _Rewrite(_AtOp):
         return out
 
     def _gradient_of_rewrite(self, func: Any, saved: tuple) -> Callable:
-        """A post hook for the call's node: its input gradients become the rewritten op's."""
+        """A post hook for the call's node: its input gradients become the rewritten op's. The
+        node has one input gradient per tensor input of the op, in order (``None`` for one that
+        takes no gradient: an integer divisor, a mask); the floating ones are recomputed through
+        the rewrite, the others left as the node gave them."""
         state, rewrite = self.state, self.rewrite
 
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> Optional[tuple]:
-            leaves: list[torch.Tensor] = []
+            slots: list[Optional[torch.Tensor]] = []  # per tensor input: its lifted leaf, or None (not floating)
 
             def lift(x: Any) -> Any:
-                if isinstance(x, torch.Tensor) and _is_float(x):
-                    y = x.detach().requires_grad_(True)
-                    leaves.append(y)
-                    return y
-                return x
+                if not isinstance(x, torch.Tensor):
+                    return x
+                y = x.detach().requires_grad_(True) if _is_float(x) else None
+                slots.append(y)
+                return x if y is None else y
 
             with torch.enable_grad():
                 a, kw = pytree.tree_map(lift, saved)
                 outs = list(_tensors(rewrite(func, a, kw)))
                 pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-                if len(leaves) != len(grad_inputs):
+                leaves = [y for y in slots if y is not None]
+                if len(slots) != len(grad_inputs) and len(leaves) != len(grad_inputs):
                     state.backward_replaced = False
-                    state.notes.append(f"the node has {len(grad_inputs)} input gradient(s), the op {len(leaves)} floating input(s): "
-                                       "its backward was left as recorded")
+                    state.notes.append(f"the node has {len(grad_inputs)} input gradient(s), the op {len(slots)} tensor input(s), "
+                                       f"{len(leaves)} floating: its backward was left as recorded")
                     return None
+                if len(slots) != len(grad_inputs):
+                    slots = leaves  # a node over the floating inputs only
                 if not pairs:
                     state.backward_replaced = True
                     return tuple(None if gi is None else torch.zeros_like(gi) for gi in grad_inputs)
-                grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+                grads = iter(torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True))
+                by_slot = [gi if y is None else next(grads) for gi, y in zip(grad_inputs, slots)]
             state.backward_replaced = True
             return tuple(None if gi is None else (torch.zeros_like(gi) if g is None else g.to(gi.dtype))
-                         for gi, g in zip(grad_inputs, grads))
+                         for gi, g in zip(grad_inputs, by_slot))
 
         return hook
 

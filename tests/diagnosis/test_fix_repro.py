@@ -240,6 +240,34 @@ def test_a_forward_fix_replayed_on_a_nan_cotangent_is_judged_by_its_forward_pass
     assert whole["mode"] == "loss_fn" and whole["classification"]["fix"]["verified"] is True
 
 
+def masked_mean_loss(model, batch):
+    """A token mean over the kept positions: the count, an integer tensor, is 0 when no position is kept."""
+    x, keep = batch
+    per = model(x).pow(2).sum(-1)
+    return (per * keep).sum() / keep.sum()
+
+
+def test_a_division_by_an_integer_count_gets_its_fix_verified_through_the_backward_pass(tmp_path):
+    """The divisor (``keep.sum()``, int64) takes no gradient, so the division's autograd node has
+    two input gradients for one floating input: the rewrite's gradient now goes to the floating
+    one. Before, the node's own backward (a division by 0) was left in place and the fix read
+    'still replays non-finite'."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(3, 4), torch.zeros(3, dtype=torch.bool))  # nothing kept: 0 / 0
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, loss_fn=masked_mean_loss, model_factory=_make(lambda: nn.Linear(4, 4)), out_dir=tmp_path,
+                      diagnose=False) as rec:
+            rec.record(batch)
+            masked_mean_loss(model, batch).backward()
+            opt.step()
+    diag = replay(str(ei.value.bundle_path))
+    assert diag["phase"] == "loss" and diag["origin"]["op"] == "div"
+    fix = diag["classification"]["fix"]
+    assert fix["description"].startswith("x / max(y, 1e-12)") and fix["verified"] is True and fix["loss"] == 0.0
+
+
 def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
     x = torch.rand(4, 4) + 0.5
     x[1, 2] = 0.0  # log(0) = -Inf (the first birth), and sqrt(x - 1) is NaN wherever x < 1
