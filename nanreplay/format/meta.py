@@ -111,14 +111,14 @@ class _Checker:
             return v
         raise MetaError(where, "true, false" + (" or null" if null else ""), _show(v))
 
-    def fnum(self, v: Any, where: str) -> None:
+    def fnum(self, v: Any, where: str, *, null: bool = True) -> None:
         """A float as :func:`nanreplay.core.jsonable.fnum` writes it: a number, one of the
-        strings 'nan', 'inf', '-inf', or null."""
-        if v is None or (isinstance(v, str) and v in _FNUM_STRINGS):
+        strings 'nan', 'inf', '-inf', or (``null``: where the writer may leave it out) null."""
+        if (v is None and null) or (isinstance(v, str) and v in _FNUM_STRINGS):
             return
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             return
-        raise MetaError(where, "a finite number, 'nan', 'inf', '-inf' or null", _show(v))
+        raise MetaError(where, "a finite number, 'nan', 'inf', '-inf'" + (" or null" if null else ""), _show(v))
 
     def names(self, v: Any, where: str, max_len: int = 10_000_000) -> list[str]:
         for i, n in enumerate(self.array(v, where, max_len)):
@@ -682,7 +682,7 @@ def _check_digest(c: _Checker, k: str, d: Any, where: str, param: Optional[tuple
     if sum(counts) > numel:
         raise MetaError(where, f"NaN, +Inf, -Inf and non-zero counts summing to at most {numel} elements", str(sum(counts)))
     for n in ("sum", "sumsq", "absmax"):
-        c.fnum(d[n], f"{where}.{n}")
+        c.fnum(d[n], f"{where}.{n}", null=False)  # a digest always has them (0.0 with no finite value)
     sha = c.string(d["sha256"], f"{where}.sha256", max_len=64)
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
         raise MetaError(f"{where}.sha256", "64 lowercase hex digits", _show(sha))
