@@ -279,8 +279,9 @@ def _op_evidence(f: Features) -> list[str]:
     op = f.operand
     if op is not None:
         where = f"operand {op.get('name') or ''} ({op.get('dtype')} {op.get('shape')})".replace("  ", " ")
-        counts = [f"{op[k]} {label}" for k, label in (("zeros", "zeros"), ("negatives", "negatives"), ("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
-                  if op.get(k)]
+        counts = [f"{op[k]} {label if op[k] != 1 else one}" for k, label, one in
+                  (("zeros", "zeros", "zero"), ("negatives", "negatives", "negative"), ("nan", "NaN", "NaN"), ("posinf", "+Inf", "+Inf"),
+                   ("neginf", "-Inf", "-Inf")) if op.get(k)]
         if counts:
             ev.append(f"{where} holds {', '.join(counts)} of {op.get('numel')}")
         ev.append(f"{where} derives from {describe_sources(f.sources)}" + (f", last made by {op.get('producer')}" if op.get("producer") else ""))

@@ -112,7 +112,12 @@ def explanation(birth: dict) -> Optional[str]:
 def offending_operand(birth: dict) -> Optional[dict]:
     """The operand that put the op outside its domain: by the domain table's operand name where
     it holds the tell-tale values (zeros for a ``zero`` domain, an empty tensor for ``empty``,
-    negatives for ``negative``...), else the first operand that does; ``None`` when no operand shows it."""
+    negatives for ``negative``...), else the first operand that does; ``None`` when no operand shows it.
+    In the backward pass, where the derivative's domain names no operand, the kernel op's own
+    table entry does when its kind is the derivative's: log's derivative runs ``grad / x``, whose
+    divisor ``x`` holds the zeros, while the incoming gradient holds zeros of its own. Where the
+    monitor counted them at the output's non-finite positions (``zeros_where_born``), an operand
+    with its tell-tale values there comes first."""
     ops = ((birth.get("operands") or {}).get("tensors") or [])
     if not ops:
         return None
@@ -132,8 +137,20 @@ def offending_operand(birth: dict) -> Optional[dict]:
             return bool(o.get("posinf") or o.get("neginf"))
         return True
 
-    named = [o for o in ops if d is not None and d[1].operand is not None and o.get("name") == d[1].operand]
-    for o in named + [o for o in ops if o not in named]:
+    def there(o: dict) -> bool:  # its tell-tale values where the output is non-finite (when the monitor counted them)
+        if kind == "zero":
+            return bool(o.get("zeros_where_born"))
+        if kind == "negative":
+            return bool(o.get("negatives_where_born")) or bool(o.get("zeros_where_born"))
+        return False
+
+    name = d[1].operand if d is not None else None
+    if name is None and birth.get("phase") == "backward":  # the kernel's own operand at fault: the divisor of log's grad / x
+        kernel = DOMAIN.get(_bare(birth.get("op")))
+        name = kernel.operand if kernel is not None and kernel.kind == kind else None
+    named = [o for o in ops if name is not None and o.get("name") == name]
+    ordered = named + [o for o in ops if o not in named]
+    for o in [o for o in ordered if there(o)] + ordered:
         if telling(o):
             return o
     return named[0] if named else None

@@ -596,7 +596,8 @@ class OpMonitor(TorchDispatchMode):
             owner = probes.calling_module(self._ids)
             b["method_of"] = owner if owner is not None else probes.node_method_of(self._methods)
         b["wider"] = None if mutating else probes.wider_recompute(func, args, kwargs, outs)
-        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by, f.row_groups) for f in in_facts])
+        b["operands"] = probes.operands(func, args, kwargs, ins, [(f.prov, f.producer, f.masked_by, f.row_groups) for f in in_facts],
+                                        output=outs[0] if outs else None)
         b["rows"] = probes.nonfinite_rows(outs, self.batch_size, _merged_rows(ins, in_facts, outs, self.batch_size),
                                           nan_only=any(f.inf for f in in_facts))  # Inf in, NaN born: the NaN rows
         self.births.append(b)

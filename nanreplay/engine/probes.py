@@ -318,7 +318,7 @@ def _schema_names(func: Any, args: tuple, kwargs: dict) -> tuple[list[Optional[s
 
 
 def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: str, masked_by: frozenset,
-             row_groups: Optional[tuple[int, int]] = None) -> dict:
+             row_groups: Optional[tuple[int, int]] = None, born_at: Optional[torch.Tensor] = None) -> dict:
     d = t.detach()
     out: dict[str, Any] = {"name": name, "shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", ""), "numel": d.numel(),
                            "prov": sorted(prov), "producer": producer}
@@ -328,6 +328,8 @@ def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: st
         out["merged_rows"] = list(row_groups)
     if d.numel() == 0:
         return out
+    if born_at is not None:
+        out.update(_where_born(d, born_at))
     if d.is_complex():
         mag = d.abs()
         out["zeros"] = int((mag == 0).sum())
@@ -344,6 +346,23 @@ def _operand(t: torch.Tensor, name: Optional[str], prov: frozenset, producer: st
     out["min"], out["max"] = int(d.min()), int(d.max())
     out["zeros"], out["negatives"] = int(torch.count_nonzero(d == 0)), int(torch.count_nonzero(d < 0))  # an integer divisor (a count) at 0
     return out
+
+
+def _where_born(d: torch.Tensor, born_at: torch.Tensor) -> dict:
+    """Zeros and negatives of the operand ``d`` at the positions where the op's output is
+    non-finite (``born_at``, a boolean mask of the output's shape; ``d`` broadcast to it), as
+    ``zeros_where_born`` and ``negatives_where_born``: which operand's values sit where the op
+    left its domain (the divisor's zero, not the numerator's). ``{}`` for a complex or boolean
+    operand, or one that does not broadcast to the output."""
+    if d.is_complex() or d.dtype == torch.bool:
+        return {}
+    try:
+        if torch.broadcast_shapes(d.shape, born_at.shape) != born_at.shape:
+            return {}
+    except RuntimeError:
+        return {}
+    e = d.expand(born_at.shape)
+    return {"zeros_where_born": int(torch.count_nonzero((e == 0) & born_at)), "negatives_where_born": int(torch.count_nonzero((e < 0) & born_at))}
 
 
 def _float_counts(d: torch.Tensor) -> dict:
@@ -382,7 +401,7 @@ def _masked_rows(t: torch.Tensor, dim: int) -> Optional[dict]:
 
 
 def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor],
-             facts: Sequence[tuple[frozenset, str, frozenset, Optional[tuple[int, int]]]]) -> dict:
+             facts: Sequence[tuple[frozenset, str, frozenset, Optional[tuple[int, int]]]], output: Optional[torch.Tensor] = None) -> dict:
     """What an op's inputs held when it gave birth to a non-finite value: for each tensor input,
     its shape, dtype, counts of zeros / negatives / non-finite values, finite range, provenance
     (``prov``: ``batch:<path>``, ``weights``, ``buffer:<fqn>``, ``const``, ``rng``), the op that
@@ -391,7 +410,9 @@ def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tenso
     dimension 0 its ``merged_rows`` ``[n, k]`` (the op monitor's ``row_groups``), and, for small
     integer tensors, its distinct values; the op's non-tensor arguments by schema name
     (``scalars``: ``dim``, ``correction``, ``ignore_index``...); and for softmax-like ops the rows
-    whose every position is -Inf (``masked_rows``)."""
+    whose every position is -Inf (``masked_rows``). With ``output`` (the op's first output), each
+    operand that broadcasts to it also counts its zeros and negatives where the output is
+    non-finite (``zeros_where_born``, ``negatives_where_born``)."""
     pos, scalars = _schema_names(func, args, kwargs)
     names: list[Optional[str]] = []
     for n, a in zip(pos, args):  # which schema name each tensor input came from (lists of tensors share one)
@@ -401,7 +422,8 @@ def operands(func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tenso
             names.extend(n for x in a if isinstance(x, torch.Tensor))
     names.extend(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     names += [None] * (len(tensors) - len(names))
-    ops = [_operand(t, n, p, prod, mb, rg) for t, n, (p, prod, mb, rg) in zip(tensors, names, facts)]
+    born_at = ~torch.isfinite(output.detach()) if isinstance(output, torch.Tensor) and (output.is_floating_point() or output.is_complex()) else None
+    ops = [_operand(t, n, p, prod, mb, rg, born_at) for t, n, (p, prod, mb, rg) in zip(tensors, names, facts)]
     out: dict[str, Any] = {"tensors": ops, "scalars": scalars}
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     if name.lstrip("_").rstrip("_") in ("softmax", "log_softmax", "safe_softmax") and tensors and isinstance(scalars.get("dim"), int):

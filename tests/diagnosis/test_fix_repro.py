@@ -268,6 +268,49 @@ def test_a_division_by_an_integer_count_gets_its_fix_verified_through_the_backwa
     assert fix["description"].startswith("x / max(y, 1e-12)") and fix["verified"] is True and fix["loss"] == 0.0
 
 
+class Confident(nn.Module):
+    """A linear classifier with large weights: softmax probabilities of the losing classes underflow to 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.fc.weight.mul_(400.0)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def log_of_softmax_loss(model, batch):
+    """log(softmax(z)) instead of log_softmax: finite at the target class, whose probability does not underflow."""
+    x, y = batch
+    return -torch.log(torch.softmax(model(x), -1)).gather(1, y[:, None]).mean()
+
+
+def test_a_backward_birth_blames_the_divisor_of_its_derivative_not_the_incoming_gradient(tmp_path):
+    """log's derivative runs ``grad / x``: the gradient flowing in from the gather is 0 at every
+    losing class, and ``x`` (an underflowed probability) is 0 at a few of them; 0 / 0 is NaN
+    there. The evidence describes ``x``, made by softmax, not the gradient made by gather's
+    backward (scatter_add), which it named before."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    model = _make(Confident)()
+    y = model(x).argmax(-1)  # each row's target is its winning class: the loss is finite
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteGradientError) as ei:
+        with Recorder(model, opt, loss_fn=log_of_softmax_loss, model_factory=_make(Confident), out_dir=tmp_path, diagnose=False) as rec:
+            rec.record((x, y))
+            loss = log_of_softmax_loss(model, (x, y))
+            assert torch.isfinite(loss)
+            loss.backward()
+            opt.step()
+    diag = replay(str(ei.value.bundle_path))
+    assert diag["phase"] == "backward" and diag["origin"]["op"] == "div"
+    cls = diag["classification"]
+    ev = "\n".join(cls["evidence"])
+    assert "operand other" in ev and "last made by _softmax" in ev and "scatter_add" not in ev + cls["detail"]
+    assert cls["fix"]["description"].startswith("log(max(x, 1e-12))") and cls["fix"]["verified"] is True
+
+
 def test_a_fix_that_does_not_hold_is_not_verified(tmp_path):
     x = torch.rand(4, 4) + 0.5
     x[1, 2] = 0.0  # log(0) = -Inf (the first birth), and sqrt(x - 1) is NaN wherever x < 1

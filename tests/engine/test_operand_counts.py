@@ -44,3 +44,23 @@ def test_operand_counts_and_range_follow_their_definitions(dtype):
         want = _by_definition(t)
         assert {k: got.get(k) for k in want} == want
         assert set(got) - set(want) <= {"name", "shape", "dtype", "numel", "prov", "producer"}
+
+
+def test_each_operand_counts_its_zeros_where_the_output_went_non_finite():
+    """The kernel of log's derivative, ``grad / x``: the incoming gradient is 0 at most positions
+    and ``x`` (an underflowed probability) at one; 0 / 0 is NaN only there. Counted at the
+    output's non-finite positions (the operand broadcast to the output), the divisor holds that
+    zero and the gradient's zeros elsewhere do not count."""
+    grad = torch.zeros(2, 4)
+    grad[:, 1] = -0.5  # the target class of each row
+    x = torch.tensor([[0.2, 0.7, 0.0, 0.1], [0.3, 0.3, 0.2, 0.2]])
+    out = grad / x
+    desc = probes.operands(torch.ops.aten.div.Tensor, (grad, x), {}, [grad, x], [(frozenset(), "", frozenset(), None)] * 2, output=out)
+    g, d = desc["tensors"]
+    assert (g["name"], g["zeros"], g["zeros_where_born"]) == ("self", 6, 1)  # its zeros: six, one of them at the NaN
+    assert (d["name"], d["zeros"], d["zeros_where_born"], d["negatives_where_born"]) == ("other", 1, 1, 0)
+    scalar = probes.operands(torch.ops.aten.div.Tensor, (grad, x[0, 2]), {}, [grad, x[0, 2]], [(frozenset(), "", frozenset(), None)] * 2,
+                             output=grad / x[0, 2])
+    assert scalar["tensors"][1]["zeros_where_born"] == 8  # a 0-dim divisor of 0, broadcast: at each of the 8 NaN and -Inf
+    wide = probes.operands(torch.ops.aten.div.Tensor, (grad, x), {}, [grad, x], [(frozenset(), "", frozenset(), None)] * 2)
+    assert "zeros_where_born" not in wide["tensors"][0]  # without the output: not counted
