@@ -203,6 +203,7 @@ class Counterfactuals(TypedDict):
     float64_finite: Optional[bool]
     persists_with_perturbed_weights: Optional[bool]
     persists_with_perturbed_data: NotRequired[Optional[bool]]
+    persists_with_other_draws: NotRequired[Optional[bool]]
 
 
 class ReplayFailure(TypedDict):

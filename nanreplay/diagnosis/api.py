@@ -31,7 +31,7 @@ from ..core.results import CompileCheck, DiagnosisDict, Origin, Reproduction, Sa
 from ..core.state import load_buffers
 from ..engine.compare import compare_grads, compare_loss
 from ..engine.compiled import eager_modules
-from ..engine.counterfactual import birth_signature, replay_perturbed, replay_wide
+from ..engine.counterfactual import birth_signature, replay_perturbed, replay_redrawn, replay_wide
 from ..engine.deadline import deadline, replay_error
 from ..engine.sandbox import SandboxLimits, conforming, sandbox_plan
 from ..engine.shards import describe_state
@@ -44,7 +44,7 @@ from ..format.records import BundleContent
 from ..report.notebook import Diagnosis
 from ..report.summary import summary_sentence
 from ..format.records import scalar_history_records
-from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_wide_replay, trigger
+from .classify import Features, classify, needs_data_perturbed_replay, needs_perturbed_replay, needs_redrawn_replay, needs_wide_replay, trigger
 from .compiled import compile_requested, compiled_samples, replay_as_recorded
 from .evidence import grad_norm_history
 from .fidelity import StepReplays, assess, recorded_nonfinite
@@ -292,7 +292,7 @@ def _diagnosis_dict(result: ReplayResult, inp: StepInputs, f: Features, cls: dic
         "nonfinite_weights": [_event_json(x) for x in result.weights[:8]],
         "loss": [health_json(h) for h in result.losses],
         "counterfactuals": {"float64_finite": f.wide_finite, "persists_with_perturbed_weights": f.persists_perturbed,
-                            "persists_with_perturbed_data": f.persists_data_perturbed},
+                            "persists_with_perturbed_data": f.persists_data_perturbed, "persists_with_other_draws": f.persists_redrawn},
         "warnings": (list(result.warnings) + list((smp or {}).get("warnings", []))
                      + [f"the {e['replay']} replay failed: {e['error']}" for e in f.errors]),
         "errors": list(f.errors),
@@ -385,6 +385,16 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
             f.persists_perturbed = sig in replay_perturbed(model, inp, device=device, watch=watch)
         except Exception as e:
             f.errors.append({"replay": "perturbed-weights", "error": replay_error(e)})
+        finally:
+            _fresh(model, inp)
+    if f.wide_finite is not True and needs_redrawn_replay(f):
+        say("replaying the step with other random draws (do the step's draws decide it?)")
+        try:
+            sig = birth_signature(f.birth or {})
+            watch = frozenset({sig[1]}) if sig[1] else None
+            f.persists_redrawn = sig in replay_redrawn(model, inp, device=device, watch=watch)
+        except Exception as e:
+            f.errors.append({"replay": "other-draws", "error": replay_error(e)})
         finally:
             _fresh(model, inp)
     if needs_data_perturbed_replay(f):

@@ -71,6 +71,7 @@ class Features:
     wide_finite: Optional[bool] = None        # the step in float64 is finite (None: not tried)
     persists_perturbed: Optional[bool] = None  # the birth persists with perturbed weights (None: not tried)
     persists_data_perturbed: Optional[bool] = None  # ... with the weights and the batch's continuous leaves perturbed
+    persists_redrawn: Optional[bool] = None   # ... with other random draws (the step's RNG states replaced)
     transient: bool = False                   # recorded non-finite, every replay finite
     nondeterministic: bool = False            # recorded non-finite, the repeat replays disagree
     compiled: Optional[dict] = None           # the compile check (nanreplay.engine.compiled), asked for or run as recorded
@@ -438,8 +439,9 @@ def _numerics(f: Features) -> tuple[str, list[str]]:
     b = f.birth or {}
     ev = _op_evidence(f)
     if f.sources["batch"] and _continuous(f):
+        trigger = "the step's random draws" if f.persists_redrawn is False else "the samples"
         ev.append(f"the batch values it derives from ({_continuous(f)}) are continuous and finite: valid data that reach the op's "
-                  "singular point; the fix is in the formula (an eps, a clamp), the samples are its trigger")
+                  f"singular point; the fix is in the formula (an eps, a clamp), {trigger} are its trigger")
     if f.domain_kind in ("inf", "masked") and b.get("phase") == "backward":
         ev.append("the forward pass held the -Inf without harm (a log of 0, a reduction over a fully masked row); its derivative "
                   "is NaN: guard the formula (a safe logsumexp or softmax, finfo.min for log 0), the samples are its trigger")
@@ -456,7 +458,18 @@ def _numerics(f: Features) -> tuple[str, list[str]]:
     if f.persists_data_perturbed is False:
         ev.append("with the batch's continuous leaves perturbed too (its discrete parts kept) the op is finite: the values, not the "
                   "labels or masks, reach the singular point")
+    ev.extend(_draws_evidence(f))
     return explanation(b) or f"{b.get('op')} outside its domain", ev
+
+
+def _draws_evidence(f: Features) -> list[str]:
+    """What the replay with other random draws said (:func:`needs_redrawn_replay`), if it ran."""
+    if f.persists_redrawn is False:
+        return ["replayed with other random draws (the step's recorded RNG states replaced) the op is finite: this step's draws "
+                "(a dropout mask, a sampled value) put it outside its domain, with these samples and weights"]
+    if f.persists_redrawn is True:
+        return ["with other random draws the same op still gives a non-finite value: the step's random draws do not decide it"]
+    return []
 
 
 Rule = tuple[str, Callable[[Features], bool], Callable[[Features], tuple[str, list[str]]]]
@@ -527,6 +540,12 @@ def needs_data_perturbed_replay(f: Features) -> bool:
     discrete batch leaves and continuous ones (do the labels/masks decide it, or the values?)."""
     return (f.persists_perturbed is True and f.domain_kind == "zero" and bool(f.discrete_sources)
             and not f.only_discrete_batch and not f.sources["rng"])
+
+
+def needs_redrawn_replay(f: Features) -> bool:
+    """Whether the replay with other random draws can change the verdict: a domain error whose
+    operand at fault derives from the step's random draws (dropout, a sampled value or index)."""
+    return f.birth is not None and not f.overflow and f.domain_kind is not None and f.sources["rng"]
 
 
 def needs_wide_replay(f: Features) -> bool:

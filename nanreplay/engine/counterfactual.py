@@ -8,22 +8,28 @@ depends on. Each leaves the model as it found it (weights, dtypes, gradients, th
 * :func:`replay_perturbed`: the step with every floating weight nudged by 1% of its spread (seeded,
   from a private generator). A birth that persists does not depend on the exact weights: the batch
   put the op outside its domain (a zero the data carries through the model).
+* :func:`replay_redrawn`: the step with its recorded RNG states replaced by other (seeded) ones. A
+  birth that disappears was decided by the step's random draws (a dropout mask that drops a whole
+  row before a normalisation, a sampled index); one that persists does not depend on them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.rng import RNGState
 from ..core.tree import map_tensors
 from .program import widened_inputs
 from .run import StepInputs, run_step
 
-__all__ = ["replay_wide", "replay_perturbed", "birth_signature"]
+__all__ = ["replay_wide", "replay_perturbed", "replay_redrawn", "birth_signature"]
 
 _WIDE = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64, torch.complex64: torch.complex128}
 _NARROW = {torch.float16, torch.bfloat16, torch.float32, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2}
@@ -127,6 +133,34 @@ def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optiona
             forwards=[dataclasses.replace(fw, inputs=map_tensors(cont, fw.inputs)) for fw in rec.forwards]))
     with _params_as(model, nudge, buffers=False):
         res = run_step(model, sub, ops=True, device=device, sources=False, watch=watch)  # signatures only: no anomaly-mode stacks
+    if watch is not None:
+        return [birth_signature(b) for b in res.births]
+    reaching = res.reaching or frozenset()
+    return [birth_signature(b) for b in res.births if b.get("birth") in reaching]
+
+
+def other_draws(state: RNGState, seed: int) -> RNGState:
+    """RNG states other than ``state`` for every generator it holds: Python's, NumPy's and torch's
+    CPU generator seeded with ``seed``, and each CUDA generator it holds (when CUDA is here: a replay
+    off CUDA drops them anyway) with ``seed`` plus its index."""
+    cuda = ([torch.Generator(device=f"cuda:{i}").manual_seed(seed + i).get_state() for i in range(min(len(state.torch_cuda), torch.cuda.device_count()))]
+            if state.torch_cuda and torch.cuda.is_available() else [])
+    return RNGState(python=random.Random(seed).getstate(), numpy=np.random.RandomState(seed % 2**32).get_state(),
+                    torch_cpu=torch.Generator().manual_seed(seed).get_state(), torch_cuda=cuda)
+
+
+def replay_redrawn(model: torch.nn.Module, inp: StepInputs, *, device: Optional[torch.device] = None, seed: int = 1,
+                   watch: Optional[frozenset] = None) -> list[tuple]:
+    """Replay the step under the op monitor with other random draws: the recorded RNG states of
+    the step and of each of its forwards replaced by :func:`other_draws` (``seed``, ``seed + 1``...),
+    so dropout masks and every other draw of the step differ while the weights and the batch are as
+    recorded; returns the signatures of the births, as :func:`replay_perturbed` (``watch``: only
+    those aten ops checked, every birth of theirs returned)."""
+    rec = inp.record
+    forwards = [dataclasses.replace(fw, rng=other_draws(fw.rng, seed + 1 + i) if fw.rng is not None else None)
+                for i, fw in enumerate(rec.forwards)]
+    sub = dataclasses.replace(inp, recorded_grads={}, record=dataclasses.replace(rec, rng=other_draws(rec.rng, seed), forwards=forwards))
+    res = run_step(model, sub, ops=True, device=device, sources=False, watch=watch)
     if watch is not None:
         return [birth_signature(b) for b in res.births]
     reaching = res.reaching or frozenset()
