@@ -269,7 +269,8 @@ def _unknown(f: Features) -> tuple[str, list[str]]:
         return "no non-finite value in the replay", []
     if f.origin.get("loss_replayed") is False:
         return ("the loss was not replayed (no loss function): the recorded gradient w.r.t. the model output is already non-finite, "
-                "so the op is in code the replay did not run; pass --loss-fn to name it"), _history_evidence(f)
+                "so the op is in code the replay did not run; give the loss function (Recorder(loss_fn=...), or `nanreplay replay "
+                "--loss-fn`) to name it"), _history_evidence(f)
     return "no op-level birth was recorded (the op monitor was off)", _history_evidence(f)
 
 

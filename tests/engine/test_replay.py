@@ -82,7 +82,7 @@ def test_nonfinite_cotangent_is_born_in_the_loss(out_dir):
     assert diag["mode"] == "cotangent"
     assert diag["phase"] == "loss"
     assert "born in the loss, outside the model" in diag["summary"]
-    assert "pass --loss-fn to name it" in diag["classification"]["detail"]
+    assert "give the loss function (Recorder(loss_fn=...), or `nanreplay replay --loss-fn`) to name it" in diag["classification"]["detail"]
     assert diag["reproduction"]["verdict"] == "reproduced exactly"
 
 
