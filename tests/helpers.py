@@ -26,6 +26,24 @@ def fail_once(model, opt, batch, loss_fn, out_dir, **opts) -> NonFiniteGradientE
     return info.value
 
 
+def fail_within(model, opt, batches, step_loss, out_dir, **opts) -> NonFiniteGradientError:
+    """Train ``step_loss(model, batch)`` on ``batches`` under ``Recorder(model, opt, out_dir=out_dir,
+    **opts)`` (no loss function unless ``opts`` gives the Recorder one) until a step fails, and
+    return its error; ``AssertionError`` when none does."""
+    with Recorder(model, opt, out_dir=out_dir, **opts) as rec:
+        for batch in batches:
+            rec.record(batch)
+            loss = step_loss(model, batch)
+            rec.log_loss(loss)
+            loss.backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                return e
+            opt.zero_grad()
+    raise AssertionError("no step failed")
+
+
 def _rank_main(rank: int, worker: Callable, *args) -> None:
     """Run one rank's ``worker`` and, when it returns, leave the process at once with exit status
     0: torch 2.13's gloo backend aborts now and then at interpreter exit ("terminate called

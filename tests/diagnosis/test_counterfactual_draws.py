@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers import fail_within
 from nanreplay import NonFiniteGradientError, Recorder, replay
 
 
@@ -37,26 +38,19 @@ class ZeroRowWithDropout(nn.Module):
         return self.head(x / div)
 
 
+def _loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
 def _fail(cls, out_dir, zero_row: bool):
     torch.manual_seed(0)
     model = cls()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
-    with Recorder(model, opt, out_dir=out_dir, diagnose=False) as rec:
-        for step in range(200):
-            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-            if zero_row and step == 3:
-                x[2] = 0.0
-            rec.record((x, y))
-            loss = F.cross_entropy(model(x), y)
-            rec.log_loss(loss)
-            loss.backward()
-            try:
-                opt.step()
-            except NonFiniteGradientError as e:
-                return e
-            opt.zero_grad()
-    raise AssertionError("the run did not fail")
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(200)]
+    if zero_row:
+        batches[3][0][2] = 0.0
+    return fail_within(model, torch.optim.SGD(model.parameters(), lr=0.01), batches, _loss, out_dir, diagnose=False)
 
 
 def test_a_zero_made_by_the_dropout_mask_is_put_down_to_the_steps_draws(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import models
+from helpers import fail_within
 from nanreplay import NonFiniteGradientError, Recorder, open_bundle
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -227,18 +228,7 @@ def _bundle(model, run, out_dir, batches, **opts) -> NonFiniteGradientError:
     """Train ``run`` (``model`` or a compiled wrapper of it) on ``batches`` under a Recorder with
     the ``root_mean_loss`` loss until the step that fails; its error."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Recorder(run, opt, loss_fn=models.root_mean_loss, out_dir=out_dir, **opts) as rec:
-        for x in batches:
-            rec.record((x,))
-            loss = models.root_mean_loss(run, (x,))
-            rec.log_loss(loss)
-            loss.backward()
-            try:
-                opt.step()
-            except NonFiniteGradientError as e:
-                return e
-            opt.zero_grad()
-    raise AssertionError("no step failed")
+    return fail_within(run, opt, [(x,) for x in batches], models.root_mean_loss, out_dir, loss_fn=models.root_mean_loss, **opts)
 
 
 def test_replay_compile_when_both_replays_are_nonfinite(out_dir):
