@@ -352,3 +352,18 @@ def test_a_births_rows_read_as_samples_where_dimension_0_merges_the_batch():
     merged = {"rows": {"size": 4, "dim": 0, "count": 1, "indices": [2], "rows_per_sample": 128}}
     assert _birth_extra(merged) == ["non-finite samples [2] of 4 (128 rows each)"]
     assert _birth_extra({"rows": {"size": 4, "dim": 0, "count": 2, "indices": [0, 3]}}) == ["non-finite rows [0, 3] of 4"]
+
+
+def test_the_verdict_says_its_numbers_in_four_digits_and_the_origin_labels_keep_their_space():
+    """The sentence printed a norm difference with its full repr (1.1473960115360171e-08), and the
+    origin's first non-finite gradient label ran into its value."""
+    from nanreplay.report.summary import verdict_phrase
+
+    assert verdict_phrase({"verdict": "reproduced", "norm_diff": 1.1473960115360171e-08}) == (
+        "reproduced (same non-finite positions; finite gradient 2-norms differ by up to 1.147e-08)")
+    assert verdict_phrase({"verdict": "reproduced", "max_abs_diff": 0.000123456}) == "reproduced (max abs difference 0.0001235)"
+    assert verdict_phrase({"verdict": "reproduced", "grad_factor": 0.125}) == (
+        "reproduced up to one gradient factor 0.125 that the loop applied after backward")
+    report = render_report({"step": 3, "phase": "backward", "summary": "s", "reproduction": {"verdict": "reproduced exactly"},
+                            "origin": {"module": "net", "op": "div", "first_nonfinite_gradient": "cotangent at net.2", "samples": [1]}})
+    assert "  first non-finite gradient: cotangent at net.2" in report and "  samples:       [1]" in report
