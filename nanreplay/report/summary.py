@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from ..core.results import DiagnosisDict, Fix, Origin, Reproduction, Source
 
-__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "reproduced", "difference_phrase", "culprit_phrase", "HEADS",
+__all__ = ["summary_sentence", "fix_sentence", "FIX_PHRASES", "verdict_phrase", "number_text", "reproduced", "difference_phrase", "culprit_phrase", "HEADS",
            "HEAD_KINDS", "TAILS", "COMPILE_PHRASES"]
 
 
@@ -86,6 +86,16 @@ TAILS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def number_text(x: Any) -> str:
+    """A number as the report says it: four significant digits (``1.147e-08``, ``0.5``); a string
+    (``"nan"``, as the JSON keeps a non-finite float) as it is; ``-`` for ``None``."""
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{x:.4g}"
+
+
 def difference_phrase(repro: Reproduction, num: Callable[[Any], str] = str) -> str:
     """How far the replayed gradients' finite values are from the recorded ones: the max abs
     difference, or, where the bundle keeps gradient digests and the values differ, the largest
@@ -121,20 +131,14 @@ def _verdict(repro: Reproduction) -> str:
     if v == "reproduced" and repro.get("grad_factor") == "nan":
         return "reproduced (the loop then made every gradient NaN, as clip_grad_norm_ does with a non-finite total norm)"
     if v == "reproduced" and repro.get("grad_factor") is not None:
-        return f"reproduced up to one gradient factor {_short(repro['grad_factor'])} that the loop applied after backward"
+        return f"reproduced up to one gradient factor {number_text(repro['grad_factor'])} that the loop applied after backward"
     if v == "reproduced" and repro.get("max_abs_diff") is not None:
-        return f"reproduced (max abs difference {_short(repro['max_abs_diff'])})"
+        return f"reproduced (max abs difference {number_text(repro['max_abs_diff'])})"
     if v == "reproduced" and repro.get("norm_diff") is not None:
-        return f"reproduced (same non-finite positions; finite gradient 2-norms differ by up to {_short(repro['norm_diff'])})"
+        return f"reproduced (same non-finite positions; finite gradient 2-norms differ by up to {number_text(repro['norm_diff'])})"
     if v == "not replayed":
         return "not replayed (the recorded data shows the cause; nanreplay replay verifies it)"
     return v
-
-
-def _short(x: Any) -> str:
-    """A number of the verdict as the sentence says it: four significant digits (``1.147e-08``,
-    ``0.5``); a string (``"nan"``) as it is."""
-    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
 
 def _fields(diag: DiagnosisDict) -> dict:

@@ -10,7 +10,7 @@ from ..core.inert import inert_tree
 from ..core.rollback import episode_phrase, restore_phrase, skip_phrase
 from ..core.results import CompileCheck, ConfigDiff, DiagnosisDict, Health, Origin
 from ..core.settings import show_value
-from .summary import culprit_phrase, difference_phrase, fix_sentence
+from .summary import culprit_phrase, difference_phrase, fix_sentence, number_text as _num
 
 __all__ = ["render_report", "render_diff", "fmt_health", "fmt_indices", "styler"]
 
@@ -31,14 +31,6 @@ def styler(color: bool) -> Callable[..., str]:
         return click.style(text, **kw) if kw else text
 
     return style
-
-
-def _num(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return x
-    return f"{x:.4g}"
 
 
 _PHASE_COLOR = {"forward": "blue", "backward": "magenta", "loss": "yellow", "input": "cyan", "optimizer": "green", "weights": "red"}
