@@ -378,35 +378,32 @@ def _counterfactuals(f: Features, model: torch.nn.Module, inp: StepInputs, devic
         finally:
             _fresh(model, inp)
     if f.wide_finite is not True and needs_perturbed_replay(f):
-        say("replaying the step with perturbed weights (do the weights decide the zero?)")
-        try:
-            sig = birth_signature(f.birth or {})
-            watch = frozenset({sig[1]}) if sig[1] else None  # only the origin's op is checked: one plain replay's cost
-            f.persists_perturbed = sig in replay_perturbed(model, inp, device=device, watch=watch)
-        except Exception as e:
-            f.errors.append({"replay": "perturbed-weights", "error": replay_error(e)})
-        finally:
-            _fresh(model, inp)
+        f.persists_perturbed = _persists(f, model, inp, say, "perturbed weights (do the weights decide the zero?)", "perturbed-weights",
+                                         lambda watch: replay_perturbed(model, inp, device=device, watch=watch))
     if f.wide_finite is not True and needs_redrawn_replay(f):
-        say("replaying the step with other random draws (do the step's draws decide it?)")
-        try:
-            sig = birth_signature(f.birth or {})
-            watch = frozenset({sig[1]}) if sig[1] else None
-            f.persists_redrawn = sig in replay_redrawn(model, inp, device=device, watch=watch)
-        except Exception as e:
-            f.errors.append({"replay": "other-draws", "error": replay_error(e)})
-        finally:
-            _fresh(model, inp)
+        f.persists_redrawn = _persists(f, model, inp, say, "other random draws (do the step's draws decide it?)", "other-draws",
+                                       lambda watch: replay_redrawn(model, inp, device=device, watch=watch))
     if needs_data_perturbed_replay(f):
-        say("replaying the step with perturbed weights and continuous data (do the labels or masks decide the zero?)")
-        try:
-            sig = birth_signature(f.birth or {})
-            watch = frozenset({sig[1]}) if sig[1] else None
-            f.persists_data_perturbed = sig in replay_perturbed(model, inp, device=device, watch=watch, data=True)
-        except Exception as e:
-            f.errors.append({"replay": "perturbed-data", "error": replay_error(e)})
-        finally:
-            _fresh(model, inp)
+        f.persists_data_perturbed = _persists(
+            f, model, inp, say, "perturbed weights and continuous data (do the labels or masks decide the zero?)", "perturbed-data",
+            lambda watch: replay_perturbed(model, inp, device=device, watch=watch, data=True))
+
+
+def _persists(f: Features, model: torch.nn.Module, inp: StepInputs, say: Progress, what: str, name: str,
+              replay: Callable[[Optional[frozenset]], list]) -> Optional[bool]:
+    """Whether the origin's birth persists in the counterfactual ``replay(watch)`` (the step with
+    ``what`` changed; only the origin's op watched: one plain replay's cost); ``None`` when it
+    could not run (its error in ``f.errors`` as the ``name`` replay). The model's buffers are put
+    back after it."""
+    say(f"replaying the step with {what}")
+    try:
+        sig = birth_signature(f.birth or {})
+        return sig in replay(frozenset({sig[1]}) if sig[1] else None)
+    except Exception as e:
+        f.errors.append({"replay": name, "error": replay_error(e)})
+        return None
+    finally:
+        _fresh(model, inp)
 
 
 def _ladder(f: Features, repro: Reproduction, result: ReplayResult, model: torch.nn.Module, inp: StepInputs, device: Optional[torch.device],

@@ -133,10 +133,7 @@ def replay_perturbed(model: torch.nn.Module, inp: StepInputs, *, device: Optiona
             forwards=[dataclasses.replace(fw, inputs=map_tensors(cont, fw.inputs)) for fw in rec.forwards]))
     with _params_as(model, nudge, buffers=False):
         res = run_step(model, sub, ops=True, device=device, sources=False, watch=watch)  # signatures only: no anomaly-mode stacks
-    if watch is not None:
-        return [birth_signature(b) for b in res.births]
-    reaching = res.reaching or frozenset()
-    return [birth_signature(b) for b in res.births if b.get("birth") in reaching]
+    return _signatures(res, watch)
 
 
 def other_draws(state: RNGState, seed: int) -> RNGState:
@@ -161,6 +158,13 @@ def replay_redrawn(model: torch.nn.Module, inp: StepInputs, *, device: Optional[
                 for i, fw in enumerate(rec.forwards)]
     sub = dataclasses.replace(inp, recorded_grads={}, record=dataclasses.replace(rec, rng=other_draws(rec.rng, seed), forwards=forwards))
     res = run_step(model, sub, ops=True, device=device, sources=False, watch=watch)
+    return _signatures(res, watch)
+
+
+def _signatures(res: Any, watch: Optional[frozenset]) -> list[tuple]:
+    """The signatures of a counterfactual replay's births: with ``watch``, every birth of the
+    watched ops (whether it reaches the products is not tracked then); else those that reach
+    what the step produces."""
     if watch is not None:
         return [birth_signature(b) for b in res.births]
     reaching = res.reaching or frozenset()
